@@ -1,0 +1,186 @@
+"""NgramProposer against a literal plain-Python reference, plus hand-written cases."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_plookup.spec.ngram import NgramProposer, propose_batch
+
+
+def reference_row(tokens, k, max_ngram, min_ngram, max_draft):
+    """Literal spec: longest n first, most recent earlier occurrence, drafts capped."""
+    t = list(tokens)
+    n_len = len(t)
+    cap = min(k, max_draft)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= n_len:
+            continue
+        suffix = t[n_len - n:]
+        for i in range(n_len - n - 1, -1, -1):
+            if t[i:i + n] == suffix:
+                cont = t[i + n:min(i + n + cap, n_len)]
+                if cont:
+                    return cont
+    return []
+
+
+def reference(history, lengths, k, max_ngram, min_ngram, max_drafts):
+    out = [reference_row(history[b, :lengths[b]], k, max_ngram, min_ngram, max_drafts[b])
+           for b in range(len(lengths))]
+    drafts = np.full((len(lengths), k), -1, dtype=np.int64)
+    for b, d in enumerate(out):
+        drafts[b, :len(d)] = d
+    return drafts, np.array([len(d) for d in out], dtype=np.int64)
+
+
+_PROPOSERS = {}
+
+
+def proposer(k, max_ngram, min_ngram=1):
+    key = (k, max_ngram, min_ngram)
+    if key not in _PROPOSERS:
+        _PROPOSERS[key] = NgramProposer(k, max_ngram, min_ngram)
+    return _PROPOSERS[key]
+
+
+def check(history, lengths, k, max_ngram, min_ngram, max_drafts):
+    p = proposer(k, max_ngram, min_ngram)
+    drafts, num = p.propose(history, lengths, max_drafts)
+    ref_drafts, ref_num = reference(history, lengths, k, max_ngram, min_ngram, max_drafts)
+    np.testing.assert_array_equal(num, ref_num)
+    np.testing.assert_array_equal(drafts, ref_drafts)
+    assert drafts.dtype == np.int64 and num.dtype == np.int64
+
+
+@st.composite
+def batches(draw, repetitive):
+    bsz = draw(st.integers(1, 6))
+    k = draw(st.integers(1, 10))
+    max_ngram = draw(st.integers(1, 4))
+    min_ngram = draw(st.integers(1, max_ngram))
+    width = draw(st.integers(1, 40))
+    rows, lengths = [], []
+    for _ in range(bsz):
+        n_len = draw(st.integers(0, width))
+        if repetitive:
+            phrase = draw(st.lists(st.integers(0, 50), min_size=1, max_size=6))
+            row = (phrase * (width // len(phrase) + 1))[:width]
+            for pos in draw(st.lists(st.integers(0, width - 1), max_size=4)):
+                row[pos] = draw(st.integers(0, 50))  # noise
+        else:
+            row = draw(st.lists(st.integers(0, 4), min_size=width, max_size=width))
+        garbage = draw(st.integers(0, 4))
+        rows.append(row[:n_len] + [garbage] * (width - n_len))  # tail is garbage
+        lengths.append(n_len)
+    max_drafts = draw(st.lists(st.integers(0, 12), min_size=bsz, max_size=bsz))
+    return (np.array(rows, dtype=np.int64), np.array(lengths, dtype=np.int64),
+            k, max_ngram, min_ngram, np.array(max_drafts, dtype=np.int64))
+
+
+_SETTINGS = settings(max_examples=300, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+
+@_SETTINGS
+@given(batches(repetitive=False))
+def test_matches_reference_random(case):
+    check(*case)
+
+
+@_SETTINGS
+@given(batches(repetitive=True))
+def test_matches_reference_repetitive(case):
+    check(*case)
+
+
+def one(tokens, k=4, max_ngram=2, min_ngram=1, max_draft=None):
+    p = proposer(k, max_ngram, min_ngram)
+    hist = np.array([tokens], dtype=np.int64)
+    md = None if max_draft is None else np.array([max_draft], dtype=np.int64)
+    drafts, num = p.propose(hist, np.array([len(tokens)], dtype=np.int64), md)
+    return drafts[0].tolist(), int(num[0])
+
+
+def test_most_recent_match_not_earliest():
+    # suffix [1, 2] occurs at 0 (-> 3, 4) and at 4 (-> 7, 8): the later one wins.
+    assert one([1, 2, 3, 4, 1, 2, 7, 8, 1, 2], k=2) == ([7, 8], 2)
+
+
+def test_longest_ngram_preferred_over_more_recent_shorter():
+    # bigram [5, 2] matches at 0 (-> 9); unigram [2] matches more recently at 4 (-> 6).
+    assert one([5, 2, 9, 1, 2, 6, 5, 2], k=1, max_ngram=2) == ([9], 1)
+    assert one([5, 2, 9, 1, 2, 6, 5, 2], k=1, max_ngram=1) == ([6], 1)
+
+
+def test_no_match_gives_zero_and_minus_one_fill():
+    assert one([1, 2, 3, 4, 5], k=3) == ([-1, -1, -1], 0)
+    assert one([7], k=2) == ([-1, -1], 0)
+    assert one([], k=2) == ([-1, -1], 0)
+    # min_ngram excludes the unigram match.
+    assert one([3, 1, 2, 3], k=2, max_ngram=2, min_ngram=2) == ([-1, -1], 0)
+
+
+def test_capped_by_max_drafts():
+    toks = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert one(toks, k=4) == ([3, 4, 5, 6], 4)
+    assert one(toks, k=4, max_draft=2) == ([3, 4, -1, -1], 2)
+    assert one(toks, k=4, max_draft=0) == ([-1, -1, -1, -1], 0)
+    assert one(toks, k=4, max_draft=9) == ([3, 4, 5, 6], 4)
+
+
+def test_continuation_truncated_at_end_and_may_overlap_suffix():
+    assert one([8, 1, 2, 9, 1, 2], k=5) == ([9, 1, 2, -1, -1], 3)
+    assert one([5, 5, 5, 5], k=4, max_ngram=2) == ([5, -1, -1, -1], 1)
+
+
+def test_garbage_past_length_ignored_and_batch_rows_independent():
+    p = proposer(3, 2)
+    hist = np.array([[1, 2, 3, 1, 2, 7, 7],
+                     [4, 4, 4, 4, 4, 4, 4],
+                     [9, 8, 9, 0, 0, 0, 0]], dtype=np.int64)  # [3, 7]
+    drafts, num = p.propose(hist, np.array([5, 0, 3]), np.array([3, 3, 3]))
+    assert num.tolist() == [3, 0, 2]
+    assert drafts.tolist() == [[3, 1, 2], [-1, -1, -1], [8, 9, -1]]
+
+
+def test_out_buffers_written_and_views_returned():
+    p = proposer(2, 2)
+    d_buf = np.full((5, 2), 123, dtype=np.int64)  # [>=B, k]
+    n_buf = np.full(5, 123, dtype=np.int64)  # [>=B]
+    hist = np.array([[1, 2, 3, 1, 2], [6, 7, 8, 9, 0]], dtype=np.int64)
+    drafts, num = p.propose(hist, np.array([5, 5]), out=(d_buf, n_buf))
+    assert np.shares_memory(drafts, d_buf) and np.shares_memory(num, n_buf)
+    assert drafts.shape == (2, 2) and num.shape == (2,)
+    assert d_buf[:2].tolist() == [[3, 1], [-1, -1]] and n_buf[:2].tolist() == [2, 0]
+    assert d_buf[2:].tolist() == [[123, 123]] * 3 and n_buf[2:].tolist() == [123] * 3
+    with pytest.raises(ValueError, match="out"):
+        p.propose(hist, np.array([5, 5]), out=(np.empty((1, 2), np.int64), n_buf))
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(k=0), ValueError, "prompt_lookup_num_tokens"),
+    (dict(k=2.0), TypeError, "prompt_lookup_num_tokens"),
+    (dict(k=True), TypeError, "prompt_lookup_num_tokens"),
+    (dict(k=2, max_ngram=0), ValueError, "max_matching_ngram_size"),
+    (dict(k=2, max_ngram="3"), TypeError, "max_matching_ngram_size"),
+    (dict(k=2, max_ngram=False), TypeError, "max_matching_ngram_size"),
+    (dict(k=2, min_ngram=0), ValueError, "min_ngram"),
+    (dict(k=2, max_ngram=2, min_ngram=3), ValueError, "max_matching_ngram_size"),
+])
+def test_bad_arguments(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        NgramProposer(**kwargs)
+
+
+def test_bad_propose_inputs():
+    p = proposer(2, 2)
+    with pytest.raises(ValueError, match="lengths"):
+        p.propose(np.zeros((2, 4), np.int64), np.array([5, 1]))
+    with pytest.raises(ValueError, match="max_drafts"):
+        p.propose(np.zeros((2, 4), np.int64), np.array([4, 1]), np.array([1]))
+
+
+def test_compiled_parallel_and_cached():
+    assert propose_batch.targetoptions.get("parallel")
+    assert propose_batch._cache is not None and type(propose_batch._cache).__name__ != "NullCache"
