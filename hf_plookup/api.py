@@ -1,0 +1,148 @@
+"""`wrap(model, **options)` and `PlookupModel`: the HF model, with `generate` run by the engine."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .attention.registry import check_supported, register
+from .engine.engine import Engine, EngineOptions
+from .generation import resolve
+from .spec.ngram import NgramProposer
+from .stats import SpecStats
+
+logger = logging.getLogger("hf_plookup")
+
+_OPTION_NAMES = {f.name for f in fields(EngineOptions)}
+
+
+@dataclass
+class PlookupGenerateOutput(GenerateDecoderOnlyOutput):
+    """HF's decoder-only output plus the call's `SpecStats`."""
+
+    stats: SpecStats | None = None
+
+
+class PlookupModel:
+    """Behaves as the wrapped HF model (attributes, calls, saving) except for `generate`."""
+
+    def __init__(self, model: torch.nn.Module, options: EngineOptions):
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_options", options)
+        object.__setattr__(self, "_engine", Engine(model, options))
+        object.__setattr__(self, "last_stats", None)
+
+    # -- passthrough --------------------------------------------------------------------
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_model"), name)
+
+    def __setattr__(self, name, value):
+        if name in type(self).__dict__ or name == "last_stats":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._model, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self._model(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"PlookupModel({self._model!r})"
+
+    def __dir__(self):
+        return sorted(set(dir(self._model)) | set(super().__dir__()))
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The wrapped HF model."""
+        return self._model
+
+    @property
+    def options(self) -> EngineOptions:
+        return self._options
+
+    # -- generate -----------------------------------------------------------------------
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """Same arguments and result as HF's `generate`; greedy (with `prompt_lookup_num_tokens`
+        for n-gram drafts) runs on the paged engine, any batch size; the rest goes to HF."""
+        start = time.perf_counter()
+        args = {name: kwargs.pop(name) for name in list(kwargs) if name in _GENERATE_ARGS}
+        request = resolve(self._model, inputs, generation_config, args, kwargs)
+        stats = SpecStats()
+        if isinstance(request, str):
+            logger.warning(f"hf_plookup: delegating to transformers' generate ({request})")
+            stats.delegated, stats.delegated_reason = True, request
+            try:
+                return self._model.generate(inputs, generation_config=generation_config, **args, **kwargs)
+            finally:
+                stats.wall_time = time.perf_counter() - start
+                object.__setattr__(self, "last_stats", stats)
+
+        engine = self._engine
+        engine.check_fits(max(len(p) for p in request.prompts) + request.max_new_tokens)
+        try:
+            new_tokens = engine.generate(
+                request.prompts, request.max_new_tokens, request.eos_token_ids, request.k, request.max_ngram, stats
+            )
+        finally:
+            stats.wall_time = time.perf_counter() - start
+            object.__setattr__(self, "last_stats", stats)
+        sequences = _layout(request.input_ids, new_tokens, request.pad_token_id)
+        if request.return_dict:
+            return PlookupGenerateOutput(sequences=sequences, stats=stats)
+        return sequences
+
+
+_GENERATE_ARGS = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "synced_gpus",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+)
+
+
+def _layout(input_ids: torch.Tensor, new_tokens, pad_token_id: int | None) -> torch.Tensor:
+    """HF's output: input rows as given, then generated tokens, shorter rows padded."""
+    b = input_ids.shape[0]
+    width = max(len(t) for t in new_tokens)
+    if pad_token_id is None and any(len(t) != width for t in new_tokens):
+        raise RuntimeError("rows finished at different lengths but there is no pad_token_id")
+    out = torch.full((b, width), pad_token_id if pad_token_id is not None else 0, dtype=input_ids.dtype)
+    for i, t in enumerate(new_tokens):
+        out[i, : len(t)] = torch.from_numpy(t).to(input_ids.dtype)
+    return torch.cat([input_ids, out.to(input_ids.device)], dim=1)
+
+
+def wrap(model, **options) -> PlookupModel:
+    """Wrap an HF causal LM so its `generate` runs on hf_plookup's engine.
+
+    Options (see `EngineOptions`): max_cache_tokens, num_blocks, block_size, max_batch_tokens,
+    max_num_seqs, cache_memory_fraction, attn_backend. Wrapping a `PlookupModel` again
+    rewraps the same HF model with the options merged.
+    """
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise TypeError(f"unknown hf_plookup.wrap option(s) {sorted(unknown)}; allowed: {sorted(_OPTION_NAMES)}")
+    if isinstance(model, PlookupModel):
+        if not options:
+            return model
+        merged = {f.name: getattr(model.options, f.name) for f in fields(EngineOptions)}
+        merged.update(options)
+        return PlookupModel(model.model, EngineOptions(**merged))
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate"):
+        raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"model: encoder-decoder architecture '{model.config.model_type}' is not supported")
+    check_supported(model)
+    opts = EngineOptions(**options)
+    register()
+    NgramProposer(1)  # compile (or load from numba's disk cache) before the first generate
+    return PlookupModel(model, opts)

@@ -1,0 +1,93 @@
+"""Per-step attention metadata and the context that makes it visible to the attention function.
+
+The engine packs every sequence of a step into one row of `T` tokens. The attention
+function (registered with transformers' `AttentionInterface`) is called by the HF model's
+own attention modules and finds the step's layout here, through a `ContextVar` set around
+the forward, never through forward kwargs (not every architecture passes them through).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Layout of one packed step of `B` sequences and `T` tokens.
+
+    Queries are unpacked into a padded `[B, Tq]` grid (`Tq` = longest query chunk) and keys
+    are gathered from the pages into a padded `[B, Lk]` grid (`Lk` = longest context).
+    """
+
+    kv_cache: "PagedKVCache"  # noqa: F821  the pages (engine.kv_cache.PagedKVCache)
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot written by each packed token
+    query_pos: torch.Tensor  # [B, Tq] int64: absolute position of each padded query (-1 for padding)
+    kv_slots: torch.Tensor  # [B, Lk] int64: cache slot of each key position (0 for padding)
+    context_lens: torch.Tensor  # [B] int64: keys each sequence attends to (cached + this chunk)
+    q_gather: torch.Tensor | None  # [B*Tq] int64 packed index of each padded query; None when uniform
+    q_scatter: torch.Tensor | None  # [T] int64 padded index of each packed token; None when uniform
+    num_seqs: int
+    max_query_len: int  # Tq
+    max_context_len: int  # Lk
+    backend: str = "sdpa"  # attention backend that runs this step
+    _masks: dict = field(default_factory=dict)  # sliding window (or None) -> [B, 1, Tq, Lk] bool
+
+    def __post_init__(self) -> None:
+        if self.slot_mapping.dim() != 1:
+            raise ValueError("slot_mapping must be 1-D [T]")
+        if tuple(self.query_pos.shape) != (self.num_seqs, self.max_query_len):
+            raise ValueError(f"query_pos must be [B={self.num_seqs}, Tq={self.max_query_len}]")
+        if tuple(self.kv_slots.shape) != (self.num_seqs, self.max_context_len):
+            raise ValueError(f"kv_slots must be [B={self.num_seqs}, Lk={self.max_context_len}]")
+        if (self.q_gather is None) != (self.q_scatter is None):
+            raise ValueError("q_gather and q_scatter go together")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, Tq, Lk] bool, True where a query may attend to a key (causal, within the
+        context, and within `sliding_window` keys when given, as HF counts it)."""
+        key = sliding_window if sliding_window else None
+        m = self._masks.get(key)
+        if m is None:
+            key_pos = torch.arange(self.max_context_len, device=self.query_pos.device)  # [Lk]
+            q = self.query_pos[:, :, None]  # [B, Tq, 1]
+            m = (key_pos[None, None, :] <= q) & (key_pos[None, None, :] < self.context_lens[:, None, None])
+            if key is not None:
+                m &= key_pos[None, None, :] > q - key
+            # padded query rows attend to key 0 so softmax stays finite; their output is dropped
+            m[:, :, 0] |= q[:, :, 0] < 0
+            m = m[:, None]
+            self._masks[key] = m
+        return m
+
+
+_CURRENT: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(
+    "hf_plookup_attention_metadata", default=None
+)
+
+
+def current_metadata() -> AttentionMetadata:
+    meta = _CURRENT.get()
+    if meta is None:
+        raise RuntimeError(
+            "the hf_plookup attention function ran outside an engine forward; "
+            "the wrapped model's attention implementation should have been restored"
+        )
+    return meta
+
+
+@contextlib.contextmanager
+def attention_context(meta: AttentionMetadata):
+    """Make `meta` visible to the attention function for the duration of one forward."""
+    token = _CURRENT.set(meta)
+    try:
+        yield meta
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,91 @@
+"""Torch backend: write K/V into the pages, gather each sequence's keys, one SDPA call per layer.
+
+Runs on any device. Queries of a step are laid out as a padded `[B, H, Tq, D]` grid
+(a free view when every sequence feeds the same number of tokens, as verify steps do) and
+keys/values as `[B, H_kv, Lk, D]` gathered from the pages by slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import AttentionMetadata
+
+
+def write_kv(meta: AttentionMetadata, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store this step's keys/values ([1, H_kv, T, D]) at `meta.slot_mapping`."""
+    k_cache, v_cache = meta.kv_cache.layer(layer_idx)  # [num_blocks, block_size, H_kv, D] each
+    h_kv, d = k_cache.shape[-2:]
+    k_flat = k_cache.view(-1, h_kv, d)
+    v_flat = v_cache.view(-1, h_kv, d)
+    k_flat.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_flat.dtype))
+    v_flat.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_flat.dtype))
+
+
+def gather_kv(meta: AttentionMetadata, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values of every sequence as `[B, H_kv, Lk, D]` (positions past a context are padding)."""
+    k_cache, v_cache = meta.kv_cache.layer(layer_idx)
+    h_kv, d = k_cache.shape[-2:]
+    idx = meta.kv_slots.reshape(-1)
+    shape = (meta.num_seqs, meta.max_context_len, h_kv, d)
+    k = k_cache.view(-1, h_kv, d).index_select(0, idx).view(shape).transpose(1, 2)
+    v = v_cache.view(-1, h_kv, d).index_select(0, idx).view(shape).transpose(1, 2)
+    return k, v
+
+
+def pad_queries(meta: AttentionMetadata, query: torch.Tensor) -> torch.Tensor:
+    """[1, H, T, D] packed -> [B, H, Tq, D] padded."""
+    h, d = query.shape[1], query.shape[3]
+    q = query[0]  # [H, T, D]
+    if meta.q_gather is not None:
+        q = q.index_select(1, meta.q_gather)  # [H, B*Tq, D]
+    return q.view(h, meta.num_seqs, meta.max_query_len, d).transpose(0, 1)
+
+
+def unpad_output(meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
+    """[B, H, Tq, D] padded -> [1, T, H, D] packed, HF's layout for attention outputs."""
+    b, h, tq, d = out.shape
+    out = out.transpose(1, 2).reshape(b * tq, h, d)
+    if meta.q_scatter is not None:
+        out = out.index_select(0, meta.q_scatter)
+    return out[None]
+
+
+def softcapped_attention(q, k, v, mask, scaling: float, softcap: float) -> torch.Tensor:
+    """Plain attention with tanh logit soft-capping (SDPA has no softcap argument)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def sdpa_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D] after RoPE
+    key: torch.Tensor,  # [1, H_kv, T, D]
+    value: torch.Tensor,  # [1, H_kv, T, D]
+    meta: AttentionMetadata,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Returns `[1, T, H, D]`."""
+    layer_idx = module.layer_idx
+    write_kv(meta, layer_idx, key, value)
+    k, v = gather_kv(meta, layer_idx)
+    q = pad_queries(meta, query)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    mask = meta.mask(sliding_window)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if softcap:
+        out = softcapped_attention(q, k, v, mask, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return unpad_output(meta, out)

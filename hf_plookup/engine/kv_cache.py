@@ -1,0 +1,133 @@
+"""Paged K/V storage per layer and the BlockManager that hands out its blocks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class LayerSpec:
+    """Where and how one attention layer keeps its pages."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads < 1 or self.head_dim < 1:
+            raise ValueError("num_kv_heads and head_dim must be >= 1")
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+def layer_specs(model: torch.nn.Module) -> list[LayerSpec]:
+    """One spec per attention layer, on that layer's device and dtype (models split by accelerate
+    keep each layer's pages next to its weights)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attn = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and type(module).__name__.endswith("Attention") and idx not in attn:
+            attn[idx] = next(module.parameters())
+    n = config.num_hidden_layers
+    if sorted(attn) != list(range(n)):
+        raise ValueError(
+            f"expected one attention module per layer (0..{n - 1}) with a `layer_idx`, found {sorted(attn)}; "
+            f"architecture '{config.model_type}' is not supported"
+        )
+    return [LayerSpec(kv_heads, head_dim, attn[i].dtype, attn[i].device) for i in range(n)]
+
+
+def default_num_tokens(specs: list[LayerSpec], fraction: float = 0.25) -> int:
+    """Cache capacity from available memory: `fraction` of free GPU memory for CUDA layers,
+    of available RAM otherwise (CPU pages are allocated lazily by the OS)."""
+    per_token = sum(s.bytes_per_token() for s in specs)
+    device = specs[0].device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(int(free * fraction) // per_token, 1)
+
+
+class PagedKVCache:
+    """K and V pages for every layer: `[num_blocks, block_size, H_kv, D]` each."""
+
+    def __init__(self, specs: list[LayerSpec], num_blocks: int, block_size: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.keys = []  # per layer [num_blocks, block_size, H_kv, D]
+        self.values = []
+        for s in specs:
+            shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
+            self.keys.append(torch.empty(shape, dtype=s.dtype, device=s.device))
+            self.values.append(torch.empty(shape, dtype=s.dtype, device=s.device))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[idx], self.values[idx]
+
+
+@dataclass(slots=True)
+class BlockManager:
+    """Free list of block ids and each sequence's block table."""
+
+    num_blocks: int
+    block_size: int
+    free_blocks: list[int] = field(init=False)
+    tables: dict[int, list[int]] = field(init=False, default_factory=dict)  # seq id -> block ids
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        # popped from the end: low ids first, so a sequence's blocks tend to be contiguous
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def table(self, seq_id: int) -> list[int]:
+        return self.tables[seq_id]
+
+    def ensure(self, seq_id: int, num_tokens: int) -> None:
+        """Grow `seq_id`'s table to hold `num_tokens` tokens."""
+        table = self.tables.setdefault(seq_id, [])
+        need = self.blocks_for(num_tokens) - len(table)
+        if need > len(self.free_blocks):
+            raise RuntimeError(f"KV cache out of blocks: need {need}, {len(self.free_blocks)} free")
+        for _ in range(need):
+            table.append(self.free_blocks.pop())
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink `seq_id`'s table to what `num_tokens` tokens need; freed blocks return to the pool."""
+        table = self.tables[seq_id]
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            self.free_blocks.append(table.pop())
+
+    def free(self, seq_id: int) -> None:
+        for b in reversed(self.tables.pop(seq_id, [])):
+            self.free_blocks.append(b)
+
+    def free_all(self) -> None:
+        for seq_id in list(self.tables):
+            self.free(seq_id)

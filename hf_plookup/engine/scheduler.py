@@ -1,0 +1,92 @@
+"""Which sequences run in the next step: admission under the block budget, prefill chunks
+under a token budget, then decode/verify steps of every running sequence."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
+
+from .kv_cache import BlockManager
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position fed (= seq.num_cached)
+    num_tokens: int  # tokens fed in this step
+    is_prefill: bool
+
+
+class Scheduler:
+    """Admits a waiting sequence only when the free blocks cover its worst case (prompt plus
+    `max_new_tokens`) beyond what running sequences may still claim, so no step can run out
+    of blocks and nothing needs preempting. Prefill runs before decode; decode steps take all
+    running sequences."""
+
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_num_seqs: int):
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        self.blocks = blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _outstanding(self) -> int:
+        """Blocks running sequences may still claim."""
+        b = self.blocks
+        return sum(b.blocks_for(s.max_tokens) - len(b.tables.get(s.seq_id, ())) for s in self.running)
+
+    def _admit(self) -> None:
+        b = self.blocks
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if b.num_free - self._outstanding() < b.blocks_for(seq.max_tokens):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            b.tables.setdefault(seq.seq_id, [])
+
+    def retire_finished(self) -> list[Sequence]:
+        done = [s for s in self.running if s.finished]
+        if done:
+            self.running = [s for s in self.running if not s.finished]
+            for s in done:
+                self.blocks.free(s.seq_id)
+        return done
+
+    def schedule(self, propose: Callable[[list[Sequence]], Sequence_[int]] | None = None) -> list[ScheduledChunk]:
+        """Next step's chunks. For a decode step, `propose(running)` gives each running
+        sequence's number of drafts (fed after its last token)."""
+        self._admit()
+        if not self.running:
+            if self.waiting:
+                raise RuntimeError("KV cache too small for any waiting sequence")
+            return []
+        prefill = [s for s in self.running if s.in_prefill]
+        chunks = []
+        if prefill:
+            budget = self.max_batch_tokens
+            for s in prefill:
+                n = min(s.prompt_len - s.num_cached, budget)
+                if n <= 0:
+                    break
+                chunks.append(ScheduledChunk(s, s.num_cached, n, True))
+                budget -= n
+        else:
+            drafts = propose(self.running) if propose is not None else [0] * len(self.running)
+            for s, d in zip(self.running, drafts):
+                chunks.append(ScheduledChunk(s, s.num_cached, 1 + int(d), False))
+        for c in chunks:
+            self.blocks.ensure(c.seq.seq_id, c.start + c.num_tokens)
+        return chunks

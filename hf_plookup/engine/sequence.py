@@ -1,0 +1,59 @@
+"""One request of a `generate` call: its tokens, cache state and stop state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Row `row` of the batch. Its tokens live in the engine's history buffer row `row`
+    (`history[row, :num_tokens]`: prompt without padding, then generated tokens)."""
+
+    seq_id: int
+    row: int
+    prompt_len: int
+    max_new_tokens: int
+    num_tokens: int = 0  # prompt + generated so far
+    num_cached: int = 0  # tokens whose K/V are in the pages
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1:
+            raise ValueError(f"row {self.row}: empty prompt")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.num_tokens == 0:
+            self.num_tokens = self.prompt_len
+
+    @property
+    def num_generated(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - self.num_generated
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < self.prompt_len
+
+    @property
+    def max_tokens(self) -> int:
+        """Most tokens this sequence can ever hold in the cache (its worst-case reservation)."""
+        return self.prompt_len + self.max_new_tokens
+
+    def append(self, history: np.ndarray, tokens, eos: frozenset[int]) -> int:
+        """Append accepted tokens one by one, stopping at EOS or the length limit.
+        Returns how many were appended. `history`: [B, L] int64."""
+        n = 0
+        for t in tokens:
+            history[self.row, self.num_tokens] = t
+            self.num_tokens += 1
+            n += 1
+            if t in eos or self.remaining <= 0:
+                self.finished = True
+                break
+        return n

@@ -1,0 +1,80 @@
+"""Acceptance and speed statistics of one `generate` call (`SpecStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """What one `generate` call did.
+
+    A *row step* is one sequence taking part in one forward that produces tokens for it
+    (the last prefill chunk or a decode/verify step); `tokens_per_forward` is new tokens
+    per row step, i.e. per sequence per forward, the figure that speculative decoding
+    raises above 1.
+    """
+
+    num_sequences: int = 0
+    forwards: int = 0  # model forwards: prefill chunks and decode/verify steps
+    prefill_forwards: int = 0  # forwards that carried at least one prompt chunk
+    row_steps: int = 0  # (sequence, forward) pairs that produced tokens
+    new_tokens: int = 0  # generated tokens over all rows (stops included, padding not)
+    drafted: int = 0  # draft tokens fed to verification
+    accepted: int = 0  # draft tokens accepted
+    drafted_per_position: list[int] = field(default_factory=list)  # [k]
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]
+    wall_time: float = 0.0  # seconds, whole call
+    delegated: bool = False  # True when the call went to HF's own generate
+    delegated_reason: str = ""
+    attn_backend: str = ""
+    k: int = 0  # prompt_lookup_num_tokens (0: plain greedy)
+
+    def __post_init__(self) -> None:
+        if len(self.drafted_per_position) != len(self.accepted_per_position):
+            raise ValueError("drafted_per_position and accepted_per_position must have equal length")
+
+    def resize(self, k: int) -> None:
+        """Start per-position counters for `k` draft positions."""
+        self.k = k
+        self.drafted_per_position = [0] * k
+        self.accepted_per_position = [0] * k
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Share of drafts at position j (0-based) that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_sequences": self.num_sequences,
+            "forwards": self.forwards,
+            "prefill_forwards": self.prefill_forwards,
+            "row_steps": self.row_steps,
+            "new_tokens": self.new_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_forward": self.tokens_per_forward,
+            "acceptance_per_position": self.acceptance_per_position,
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+            "wall_time": self.wall_time,
+            "tokens_per_second": self.tokens_per_second,
+            "delegated": self.delegated,
+            "delegated_reason": self.delegated_reason,
+            "attn_backend": self.attn_backend,
+            "k": self.k,
+        }
