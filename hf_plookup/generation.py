@@ -212,6 +212,8 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Reque
         mask = infer_attention_mask(input_ids, pad, eos)
     prompts = attended_rows(input_ids, mask)
     if pad is not None and input_ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):
+        # HF warns and then predicts a right-padded row's first token from the pad column's logits;
+        # we warn the same way and generate from the row's attended tokens (what left padding gives)
         logger.warning(
             "A decoder-only architecture is being used, but right-padding was detected! For correct "
             "generation results, please set `padding_side='left'` when initializing the tokenizer."

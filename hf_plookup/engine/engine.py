@@ -53,6 +53,7 @@ class Engine:
         self.options = options
         self.specs = layer_specs(model)
         self._cache: PagedKVCache | None = None
+        self.blocks: BlockManager | None = None  # the cache's blocks; all free between calls
         self._proposers: dict[tuple[int, int], NgramProposer] = {}
         self._ids = itertools.count()
 
@@ -76,6 +77,7 @@ class Engine:
     def cache(self) -> PagedKVCache:
         if self._cache is None:
             self._cache = PagedKVCache(self.specs, self.capacity_blocks, self.options.block_size)
+            self.blocks = BlockManager(self._cache.num_blocks, self._cache.block_size)
         return self._cache
 
     def proposer(self, k: int, max_ngram: int) -> NgramProposer:
@@ -99,7 +101,7 @@ class Engine:
         stats.resize(k)
         stats.attn_backend = self.options.attn_backend
         cache = self.cache()
-        blocks = BlockManager(cache.num_blocks, cache.block_size)
+        blocks = self.blocks
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend)
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs)
         width = max(len(p) for p in prompts) + max_new_tokens

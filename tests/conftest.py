@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random causal LMs built from configs (no weights to download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 96
+PAD, EOS, BOS = 0, 1, 2
+
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    pad_token_id=PAD,
+    eos_token_id=EOS,
+    bos_token_id=BOS,
+    initializer_range=0.3,
+)
+
+# architecture -> config overrides; Mistral and Gemma 3 get sliding windows smaller than the prompts
+ARCHS = {
+    "llama": {},
+    "mistral": {"sliding_window": 8},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "gemma3_text": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,  # scaling != 1/sqrt(head_dim)
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "phi3": {},
+    "olmo2": {},
+    "gpt_neox": {"num_key_value_heads": None, "rotary_pct": 0.5},
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    kw = dict(_BASE)
+    kw.update(ARCHS[arch])
+    kw.update(overrides)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    config = AutoConfig.for_model(arch, **kw)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def left_padded(batch: int, seed: int = 1, period: int = 12, repeats: float = 2.5, pad_step: int = 3):
+    """[batch, L] prompts made of a random phrase repeated (so n-grams recur), row i left-padded
+    with i * pad_step pad tokens; returns (input_ids, attention_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, VOCAB, (batch, period), generator=g)
+    reps = int(repeats) + 1
+    ids = phrase.repeat(1, reps)[:, : int(period * repeats)]
+    mask = torch.ones_like(ids)
+    for i in range(batch):
+        ids[i, : i * pad_step] = PAD
+        mask[i, : i * pad_step] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return tiny_model("llama")
