@@ -43,7 +43,7 @@ def build_tiny_checkpoint(path, chat: bool = False, seed: int = 0) -> Path:
     path = Path(path)
     tok = build_tokenizer(chat)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         initializer_range=0.2, tie_word_embeddings=True,
