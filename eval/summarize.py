@@ -1,0 +1,541 @@
+"""Summarization eval: hf_plookup's prompt lookup against HF greedy on the same prompts.
+
+For every document the script generates a summary with
+  * the baseline: HF `generate`, greedy, on the unwrapped model, batched (left padding);
+  * hf_plookup with prompt lookup, one variant per `--k`, same batches;
+  * optionally HF's own prompt lookup (`--with-hf-plookup`, batch size 1 only, as HF allows),
+and reports per variant ROUGE-1/2/L against the references, token exact match against the
+baseline, the mean position of the first divergence, tokens/s, the speedup over the
+baseline (with its spread over batches), tokens per forward and per-position acceptance.
+Writes results.json, results.md and results.png to `--out`.
+
+    python eval/summarize.py                                 # builtin data, embedded model
+    python eval/summarize.py --model smollm2-135m --k 4 8 --check-accuracy
+    python eval/summarize.py --dataset cnn_dailymail --num-docs 100 --device cuda --dtype bf16
+    accelerate launch --num_processes 2 eval/summarize.py ...  # documents sharded over processes
+
+`--check-accuracy` exits with status 1 when an hf_plookup variant misses the thresholds
+(defaults per dtype, see `DEFAULT_THRESHOLDS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `eval.common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eval import common  # noqa: E402
+
+# dtype -> (min exact-match rate, max ROUGE drop). fp32: every document token-identical to
+# the baseline (the engine is exact in fp32). bf16/fp16: a (k+1)-token verify forward rounds
+# differently from a 1-token forward, so greedy outputs may part after a near-tie (as with
+# every speculative decoder, HF's own included); we ask that at least half the documents
+# stay identical and that no mean ROUGE F1 falls by more than 0.02.
+DEFAULT_THRESHOLDS = {"fp32": (1.0, 1e-9), "bf16": (0.5, 0.02), "fp16": (0.5, 0.02)}
+DATASETS = {
+    # name -> (hub id, config, text field, summary field)
+    "cnn_dailymail": ("abisee/cnn_dailymail", "3.0.0", "article", "highlights"),
+    "xsum": ("EdinburghNLP/xsum", None, "document", "summary"),
+}
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
+BASELINE = "hf-greedy"
+
+
+# -- arguments ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="embedded alias (gemma3-270m, smollm2-135m) or HF id/path (default: the embedded default)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(common.DTYPES))
+    p.add_argument("--device", default=None, help="default: the accelerate process's device (cuda if available, else cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process (default: torch's choice)")
+    p.add_argument("--dataset", default="builtin", help="builtin, cnn_dailymail, xsum, or a path to a .jsonl file")
+    p.add_argument("--split", default="test", help="dataset split for cnn_dailymail/xsum")
+    p.add_argument("--text-field", default="document", help="document field of a .jsonl dataset")
+    p.add_argument("--summary-field", default="summary", help="reference-summary field of a .jsonl dataset")
+    p.add_argument("--num-docs", type=int, default=None, help="documents to use (default: 8 for builtin, 100 otherwise)")
+    p.add_argument("--max-input-tokens", type=int, default=None, help="truncate each document to this many tokens")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="prompt_lookup_num_tokens values for hf_plookup")
+    p.add_argument("--ngram", type=int, default=2, help="max_matching_ngram_size (HF's default: 2)")
+    p.add_argument("--with-hf-plookup", action="store_true", help="also run HF's own prompt lookup (batch size 1) for each --k")
+    p.add_argument("--out", default="results/summarize", help="directory for results.json / .md / .png")
+    p.add_argument("--rouge-backend", default="auto", choices=["auto", "evaluate", "rouge_score"],
+                   help="auto: evaluate.load('rouge') when it loads (it needs the hub), else rouge_score")
+    p.add_argument("--check-accuracy", action="store_true", help="exit 1 when an hf_plookup variant misses the thresholds")
+    p.add_argument("--min-exact-match", type=float, default=None, help="default per dtype: fp32 1.0, bf16/fp16 0.5")
+    p.add_argument("--max-rouge-drop", type=float, default=None, help="default per dtype: fp32 1e-9, bf16/fp16 0.02")
+    p.add_argument("--no-plot", action="store_true", help="skip results.png")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    for name in ("max_new_tokens", "batch_size", "ngram"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(k < 1 for k in args.k):
+        p.error(f"--k values must be >= 1, got {args.k}")
+    if args.num_docs is not None and args.num_docs < 1:
+        p.error(f"--num-docs must be >= 1, got {args.num_docs}")
+    if args.max_input_tokens is not None and args.max_input_tokens < 1:
+        p.error(f"--max-input-tokens must be >= 1, got {args.max_input_tokens}")
+    if args.num_docs is None:
+        args.num_docs = 8 if args.dataset == "builtin" else 100
+    if args.model is None:
+        args.model = common.default_model()
+    args.k = list(dict.fromkeys(args.k))
+    min_em, max_drop = DEFAULT_THRESHOLDS[args.dtype]
+    args.min_exact_match = min_em if args.min_exact_match is None else args.min_exact_match
+    args.max_rouge_drop = max_drop if args.max_rouge_drop is None else args.max_rouge_drop
+    return args
+
+
+# -- data -----------------------------------------------------------------------------------
+def load_documents(dataset: str, num_docs: int, split: str = "test", text_field: str = "document", summary_field: str = "summary") -> list[dict]:
+    """[{id, document, summary}] from the builtin sample, a hub dataset or a .jsonl file."""
+    if dataset == "builtin":
+        docs = common.load_jsonl(common.BUILTIN_PATH)
+    elif dataset in DATASETS:
+        hub_id, config, tf, sf = DATASETS[dataset]
+        import datasets
+
+        try:
+            ds = datasets.load_dataset(hub_id, config, split=f"{split}[:{num_docs}]")
+        except Exception as e:  # noqa: BLE001 - offline machines land here
+            raise SystemExit(f"could not load dataset {hub_id!r} ({type(e).__name__}: {e}); "
+                             "it needs the Hugging Face hub; use --dataset builtin or a .jsonl path offline")
+        docs = [{"id": str(row.get("id", i)), "document": row[tf], "summary": row[sf]} for i, row in enumerate(ds)]
+    elif dataset.endswith(".jsonl") or os.path.isfile(dataset):
+        docs = common.load_jsonl(dataset, text_field, summary_field)
+    else:
+        raise SystemExit(f"--dataset must be builtin, {', '.join(DATASETS)} or a .jsonl path, got {dataset!r}")
+    return docs[:num_docs]
+
+
+# -- metrics (pure) -------------------------------------------------------------------------
+def exact_match(a: list[int], b: list[int]) -> bool:
+    return list(a) == list(b)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token; the shorter length when one is a prefix of the
+    other; None when identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def exact_match_stats(tokens: list[list[int]], baseline: list[list[int]]) -> dict:
+    """exact_match (share of documents identical to the baseline), diverged (count), and
+    mean_first_divergence (over diverging documents; None when none diverge)."""
+    if len(tokens) != len(baseline):
+        raise ValueError(f"{len(tokens)} outputs but {len(baseline)} baseline outputs")
+    divs = [first_divergence(t, b) for t, b in zip(tokens, baseline)]
+    diverged = [d for d in divs if d is not None]
+    return {
+        "exact_match": (len(divs) - len(diverged)) / len(divs) if divs else 0.0,
+        "diverged": len(diverged),
+        "mean_first_divergence": statistics.fmean(diverged) if diverged else None,
+    }
+
+
+_ROUGE_CACHE: dict = {}
+
+
+def rouge_per_doc(predictions: list[str], references: list[str], backend: str = "rouge_score") -> list[dict]:
+    """Per-document ROUGE-1/2/L F1 (stemmed). backend 'evaluate' uses evaluate.load('rouge')
+    (needs the hub once), 'rouge_score' the rouge_score package (offline), 'auto' tries
+    evaluate and falls back."""
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions but {len(references)} references")
+    if not predictions:
+        return []
+    if backend in ("auto", "evaluate"):
+        metric = _ROUGE_CACHE.get("evaluate")
+        if metric is None and "evaluate_failed" not in _ROUGE_CACHE:
+            try:
+                import evaluate
+
+                metric = _ROUGE_CACHE["evaluate"] = evaluate.load("rouge")
+            except Exception as e:  # noqa: BLE001 - no hub access
+                _ROUGE_CACHE["evaluate_failed"] = e
+                if backend == "evaluate":
+                    raise RuntimeError(f"evaluate.load('rouge') failed: {e}") from e
+        if metric is not None:
+            res = metric.compute(predictions=predictions, references=references, rouge_types=list(ROUGE_KEYS),
+                                 use_stemmer=True, use_aggregator=False)
+            return [{k: float(res[k][i]) for k in ROUGE_KEYS} for i in range(len(predictions))]
+    from rouge_score import rouge_scorer
+
+    scorer = _ROUGE_CACHE.setdefault("scorer", rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True))
+    out = []
+    for pred, ref in zip(predictions, references):
+        s = scorer.score(ref, pred)
+        out.append({k: float(s[k].fmeasure) for k in ROUGE_KEYS})
+    return out
+
+
+def rouge_backend_used() -> str:
+    return "evaluate" if _ROUGE_CACHE.get("evaluate") is not None else "rouge_score"
+
+
+def spread(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "min": None, "max": None, "std": None}
+    return {
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+        "std": statistics.pstdev(values) if len(values) > 1 else 0.0,
+    }
+
+
+# -- sharding (pure) ------------------------------------------------------------------------
+def shard(items: list, rank: int, world: int) -> list:
+    """Contiguous share of `items` for process `rank` of `world` (the first len % world
+    processes get one more), as accelerate's split_between_processes does."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} out of range for {world} processes")
+    base, extra = divmod(len(items), world)
+    start = rank * base + min(rank, extra)
+    return items[start : start + base + (rank < extra)]
+
+
+def merge_records(records: list[dict], key=("variant", "index")) -> list[dict]:
+    """Records gathered from all processes, sorted, one per key (duplicates are an error)."""
+    seen = {}
+    for r in records:
+        kv = tuple(r[k] for k in key)
+        if kv in seen:
+            raise ValueError(f"duplicate record for {dict(zip(key, kv))}")
+        seen[kv] = r
+    return [seen[kv] for kv in sorted(seen)]
+
+
+# -- variants -------------------------------------------------------------------------------
+def variant_specs(ks: list[int], with_hf_plookup: bool, batch_size: int) -> list[dict]:
+    specs = [{"name": BASELINE, "label": "HF greedy (baseline)", "engine": "hf", "k": 0, "batch_size": batch_size}]
+    for k in ks:
+        specs.append({"name": f"plk-k{k}", "label": f"hf_plookup k={k}", "engine": "plookup", "k": k, "batch_size": batch_size})
+    if with_hf_plookup:
+        for k in ks:
+            specs.append({"name": f"hf-pl-k{k}", "label": f"HF prompt lookup k={k}", "engine": "hf", "k": k, "batch_size": 1})
+    return specs
+
+
+def summarize_results(doc_records: list[dict], batch_records: list[dict], specs: list[dict]) -> list[dict]:
+    """Per-variant summary from the merged per-document and per-batch records.
+
+    doc record: {variant, index, tokens, rouge: {rouge1, rouge2, rougeL}};
+    batch record: {variant, rank, batch, seconds, tokens, row_steps, drafted_per_position,
+    accepted_per_position}. Speedup per batch is the variant's tokens/s over the baseline's
+    on the same batch (same process)."""
+    by_variant: dict[str, list[dict]] = {s["name"]: [] for s in specs}
+    for r in doc_records:
+        by_variant[r["variant"]].append(r)
+    base_docs = {r["index"]: r for r in by_variant[BASELINE]}
+    base_batches = {(b["rank"], b["batch"]): b for b in batch_records if b["variant"] == BASELINE}
+    out = []
+    for spec in specs:
+        docs = sorted(by_variant[spec["name"]], key=lambda r: r["index"])
+        batches = [b for b in batch_records if b["variant"] == spec["name"]]
+        tokens = sum(b["tokens"] for b in batches)
+        seconds = sum(b["seconds"] for b in batches)
+        row_steps = sum(b["row_steps"] for b in batches)
+        ratios = []
+        for b in batches:
+            base = base_batches.get((b["rank"], b["batch"]))
+            if base and b["seconds"] > 0 and base["seconds"] > 0 and base["tokens"] > 0:
+                ratios.append((b["tokens"] / b["seconds"]) / (base["tokens"] / base["seconds"]))
+        k = spec["k"]
+        has_positions = spec["engine"] == "plookup" and k > 0
+        drafted, accepted = [0] * k, [0] * k
+        if has_positions:
+            for b in batches:
+                for j in range(k):
+                    drafted[j] += b["drafted_per_position"][j]
+                    accepted[j] += b["accepted_per_position"][j]
+        em = exact_match_stats([d["tokens"] for d in docs], [base_docs[d["index"]]["tokens"] for d in docs])
+        base_tps = _tps(batch_records, BASELINE)
+        tps = tokens / seconds if seconds > 0 else 0.0
+        out.append({
+            **spec,
+            "num_docs": len(docs),
+            "rouge": {key: statistics.fmean(d["rouge"][key] for d in docs) if docs else 0.0 for key in ROUGE_KEYS},
+            **em,
+            "new_tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_second": tps,
+            "speedup": tps / base_tps if base_tps else None,
+            "speedup_per_batch": spread(ratios),
+            "tokens_per_forward": tokens / row_steps if row_steps else None,
+            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)] if has_positions else None,
+            "acceptance_rate": (sum(accepted) / sum(drafted) if sum(drafted) else 0.0) if has_positions else None,
+        })
+    base = next(v for v in out if v["name"] == BASELINE)
+    for v in out:
+        v["rouge_drop"] = {key: base["rouge"][key] - v["rouge"][key] for key in ROUGE_KEYS}
+    return out
+
+
+def _tps(batch_records: list[dict], name: str) -> float:
+    bs = [b for b in batch_records if b["variant"] == name]
+    seconds = sum(b["seconds"] for b in bs)
+    return sum(b["tokens"] for b in bs) / seconds if seconds > 0 else 0.0
+
+
+def check_accuracy(variants: list[dict], min_exact_match: float, max_rouge_drop: float) -> list[str]:
+    """Failure messages for the hf_plookup variants that miss a threshold (empty: pass).
+    HF's own prompt lookup and the baseline are reported but not gated."""
+    failures = []
+    for v in variants:
+        if v["engine"] != "plookup":
+            continue
+        if v["exact_match"] < min_exact_match:
+            failures.append(f"{v['label']}: exact match {v['exact_match']:.3f} < {min_exact_match} "
+                            f"({v['diverged']} of {v['num_docs']} documents diverge from the baseline)")
+        worst = max(ROUGE_KEYS, key=lambda key: v["rouge_drop"][key])
+        if v["rouge_drop"][worst] > max_rouge_drop:
+            failures.append(f"{v['label']}: {worst} drops by {v['rouge_drop'][worst]:.4f} > {max_rouge_drop}")
+    return failures
+
+
+# -- report ---------------------------------------------------------------------------------
+def _fmt(x, spec=".3f", none="–") -> str:
+    return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown_table(variants: list[dict]) -> str:
+    head = ("| variant | batch | ROUGE-1 | ROUGE-2 | ROUGE-L | exact match | mean first div. | tok/s "
+            "| speedup (min–max over batches) | tokens/forward | acceptance per position |")
+    lines = [head, "|" + "---|" * 11]
+    for v in variants:
+        s = v["speedup_per_batch"]
+        speed = "1.00 (baseline)" if v["name"] == BASELINE else (
+            f"{_fmt(v['speedup'], '.2f')} ({_fmt(s['min'], '.2f')}–{_fmt(s['max'], '.2f')})")
+        acc = " ".join(f"{a:.2f}" for a in v["acceptance_per_position"]) if v["acceptance_per_position"] else "–"
+        lines.append(
+            f"| {v['label']} | {v['batch_size']} | {v['rouge']['rouge1']:.4f} | {v['rouge']['rouge2']:.4f} "
+            f"| {v['rouge']['rougeL']:.4f} | {v['exact_match']:.2f} ({v['num_docs'] - v['diverged']}/{v['num_docs']}) "
+            f"| {_fmt(v['mean_first_divergence'], '.1f')} | {v['tokens_per_second']:.1f} | {speed} "
+            f"| {_fmt(v['tokens_per_forward'], '.2f')} | {acc} |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(results: dict, out_dir, plot: bool = True) -> dict[str, Path]:
+    """results.json, results.md and (unless plot=False) results.png in `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md"}
+    paths["json"].write_text(json.dumps(results, indent=1) + "\n")
+    cfg = results["config"]
+    md = [
+        "# Summarization eval",
+        "",
+        f"model `{cfg['model']}`, dtype {cfg['dtype']}, device {cfg['device']}, dataset `{cfg['dataset']}` "
+        f"({results['num_docs']} documents), max_new_tokens {cfg['max_new_tokens']}, "
+        f"max_matching_ngram_size {cfg['ngram']}, processes {results['num_processes']}, ROUGE via {results['rouge_backend']}.",
+        "",
+        markdown_table(results["variants"]),
+        "",
+        "exact match: share of documents whose generated tokens equal the baseline's; mean first div.: "
+        "mean token position of the first difference among diverging documents; speedup: tokens/s over "
+        "the baseline's, overall, with the min–max of the per-batch ratios.",
+    ]
+    if results.get("accuracy_check"):
+        chk = results["accuracy_check"]
+        md += ["", f"accuracy check (exact match >= {chk['min_exact_match']}, ROUGE drop <= {chk['max_rouge_drop']}): "
+               + ("PASS" if not chk["failures"] else "FAIL: " + "; ".join(chk["failures"]))]
+    paths["md"].write_text("\n".join(md) + "\n")
+    if plot:
+        paths["png"] = out / "results.png"
+        plot_results(results["variants"], paths["png"])
+    return paths
+
+
+def plot_results(variants: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    others = [v for v in variants if v["name"] != BASELINE]
+    names = [v["label"] for v in others]
+    speed = [v["speedup"] or 0.0 for v in others]
+    lo = [max(sp - (v["speedup_per_batch"]["min"] if v["speedup_per_batch"]["min"] is not None else sp), 0) for sp, v in zip(speed, others)]
+    hi = [max((v["speedup_per_batch"]["max"] if v["speedup_per_batch"]["max"] is not None else sp) - sp, 0) for sp, v in zip(speed, others)]
+    ax1.bar(range(len(others)), speed, yerr=[lo, hi], capsize=4, color="tab:blue")
+    ax1.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax1.set_xticks(range(len(others)), names, rotation=20, ha="right")
+    ax1.set_ylabel("speedup over HF greedy (tokens/s)")
+    ax1.set_title("speedup (bars: min–max over batches)")
+    for v in variants:
+        acc = v.get("acceptance_per_position")
+        if acc:
+            ax2.plot(range(1, len(acc) + 1), acc, marker="o", label=v["label"])
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_ylim(0, 1.05)
+    ax2.set_title("acceptance per draft position")
+    if ax2.lines:
+        ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- running --------------------------------------------------------------------------------
+def generate_variant(spec: dict, model, wrapped, prompts: list[list[int]], pad: int, device, max_new_tokens: int, ngram: int) -> common.CallResult:
+    """One variant over one batch of prompt token lists (HF prompt lookup: one row at a time)."""
+    if spec["engine"] == "plookup":
+        ids, mask = common.left_pad(prompts, pad, device)
+        return common.run_plookup(wrapped, ids, mask, max_new_tokens, spec["k"], ngram, pad)
+    if spec["k"]:
+        parts = []
+        for p in prompts:
+            ids, mask = common.left_pad([p], pad, device)
+            parts.append(common.run_hf(model, ids, mask, max_new_tokens, spec["k"], ngram, pad))
+        return common.CallResult(
+            [t for r in parts for t in r.tokens], sum(r.seconds for r in parts),
+            sum(r.forwards for r in parts), sum(r.row_steps for r in parts))
+    ids, mask = common.left_pad(prompts, pad, device)
+    return common.run_hf(model, ids, mask, max_new_tokens, None, ngram, pad)
+
+
+def run_shard(items: list[tuple[int, dict]], prompts: dict[int, list[int]], specs, model, wrapped, tokenizer, args, rank: int, show_progress: bool):
+    """Generate every variant on this process's documents; (doc records, batch records)."""
+    from tqdm.auto import tqdm
+
+    pad = common.pad_id(model, tokenizer)
+    groups = common.batches(items, args.batch_size)
+    doc_records, batch_records = [], []
+    if groups:  # warm-up: one tiny call per variant, not timed
+        first = [prompts[i] for i, _ in groups[0]]
+        for spec in specs:
+            generate_variant(spec, model, wrapped, first[:1] if spec["k"] and spec["engine"] == "hf" else first,
+                             pad, args.device, 2, args.ngram)
+    bar = tqdm(total=len(groups) * len(specs), desc=f"generating (rank {rank})", disable=not show_progress, unit="call")
+    for b, group in enumerate(groups):
+        batch_prompts = [prompts[i] for i, _ in group]
+        order = specs[b % len(specs):] + specs[: b % len(specs)]  # rotate so drift hits all variants
+        for spec in order:
+            bar.set_postfix_str(spec["name"])
+            res = generate_variant(spec, model, wrapped, batch_prompts, pad, args.device, args.max_new_tokens, args.ngram)
+            batch_records.append({
+                "variant": spec["name"], "rank": rank, "batch": b, "batch_size": len(group),
+                "seconds": res.seconds, "tokens": res.num_tokens, "forwards": res.forwards, "row_steps": res.row_steps,
+                "drafted_per_position": res.drafted_per_position, "accepted_per_position": res.accepted_per_position,
+            })
+            for (index, doc), toks in zip(group, res.tokens):
+                doc_records.append({
+                    "variant": spec["name"], "index": index, "id": doc["id"], "tokens": toks,
+                    "text": tokenizer.decode(toks, skip_special_tokens=True).strip(),
+                })
+            bar.update(1)
+    bar.close()
+    return doc_records, batch_records
+
+
+def main(argv=None) -> int:
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    import hf_plookup
+
+    # On a CPU run, accelerate shards over processes only when told it is a CPU run
+    # (its multi-CPU mode); `accelerate launch --cpu` itself starts a single process,
+    # so CPU data parallelism is launched with torchrun or `accelerate launch --multi_gpu`.
+    cpu = (args.device or common.default_device()).startswith("cpu")
+    state = PartialState(cpu=cpu)
+    if args.device is None:
+        args.device = str(state.device)
+    common.set_threads(args.threads)
+    torch.manual_seed(0)
+
+    docs = load_documents(args.dataset, args.num_docs, args.split, args.text_field, args.summary_field)
+    if not docs:
+        raise SystemExit("no documents to evaluate")
+    if any(d["summary"] is None for d in docs):
+        raise SystemExit("every document needs a reference summary (see --summary-field)")
+
+    t0 = time.perf_counter()
+    model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
+    load_seconds = time.perf_counter() - t0
+    wrapped = hf_plookup.wrap(model)
+    chat = common.has_chat_template(tokenizer)
+
+    mine = shard(list(enumerate(docs)), state.process_index, state.num_processes)
+    prompts = {
+        i: common.encode_prompt(tokenizer, common.build_prompt(tokenizer, common.truncate_document(tokenizer, d["document"], args.max_input_tokens), chat), chat)
+        for i, d in mine
+    }
+    specs = variant_specs(args.k, args.with_hf_plookup, args.batch_size)
+    doc_records, batch_records = run_shard(mine, prompts, specs, model, wrapped, tokenizer, args,
+                                           state.process_index, state.is_local_main_process)
+    prompt_lens = [len(p) for p in prompts.values()]
+    if state.num_processes > 1:
+        doc_records = gather_object(doc_records)
+        batch_records = gather_object(batch_records)
+        prompt_lens = gather_object(prompt_lens)
+
+    verdict = [0]
+    if state.is_main_process:
+        doc_records = merge_records(doc_records)
+        batch_records = merge_records(batch_records, key=("variant", "rank", "batch"))
+        scores = rouge_per_doc([r["text"] for r in doc_records], [docs[r["index"]]["summary"] for r in doc_records], args.rouge_backend)
+        for r, s in zip(doc_records, scores):
+            r["rouge"] = s
+        variants = summarize_results(doc_records, batch_records, specs)
+        failures = check_accuracy(variants, args.min_exact_match, args.max_rouge_drop)
+        results = {
+            "config": {k: v for k, v in vars(args).items()},
+            "machine": common.machine_info(args.device),
+            "num_docs": len(docs),
+            "num_processes": state.num_processes,
+            "prompt": "chat template" if chat else common.PLAIN_PROMPT,
+            "prompt_tokens": spread([float(n) for n in prompt_lens]),
+            "rouge_backend": rouge_backend_used(),
+            "model_load_seconds": load_seconds,
+            "variants": variants,
+            "accuracy_check": {"enabled": args.check_accuracy, "min_exact_match": args.min_exact_match,
+                               "max_rouge_drop": args.max_rouge_drop, "failures": failures},
+            "batches": batch_records,
+            "documents": doc_records,
+        }
+        results["wall_seconds"] = time.perf_counter() - t_start
+        paths = write_report(results, args.out, plot=not args.no_plot)
+        print()
+        print(f"model {args.model} ({args.dtype}, {args.device}), {len(docs)} docs, batch {args.batch_size}, "
+              f"max_new_tokens {args.max_new_tokens}, {state.num_processes} process(es); load {load_seconds:.1f}s, "
+              f"total {results['wall_seconds']:.1f}s")
+        print(markdown_table(variants))
+        print(f"wrote {', '.join(str(p) for p in paths.values())}")
+        if args.check_accuracy:
+            if failures:
+                print("ACCURACY CHECK FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
+                verdict = [1]
+            else:
+                print(f"accuracy check passed (exact match >= {args.min_exact_match}, ROUGE drop <= {args.max_rouge_drop})")
+    if state.num_processes > 1:
+        verdict = broadcast_object_list(verdict)
+    return verdict[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
