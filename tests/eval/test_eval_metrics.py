@@ -1,0 +1,235 @@
+"""Pure harness functions of eval/summarize.py, eval/bench.py and eval/common.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eval import bench, common, summarize
+
+
+# -- exact match / divergence ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "a, b, expected",
+    [
+        ([1, 2, 3], [1, 2, 3], None),
+        ([1, 2, 3], [1, 5, 3], 1),
+        ([9, 2, 3], [1, 2, 3], 0),
+        ([1, 2], [1, 2, 3], 2),  # one is a prefix of the other: diverges where the shorter ends
+        ([1, 2, 3], [1, 2], 2),
+        ([], [], None),
+        ([], [4], 0),
+    ],
+)
+def test_first_divergence(a, b, expected):
+    assert summarize.first_divergence(a, b) == expected
+    assert summarize.exact_match(a, b) == (expected is None)
+
+
+def test_exact_match_stats_hand_computed():
+    base = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    outs = [[1, 2, 3], [4, 5, 0, 7], [8]]  # identical, diverges at 2, prefix -> diverges at 1
+    s = summarize.exact_match_stats(outs, base)
+    assert s["exact_match"] == pytest.approx(1 / 3)
+    assert s["diverged"] == 2
+    assert s["mean_first_divergence"] == pytest.approx(1.5)
+    s = summarize.exact_match_stats(base, base)
+    assert s == {"exact_match": 1.0, "diverged": 0, "mean_first_divergence": None}
+    with pytest.raises(ValueError):
+        summarize.exact_match_stats(outs[:2], base)
+
+
+# -- ROUGE ----------------------------------------------------------------------------------
+def test_rouge_hand_computed():
+    scores = summarize.rouge_per_doc(["the cat sat", "a b c d"], ["the cat ran", "a b c d"], backend="rouge_score")
+    # unigrams: 2 of 3 shared -> P = R = F = 2/3; bigrams: 1 of 2 -> 1/2; LCS "the cat" -> 2/3
+    assert scores[0]["rouge1"] == pytest.approx(2 / 3)
+    assert scores[0]["rouge2"] == pytest.approx(1 / 2)
+    assert scores[0]["rougeL"] == pytest.approx(2 / 3)
+    assert scores[1] == {"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0}
+    assert summarize.rouge_per_doc([], [], backend="rouge_score") == []
+    with pytest.raises(ValueError):
+        summarize.rouge_per_doc(["x"], [], backend="rouge_score")
+
+
+def test_rouge_auto_falls_back_offline(monkeypatch):
+    import evaluate
+
+    def no_hub(*a, **k):
+        raise FileNotFoundError("no hub here")
+
+    monkeypatch.setattr(evaluate, "load", no_hub)
+    monkeypatch.setattr(summarize, "_ROUGE_CACHE", {})
+    scores = summarize.rouge_per_doc(["the cat sat"], ["the cat ran"], backend="auto")
+    assert scores[0]["rouge1"] == pytest.approx(2 / 3)
+    assert summarize.rouge_backend_used() == "rouge_score"
+    monkeypatch.setattr(summarize, "_ROUGE_CACHE", {})
+    with pytest.raises(RuntimeError, match="evaluate.load"):
+        summarize.rouge_per_doc(["x"], ["x"], backend="evaluate")
+
+
+def test_spread():
+    assert summarize.spread([1.0, 3.0]) == {"mean": 2.0, "min": 1.0, "max": 3.0, "std": 1.0}
+    assert summarize.spread([2.0])["std"] == 0.0
+    assert summarize.spread([])["mean"] is None
+
+
+# -- sharding / merging ---------------------------------------------------------------------
+def test_shard_covers_everything_once():
+    items = list(range(7))
+    parts = [summarize.shard(items, r, 2) for r in range(2)]
+    assert parts == [[0, 1, 2, 3], [4, 5, 6]]
+    for world in (1, 2, 3, 5, 9):
+        parts = [summarize.shard(items, r, world) for r in range(world)]
+        assert sum(parts, []) == items
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert [summarize.shard([0], r, 3) for r in range(3)] == [[0], [], []]
+    with pytest.raises(ValueError):
+        summarize.shard(items, 2, 2)
+
+
+def test_merge_records_sorts_and_rejects_duplicates():
+    recs = [{"variant": "b", "index": 1}, {"variant": "a", "index": 2}, {"variant": "a", "index": 0}]
+    merged = summarize.merge_records(recs)
+    assert [(r["variant"], r["index"]) for r in merged] == [("a", 0), ("a", 2), ("b", 1)]
+    with pytest.raises(ValueError, match="duplicate"):
+        summarize.merge_records(recs + [{"variant": "a", "index": 0}])
+
+
+# -- summarizing records / accuracy gate ----------------------------------------------------
+def _records():
+    specs = summarize.variant_specs([2], with_hf_plookup=False, batch_size=2)
+    r = {"rouge1": 0.5, "rouge2": 0.25, "rougeL": 0.5}
+    docs = [
+        {"variant": "hf-greedy", "index": 0, "tokens": [1, 2, 3], "rouge": r},
+        {"variant": "hf-greedy", "index": 1, "tokens": [4, 5], "rouge": r},
+        {"variant": "plk-k2", "index": 0, "tokens": [1, 2, 3], "rouge": r},
+        {"variant": "plk-k2", "index": 1, "tokens": [4, 6], "rouge": {"rouge1": 0.4, "rouge2": 0.25, "rougeL": 0.3}},
+    ]
+    batches = [
+        {"variant": "hf-greedy", "rank": 0, "batch": 0, "seconds": 1.0, "tokens": 5, "row_steps": 5,
+         "drafted_per_position": [], "accepted_per_position": []},
+        {"variant": "plk-k2", "rank": 0, "batch": 0, "seconds": 0.5, "tokens": 5, "row_steps": 2,
+         "drafted_per_position": [4, 3], "accepted_per_position": [3, 1]},
+    ]
+    return docs, batches, specs
+
+
+def test_summarize_results_hand_computed():
+    docs, batches, specs = _records()
+    base, plk = summarize.summarize_results(docs, batches, specs)
+    assert base["speedup"] == 1.0 and base["exact_match"] == 1.0 and base["tokens_per_forward"] == 1.0
+    assert base["acceptance_per_position"] is None
+    assert plk["tokens_per_second"] == 10.0 and plk["speedup"] == pytest.approx(2.0)
+    assert plk["speedup_per_batch"]["min"] == pytest.approx(2.0)
+    assert plk["tokens_per_forward"] == pytest.approx(2.5)
+    assert plk["acceptance_per_position"] == pytest.approx([0.75, 1 / 3])
+    assert plk["acceptance_rate"] == pytest.approx(4 / 7)
+    assert plk["exact_match"] == 0.5 and plk["mean_first_divergence"] == 1.0
+    assert plk["rouge"]["rougeL"] == pytest.approx(0.4)
+    assert plk["rouge_drop"]["rougeL"] == pytest.approx(0.1)
+    assert plk["rouge_drop"]["rouge2"] == pytest.approx(0.0)
+
+
+def test_check_accuracy_thresholds():
+    docs, batches, specs = _records()
+    variants = summarize.summarize_results(docs, batches, specs)
+    assert summarize.check_accuracy(variants, min_exact_match=0.5, max_rouge_drop=0.1 + 1e-9) == []
+    fails = summarize.check_accuracy(variants, min_exact_match=1.0, max_rouge_drop=0.05)
+    assert len(fails) == 2
+    assert "exact match 0.500 < 1.0" in fails[0] and "rougeL drops by 0.1000" in fails[1]
+
+
+def test_thresholds_default_per_dtype():
+    a = summarize.parse_args(["--dtype", "fp32"])
+    assert (a.min_exact_match, a.max_rouge_drop) == summarize.DEFAULT_THRESHOLDS["fp32"] and a.min_exact_match == 1.0
+    b = summarize.parse_args(["--dtype", "bf16"])
+    assert b.min_exact_match < 1.0 and b.max_rouge_drop > 0
+    c = summarize.parse_args(["--dtype", "fp16", "--min-exact-match", "0.9", "--max-rouge-drop", "0.001"])
+    assert (c.min_exact_match, c.max_rouge_drop) == (0.9, 0.001)
+    assert summarize.parse_args([]).num_docs == summarize.parse_args(["--dataset", "builtin"]).num_docs
+    assert summarize.parse_args(["--dataset", "x.jsonl"]).num_docs == 100
+    with pytest.raises(SystemExit):
+        summarize.parse_args(["--k", "0"])
+
+
+# -- report ---------------------------------------------------------------------------------
+def test_write_report(tmp_path):
+    docs, batches, specs = _records()
+    variants = summarize.summarize_results(docs, batches, specs)
+    results = {
+        "config": {"model": "tiny", "dtype": "fp32", "device": "cpu", "dataset": "builtin", "max_new_tokens": 3, "ngram": 2},
+        "num_docs": 2, "num_processes": 1, "rouge_backend": "rouge_score", "variants": variants,
+        "accuracy_check": {"enabled": True, "min_exact_match": 1.0, "max_rouge_drop": 0.0, "failures": ["x failed"]},
+    }
+    paths = summarize.write_report(results, tmp_path / "out")
+    assert set(paths) == {"json", "md", "png"} and all(p.exists() for p in paths.values())
+    loaded = json.loads(paths["json"].read_text())
+    assert [v["name"] for v in loaded["variants"]] == ["hf-greedy", "plk-k2"]
+    md = paths["md"].read_text()
+    assert "HF greedy (baseline)" in md and "hf_plookup k=2" in md and "FAIL: x failed" in md
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    assert "png" not in summarize.write_report(results, tmp_path / "noplot", plot=False)
+
+
+# -- data and prompts -----------------------------------------------------------------------
+def test_load_jsonl_fields(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"id": "a", "text": "doc one", "ref": "one"}\n\n{"text": "doc two", "ref": "two"}\n')
+    docs = common.load_jsonl(path, text_field="text", summary_field="ref")
+    assert docs == [{"id": "a", "document": "doc one", "summary": "one"}, {"id": "line-3", "document": "doc two", "summary": "two"}]
+    assert summarize.load_documents(str(path), 1, text_field="text", summary_field="ref") == docs[:1]
+    with pytest.raises(ValueError, match="--text-field"):
+        common.load_jsonl(path)
+    with pytest.raises(ValueError, match="--summary-field"):
+        common.load_jsonl(path, text_field="text")
+    assert common.load_jsonl(path, text_field="text", summary_field=None)[0]["summary"] is None
+
+
+def test_builtin_documents():
+    docs = summarize.load_documents("builtin", 5)
+    assert len(docs) == 5 and all(d["document"] and d["summary"] for d in docs)
+    assert len(summarize.load_documents("builtin", 1000)) == 28
+
+
+def test_prompts_plain_and_chat(tiny_ckpt, tiny_chat_ckpt):
+    from transformers import AutoTokenizer
+
+    plain = AutoTokenizer.from_pretrained(tiny_ckpt)
+    assert not common.has_chat_template(plain)
+    assert common.build_prompt(plain, "the doc") == "Summarize the following text.\n\nthe doc\n\nSummary:"
+    chat = AutoTokenizer.from_pretrained(tiny_chat_ckpt)
+    text = common.build_prompt(chat, "the doc")
+    assert text.startswith("<s><user> ") and "the doc" in text and text.endswith("<assistant> ")
+    assert common.encode_prompt(chat, text, chat=True).count(chat.bos_token_id) == 1
+    long_doc = " ".join(["river"] * 50)
+    assert common.truncate_document(plain, long_doc, 10) == " ".join(["river"] * 10)
+    assert common.truncate_document(plain, long_doc, None) == long_doc
+
+
+def test_left_pad_and_new_tokens():
+    ids, mask = common.left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    seqs = torch.tensor([[5, 6, 7, 3, 2, 9], [0, 0, 8, 4, 4, 4]])
+    assert common.new_tokens(seqs, 3, eos={2}) == [[3, 2], [4, 4, 4]]
+    with pytest.raises(ValueError):
+        common.left_pad([[1], []], 0)
+    assert common.batches([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
+
+
+def test_bench_workload_and_synthetic_prompts():
+    assert bench.workload([[1], [2], [3]], num_prompts=3, batch_size=2) == [[[1], [2]], [[3]]]
+    assert bench.workload([[1], [2]], num_prompts=2, batch_size=4) == [[[1], [2], [1], [2]]]
+    ps = bench.synthetic_prompts(list(range(10, 60)), n=3, length=40, seed=1)
+    assert len(ps) == 3 and all(len(p) == 40 for p in ps)
+    assert ps == bench.synthetic_prompts(list(range(10, 60)), n=3, length=40, seed=1)
+    p = ps[0]  # some 4-gram occurs twice: the repeats n-gram lookup feeds on
+    grams = [tuple(p[i : i + 4]) for i in range(len(p) - 3)]
+    assert len(set(grams)) < len(grams)
+    args = bench.parse_args(["--k", "3", "5", "--device", "cpu"])
+    assert args.batch_sizes == [1, 4]
+    assert bench.variant_names(args, 1) == ["hf-greedy", "hf-pl-k3", "hf-pl-k5", "plk-greedy", "plk-k3", "plk-k5"]
+    assert bench.variant_names(args, 4) == ["hf-greedy", "plk-greedy", "plk-k3", "plk-k5"]
