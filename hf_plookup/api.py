@@ -11,7 +11,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention.registry import check_supported, register
 from .engine.engine import Engine, EngineOptions
-from .generation import resolve
+from .generation import GENERATE_ARGS, resolve
 from .spec.ngram import NgramProposer
 from .stats import SpecStats
 
@@ -69,7 +69,7 @@ class PlookupModel:
         """Same arguments and result as HF's `generate`; greedy (with `prompt_lookup_num_tokens`
         for n-gram drafts) runs on the paged engine, any batch size; the rest goes to HF."""
         start = time.perf_counter()
-        args = {name: kwargs.pop(name) for name in list(kwargs) if name in _GENERATE_ARGS}
+        args = {name: kwargs.pop(name) for name in list(kwargs) if name in GENERATE_ARGS}
         request = resolve(self._model, inputs, generation_config, args, kwargs)
         stats = SpecStats()
         if isinstance(request, str):
@@ -82,31 +82,35 @@ class PlookupModel:
                 object.__setattr__(self, "last_stats", stats)
 
         engine = self._engine
-        engine.check_fits(max(len(p) for p in request.prompts) + request.max_new_tokens)
+        engine.check_fits(max(len(p) for p in request.prompts) + request.decode.max_new_tokens)
         try:
-            new_tokens = engine.generate(
-                request.prompts, request.max_new_tokens, request.eos_token_ids, request.k, request.max_ngram, stats
-            )
+            result = engine.generate(request.prompts, request.decode, stats)
         finally:
             stats.wall_time = time.perf_counter() - start
             object.__setattr__(self, "last_stats", stats)
-        sequences = _layout(request.input_ids, new_tokens, request.pad_token_id)
+        sequences = _layout(request.input_ids, result.new_tokens, request.pad_token_id)
         if request.return_dict:
-            return PlookupGenerateOutput(sequences=sequences, stats=stats)
+            return PlookupGenerateOutput(
+                sequences=sequences,
+                scores=_per_step(result.scores, sequences.device),
+                logits=_per_step(result.logits, sequences.device),
+                stats=stats,
+            )
         return sequences
 
 
-_GENERATE_ARGS = (
-    "logits_processor",
-    "stopping_criteria",
-    "prefix_allowed_tokens_fn",
-    "synced_gpus",
-    "assistant_model",
-    "streamer",
-    "negative_prompt_ids",
-    "negative_prompt_attention_mask",
-    "custom_generate",
-)
+def _per_step(per_row: list[list[torch.Tensor]] | None, device) -> tuple[torch.Tensor, ...] | None:
+    """Per-row lists of [V] vectors -> HF's tuple over steps of [B, V]. A row that finished
+    earlier gets zeros in later steps (HF fills those with scores computed on pad tokens)."""
+    if per_row is None:
+        return None
+    steps = max(len(r) for r in per_row)
+    vocab = next(v.shape[-1] for r in per_row for v in r)
+    out = []
+    for t in range(steps):
+        rows = [r[t] if t < len(r) else torch.zeros(vocab, device=r[0].device) for r in per_row]
+        out.append(torch.stack(rows).to(device))
+    return tuple(out)
 
 
 def _layout(input_ids: torch.Tensor, new_tokens, pad_token_id: int | None) -> torch.Tensor:

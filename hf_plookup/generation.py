@@ -1,5 +1,10 @@
-"""Resolve HF `generate` arguments into one engine request, exactly as HF resolves them, or
-say why the call must go to HF's own `generate` instead."""
+"""Resolve HF `generate` arguments into one engine call, exactly as HF resolves them, or say
+why the call must go to HF's own `generate` instead.
+
+Precedence is HF's (explicit kwargs > `generation_config` argument > `model.generation_config`
+> defaults) because the merge is HF's own `_prepare_generation_config`; special tokens,
+logits processors/warpers and stopping criteria are built by HF's own builders too.
+"""
 
 from __future__ import annotations
 
@@ -8,74 +13,62 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .engine.sequence import DecodeConfig
 
 logger = logging.getLogger("hf_plookup")
 
 # generate() arguments the engine does not handle; any of them set -> HF's own generate
 _DELEGATED_ARGS = (
+    "prefix_allowed_tokens_fn",  # called with a batch id, which packed virtual rows do not keep
+    "assistant_model",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+)
+# GenerationConfig fields the engine does not handle, with their inactive value
+_DELEGATED_FIELDS = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "penalty_alpha": None,
+    "force_words_ids": None,
+    "constraints": None,
+    "guidance_scale": None,
+    "watermarking_config": None,
+    "output_attentions": False,
+    "output_hidden_states": False,
+    "assistant_early_exit": None,
+    "dola_layers": None,
+    "low_memory": None,
+}
+_HARMLESS_MODEL_KWARGS = {"attention_mask", "use_cache"}
+GENERATE_ARGS = (
     "logits_processor",
     "stopping_criteria",
     "prefix_allowed_tokens_fn",
+    "synced_gpus",
     "assistant_model",
     "streamer",
     "negative_prompt_ids",
     "negative_prompt_attention_mask",
     "custom_generate",
+    "tokenizer",
 )
-# GenerationConfig fields whose non-default value changes the result beyond greedy search
-_DELEGATED_FIELDS = {
-    "do_sample": False,
-    "num_beams": 1,
-    "num_beam_groups": 1,
-    "num_return_sequences": 1,
-    "penalty_alpha": None,
-    "repetition_penalty": 1.0,
-    "encoder_repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "force_words_ids": None,
-    "constraints": None,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "sequence_bias": None,
-    "guidance_scale": None,
-    "exponential_decay_length_penalty": None,
-    "renormalize_logits": False,
-    "watermarking_config": None,
-    "stop_strings": None,
-    "max_time": None,
-    "output_scores": False,
-    "output_logits": False,
-    "output_attentions": False,
-    "output_hidden_states": False,
-    "assistant_early_exit": None,
-    "dola_layers": None,
-}
-_HARMLESS_MODEL_KWARGS = {"attention_mask", "use_cache"}
 
 
 @dataclass(slots=True)
 class Request:
     """One engine call, resolved from HF arguments."""
 
-    input_ids: torch.Tensor  # [B, L] as given (padding included)
-    prompts: list[np.ndarray]  # B arrays [L_b] int64: each row's attended tokens
-    max_new_tokens: int
-    eos_token_ids: frozenset[int]
+    input_ids: torch.Tensor  # [B', L] rows as given, expanded for num_return_sequences
+    prompts: list[np.ndarray]  # B' arrays [L_b] int64: each row's attended tokens
+    decode: DecodeConfig
     pad_token_id: int | None
-    k: int  # prompt_lookup_num_tokens (0: plain greedy)
-    max_ngram: int  # max_matching_ngram_size
     return_dict: bool
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if len(self.prompts) != self.input_ids.shape[0]:
             raise ValueError("one prompt per input row")
 
@@ -88,18 +81,8 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
-def _as_set(eos) -> frozenset[int]:
-    if eos is None:
-        return frozenset()
-    if isinstance(eos, torch.Tensor):
-        eos = eos.tolist()
-    if isinstance(eos, int):
-        return frozenset([eos])
-    return frozenset(int(e) for e in eos)
-
-
 def _check_raw(kwargs: dict) -> None:
-    """Our own argument checks, done on what the user passed, before HF's config merges it."""
+    """Our own checks on what the user passed, before HF's config merges it."""
     if kwargs.get("prompt_lookup_num_tokens") is not None:
         _positive_int("prompt_lookup_num_tokens", kwargs["prompt_lookup_num_tokens"])
     if kwargs.get("max_matching_ngram_size") is not None:
@@ -112,10 +95,28 @@ def _check_raw(kwargs: dict) -> None:
             raise ValueError(f"max_new_tokens must be >= 0, got {mnt}")
 
 
+def _check_sampling(config: GenerationConfig) -> None:
+    """Ranges HF leaves to its warpers (or ignores); checked here, before any work."""
+    if not config.do_sample:
+        return
+    t = config.temperature
+    if t is not None and (not isinstance(t, (int, float)) or t <= 0):
+        raise ValueError(f"temperature must be a float > 0 when do_sample=True, got {t!r}")
+    p = config.top_p
+    if p is not None and (not isinstance(p, (int, float)) or not 0.0 < p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+    k = config.top_k
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"top_k must be an int >= 0, got {k!r}")
+    mp = config.min_p
+    if mp is not None and (not isinstance(mp, (int, float)) or not 0.0 <= mp <= 1.0):
+        raise ValueError(f"min_p must be in [0, 1], got {mp!r}")
+
+
 def delegation_reason(config: GenerationConfig, args: dict, model_kwargs: dict) -> str:
     """Why this call cannot run on the engine ('' when it can)."""
     for name in _DELEGATED_ARGS:
-        if args.get(name) not in (None, [], ()):
+        if args.get(name) is not None:
             return f"argument `{name}`"
     if args.get("synced_gpus"):
         return "argument `synced_gpus`"
@@ -147,6 +148,24 @@ def infer_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: frozense
     return torch.ones_like(input_ids)
 
 
+def _max_new_tokens(model, config: GenerationConfig, width: int, has_default_max_length: bool) -> int:
+    """HF's `_prepare_generated_length` + `_validate_generated_length` for decoder-only models."""
+    if config.max_new_tokens is not None:
+        return config.max_new_tokens
+    max_length = config.max_length
+    if has_default_max_length:  # HF: the default max_length counts new tokens
+        max_length = max_length + width
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        if max_pos is not None:
+            max_length = min(max_length, max_pos)
+    if width >= max_length:
+        raise ValueError(
+            f"Input length of input_ids is {width}, but `max_length` is set to {max_length}; "
+            "increase `max_length` or set `max_new_tokens`"
+        )
+    return max_length - width
+
+
 def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Request | str:
     """A `Request`, or the reason (str) to delegate. Raises on bad input before any work."""
     kwargs = dict(kwargs)
@@ -157,12 +176,16 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Reque
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"input_ids must be a 2-D integer tensor [batch, length], got {tuple(input_ids.shape)} {input_ids.dtype}")
+        raise ValueError(
+            f"input_ids must be a 2-D integer tensor [batch, length], got {tuple(input_ids.shape)} {input_ids.dtype}"
+        )
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty (length 0)")
     mask = kwargs.get("attention_mask")
     if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids has {tuple(input_ids.shape)}: they must match")
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)}, input_ids has {tuple(input_ids.shape)}: they must match"
+        )
 
     has_default_max_length = (
         kwargs.get("max_length") is None
@@ -174,42 +197,32 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Reque
     if reason:
         return reason
     config.validate()
+    _check_sampling(config)
+    streamer = args.get("streamer")
+    nrs = config.num_return_sequences or 1
+    if nrs > 1 and not config.do_sample:
+        raise ValueError(f"num_return_sequences={nrs} needs do_sample=True (greedy search returns one sequence)")
+    if streamer is not None and input_ids.shape[0] * nrs > 1:
+        raise ValueError("streamer: streaming works with one sequence only (batch size 1), as in HF")
 
     k = config.prompt_lookup_num_tokens
     k = 0 if k is None else _positive_int("prompt_lookup_num_tokens", k)
     n = config.max_matching_ngram_size
     n = 2 if n is None else _positive_int("max_matching_ngram_size", n)
-    eos_list = config.eos_token_id
-    if isinstance(eos_list, torch.Tensor):
-        eos_list = eos_list.tolist()
-    if isinstance(eos_list, int):
-        eos_list = [eos_list]
-    eos = _as_set(eos_list)
-    pad = config.pad_token_id
-    if isinstance(pad, torch.Tensor):
-        pad = int(pad)
-    if pad is None and eos_list:
-        pad = int(eos_list[0])  # HF's fallback: the first EOS token
+    device = input_ids.device
+    model._prepare_special_tokens(config, mask is not None, device=device)
+    eos_t, pad_t = config._eos_token_tensor, config._pad_token_tensor
+    eos = frozenset(eos_t.view(-1).tolist()) if eos_t is not None else frozenset()
+    pad = int(pad_t.view(-1)[0]) if pad_t is not None else None
 
     width = input_ids.shape[1]
-    if config.max_new_tokens is not None:
-        max_new = config.max_new_tokens
-    else:
-        max_length = config.max_length
-        if has_default_max_length:  # HF: the default max_length counts new tokens
-            max_length = max_length + width
-            max_pos = getattr(model.config, "max_position_embeddings", None)
-            if max_pos is not None:
-                max_length = min(max_length, max_pos)
-        if width >= max_length:
-            raise ValueError(
-                f"Input length of input_ids is {width}, but `max_length` is set to {max_length}; "
-                "increase `max_length` or set `max_new_tokens`"
-            )
-        max_new = max_length - width
-
+    max_new = _max_new_tokens(model, config, width, has_default_max_length)
+    config.max_length = width + max_new  # as HF sets it before building processors and criteria
     if mask is None:
         mask = infer_attention_mask(input_ids, pad, eos)
+    if nrs > 1:
+        input_ids = input_ids.repeat_interleave(nrs, dim=0)
+        mask = mask.repeat_interleave(nrs, dim=0)
     prompts = attended_rows(input_ids, mask)
     if pad is not None and input_ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):
         # HF warns and then predicts a right-padded row's first token from the pad column's logits;
@@ -218,13 +231,37 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Reque
             "A decoder-only architecture is being used, but right-padding was detected! For correct "
             "generation results, please set `padding_side='left'` when initializing the tokenizer."
         )
+    model_kwargs["attention_mask"] = mask  # the expanded (or inferred) mask, one row per sequence
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=width,
+        encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=args.get("logits_processor") or LogitsProcessorList(),
+        device=device,
+        model_kwargs=model_kwargs,
+    )
+    criteria = model._get_stopping_criteria(
+        generation_config=config, stopping_criteria=args.get("stopping_criteria") or StoppingCriteriaList(), tokenizer=args.get("tokenizer")
+    )
+    stopping = StoppingCriteriaList(c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
+    decode = DecodeConfig(
+        max_new_tokens=max_new,
+        eos_token_ids=eos,
+        k=k,
+        max_ngram=n,
+        do_sample=bool(config.do_sample),
+        processors=processors,
+        stopping=stopping,
+        streamer=streamer,
+        output_scores=bool(config.return_dict_in_generate and config.output_scores),
+        output_logits=bool(config.return_dict_in_generate and config.output_logits),
+        hf_input_ids=input_ids.cpu().numpy().astype(np.int64),
+    )
     return Request(
         input_ids=input_ids,
         prompts=prompts,
-        max_new_tokens=max_new,
-        eos_token_ids=eos,
+        decode=decode,
         pad_token_id=pad,
-        k=k,
-        max_ngram=n,
         return_dict=bool(config.return_dict_in_generate),
     )

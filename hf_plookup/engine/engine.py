@@ -10,12 +10,21 @@ import numpy as np
 import torch
 
 from ..spec.ngram import NgramProposer
-from ..spec.verify import greedy_accept
+from ..spec.sampling import process_scores
+from ..spec.verify import accept_greedy, accept_sampling
 from ..stats import SpecStats
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import DecodeConfig, Sequence
+from .stopping import first_stops
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    new_tokens: list[np.ndarray]  # B arrays of generated tokens (EOS included, no padding)
+    scores: list[list[torch.Tensor]] | None  # per row, processed scores [V] of each new token
+    logits: list[list[torch.Tensor]] | None  # per row, raw logits [V] of each new token
 
 
 @dataclass(slots=True)
@@ -89,33 +98,38 @@ class Engine:
     def generate(
         self,
         prompts: list[np.ndarray],  # each [L_i] int64, padding removed
-        max_new_tokens: int,
-        eos_token_ids: frozenset[int],
-        k: int = 0,  # prompt_lookup_num_tokens; 0 = plain greedy
-        max_ngram: int = 2,
+        cfg: DecodeConfig,
         stats: SpecStats | None = None,
-    ) -> list[np.ndarray]:
-        """Greedy generation (with prompt-lookup drafts when k > 0); returns each row's new tokens."""
+    ) -> GenerationResult:
+        """Generate every row (prompt-lookup drafts when cfg.k > 0, verified exactly)."""
         stats = stats if stats is not None else SpecStats()
         stats.num_sequences = len(prompts)
-        stats.resize(k)
+        stats.resize(cfg.k)
         stats.attn_backend = self.options.attn_backend
         cache = self.cache()
         blocks = self.blocks
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend)
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs)
-        width = max(len(p) for p in prompts) + max_new_tokens
-        history = np.zeros((len(prompts), width), dtype=np.int64)  # [B, L]
+        b, k = len(prompts), cfg.k
+        extra = cfg.max_new_tokens + k + 1
+        history = np.zeros((b, max(len(p) for p in prompts) + extra), dtype=np.int64)  # [B, L]
+        hf_rows = None  # [B, W + extra] rows as HF lays them out, for processors and criteria
+        width = 0
+        if cfg.needs_hf_rows:
+            width = cfg.hf_input_ids.shape[1]
+            hf_rows = np.zeros((b, width + extra), dtype=np.int64)
+            hf_rows[:, :width] = cfg.hf_input_ids
         seqs = []
         for row, p in enumerate(prompts):
             history[row, : len(p)] = p
-            seq = Sequence(next(self._ids), row, len(p), max_new_tokens)
+            seq = Sequence(next(self._ids), row, len(p), cfg.max_new_tokens)
             seqs.append(seq)
             sched.add(seq)
-
-        proposer = self.proposer(k, max_ngram) if k > 0 else None
-        drafts = np.full((len(prompts), max(k, 1)), -1, dtype=np.int64)  # [B, k]
-        n_drafts = np.zeros(len(prompts), dtype=np.int64)  # [B]
+        proposer = self.proposer(k, cfg.max_ngram) if k > 0 else None
+        drafts = np.full((b, max(k, 1)), -1, dtype=np.int64)  # [B, k]
+        n_drafts = np.zeros(b, dtype=np.int64)  # [B]
+        recorded_scores = [[] for _ in range(b)] if cfg.output_scores else None
+        recorded_logits = [[] for _ in range(b)] if cfg.output_logits else None
 
         def propose(running: list[Sequence]) -> np.ndarray:
             if proposer is None:
@@ -124,48 +138,94 @@ class Engine:
             lengths = np.array([s.num_tokens for s in running], dtype=np.int64)
             cap = np.array([s.remaining - 1 for s in running], dtype=np.int64)
             d, nd = proposer.propose(history[rows], lengths, cap)
-            drafts[rows] = d
-            n_drafts[rows] = nd
-            for s in running:
-                history[s.row, s.num_tokens : s.num_tokens + n_drafts[s.row]] = drafts[s.row, : n_drafts[s.row]]
+            drafts[rows], n_drafts[rows] = d, nd
+            for s in running:  # drafts are fed (and seen by processors) right after the last token
+                m = n_drafts[s.row]
+                history[s.row, s.num_tokens : s.num_tokens + m] = drafts[s.row, :m]
+                if hf_rows is not None:
+                    hf_rows[s.row, width + s.num_generated : width + s.num_generated + m] = drafts[s.row, :m]
             return nd
 
+        if cfg.streamer is not None:
+            cfg.streamer.put(torch.from_numpy(cfg.hf_input_ids))
         try:
             while not sched.done:
                 chunks = sched.schedule(propose)
-                logits = runner.run(chunks, history)
+                logits = runner.run(chunks, history)  # [N, V]
                 stats.forwards += 1
-                targets = logits.argmax(dim=-1).cpu().numpy()  # [N]
-                if chunks[0].is_prefill:
-                    stats.prefill_forwards += 1
-                offset = 0
+                stats.prefill_forwards += chunks[0].is_prefill
+                active = [c for c in chunks if not (c.is_prefill and c.seq.num_cached + c.num_tokens < c.seq.prompt_len)]
                 for c in chunks:
-                    seq = c.seq
                     if c.is_prefill:
-                        seq.num_cached += c.num_tokens
-                        if seq.in_prefill:
-                            continue
-                        new = targets[offset : offset + 1]
-                        offset += 1
-                    else:
-                        m = c.num_tokens - 1
-                        tgt = targets[offset : offset + c.num_tokens]
-                        offset += c.num_tokens
-                        a = greedy_accept(drafts[seq.row, :m], tgt)
-                        stats.drafted += m
-                        stats.accepted += a
-                        for j in range(m):
-                            stats.drafted_per_position[j] += 1
-                            stats.accepted_per_position[j] += j < a
-                        new = tgt[: a + 1]
-                        if a < m:  # overwrite rejected drafts written into the history
-                            history[seq.row, seq.num_tokens + a + 1 : seq.num_tokens + m] = 0
-                        seq.num_cached += 1 + a
-                    stats.row_steps += 1
-                    stats.new_tokens += seq.append(history, new.tolist(), eos_token_ids)
-                    if not seq.finished:
-                        blocks.trim(seq.seq_id, seq.num_cached)
+                        c.seq.num_cached += c.num_tokens
+                if active:
+                    self._verify_and_commit(active, logits, cfg, history, hf_rows, width, drafts, stats, recorded_scores, recorded_logits)
                 sched.retire_finished()
+                for c in active:
+                    if not c.seq.finished:
+                        blocks.trim(c.seq.seq_id, c.seq.num_cached)
         finally:
             blocks.free_all()
-        return [history[s.row, s.prompt_len : s.num_tokens].copy() for s in seqs]
+            if cfg.streamer is not None:
+                cfg.streamer.end()
+        return GenerationResult(
+            [history[s.row, s.prompt_len : s.num_tokens].copy() for s in seqs],
+            recorded_scores,
+            recorded_logits,
+        )
+
+    def _verify_and_commit(self, active, logits, cfg, history, hf_rows, width, drafts, stats, rec_scores, rec_logits):
+        """Score every verified position, accept drafts, append tokens up to the first stop."""
+        seqs = [c.seq for c in active]
+        rows = np.array([s.row for s in seqs], dtype=np.int64)  # [S]
+        n_pos = np.array([1 if c.is_prefill else c.num_tokens for c in active], dtype=np.int64)  # [S]
+        offsets = np.cumsum(n_pos) - n_pos  # [S]
+        num_drafts = n_pos - 1
+        gen = np.array([s.num_generated for s in seqs], dtype=np.int64)  # [S] before this step
+        step_drafts = drafts[rows]  # [S, k]
+        if cfg.processors:
+            pos_rows = np.repeat(rows, n_pos)
+            pos_len = width + np.repeat(gen, n_pos) + (np.arange(n_pos.sum()) - np.repeat(offsets, n_pos))
+            scores = process_scores(cfg.processors, logits, pos_rows, pos_len, hf_rows)  # [N, V]
+        else:
+            scores = logits.float()
+        if cfg.do_sample:
+            accepted, final = accept_sampling(torch.softmax(scores, dim=-1), offsets, num_drafts, step_drafts)
+        else:
+            accepted, final = accept_greedy(scores, offsets, num_drafts, step_drafts)
+        counts = accepted + 1
+        candidates = [np.append(step_drafts[i, : accepted[i]], final[i]) for i in range(len(seqs))]
+        if cfg.stopping:
+            starts = width + gen
+            for i, s in enumerate(seqs):
+                hf_rows[s.row, starts[i] : starts[i] + counts[i]] = candidates[i]
+            cand_rows = np.concatenate([offsets[i] + np.arange(counts[i]) for i in range(len(seqs))])
+            keep, stopped = first_stops(
+                cfg.stopping, rows, starts, counts, hf_rows, scores[torch.from_numpy(cand_rows).to(scores.device)]
+            )
+        else:
+            keep, stopped = counts, np.zeros(len(seqs), dtype=bool)
+        for i, (c, seq) in enumerate(zip(active, seqs)):
+            m = num_drafts[i]
+            if not c.is_prefill:
+                a = int(accepted[i])
+                stats.drafted += int(m)
+                stats.accepted += a
+                for j in range(m):
+                    stats.drafted_per_position[j] += 1
+                    stats.accepted_per_position[j] += j < a
+                seq.num_cached += 1 + a
+            emitted = seq.append(history, candidates[i][: keep[i]].tolist(), cfg.eos_token_ids)
+            if stopped[i] and emitted == keep[i]:
+                seq.finished = True  # a stopping criterion fired on the last kept token
+            if hf_rows is not None:
+                hf_rows[seq.row, width + gen[i] : width + gen[i] + emitted] = candidates[i][:emitted]
+            stats.row_steps += 1
+            stats.new_tokens += emitted
+            if rec_scores is not None:
+                rec_scores[seq.row].extend(scores[offsets[i] : offsets[i] + emitted])
+            if rec_logits is not None:
+                rec_logits[seq.row].extend(logits[offsets[i] : offsets[i] + emitted].float())
+            if cfg.streamer is not None:
+                for t in candidates[i][:emitted]:
+                    cfg.streamer.put(torch.tensor([int(t)]))

@@ -5,6 +5,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+
+@dataclass(slots=True)
+class DecodeConfig:
+    """How a call picks tokens and when its rows stop (resolved from HF arguments)."""
+
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    k: int = 0  # prompt_lookup_num_tokens (0: no drafts)
+    max_ngram: int = 2  # max_matching_ngram_size
+    do_sample: bool = False
+    processors: LogitsProcessorList | None = None  # HF processors and warpers, per position
+    stopping: StoppingCriteriaList | None = None  # criteria beyond EOS and length
+    streamer: object | None = None  # HF streamer protocol: put(tensor), end()
+    output_scores: bool = False
+    output_logits: bool = False
+    hf_input_ids: np.ndarray | None = None  # [B, W] int64 input rows as given (processors see these)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.k < 0 or self.max_ngram < 1:
+            raise ValueError("k must be >= 0 and max_ngram >= 1")
+        if (self.processors or self.stopping) and self.hf_input_ids is None:
+            raise ValueError("processors and stopping criteria need hf_input_ids")
+
+    @property
+    def needs_hf_rows(self) -> bool:
+        return bool(self.processors) or bool(self.stopping)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,50 @@
+"""Logits processing per verified position: HF's own `LogitsProcessorList` (penalties, bans,
+length rules, warpers) applied to each position with the context it would have had in HF's
+loop, i.e. the row as HF lays it out (input row as given + generated tokens) plus drafts[:j]."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from transformers import LogitsProcessorList
+
+# processor attributes that hold one entry per batch row (HF's repetition penalty keeps each
+# row's padding length there); they are sliced to the rows of each call
+_PER_ROW_ATTRS = ("prompt_ignore_length",)
+
+
+def _for_rows(processors: LogitsProcessorList, rows: np.ndarray, batch: int) -> LogitsProcessorList:
+    """The processors as they apply to batch rows `rows` ([n] int64)."""
+    out = LogitsProcessorList()
+    for proc in processors:
+        for attr in _PER_ROW_ATTRS:
+            value = getattr(proc, attr, None)
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == batch:
+                proc = copy.copy(proc)
+                setattr(proc, attr, value[torch.from_numpy(rows).to(value.device)])
+        out.append(proc)
+    return out
+
+
+def process_scores(
+    processors: LogitsProcessorList,
+    logits: torch.Tensor,  # [N, V] raw logits of the verified positions
+    rows: np.ndarray,  # [N] int64 row of `hf_rows` each position belongs to
+    lengths: np.ndarray,  # [N] int64 context length of each position
+    hf_rows: np.ndarray,  # [B, L] int64 token rows in HF's layout
+) -> torch.Tensor:
+    """Processed scores `[N, V]` in fp32. Positions with equal context length are processed in
+    one call (HF processors need a rectangular `input_ids`), so the work is one call per distinct
+    length, not per token."""
+    scores = logits.float()
+    if not processors:
+        return scores
+    out = torch.empty_like(scores)
+    for length in np.unique(lengths):
+        idx = np.flatnonzero(lengths == length)
+        ids = torch.from_numpy(hf_rows[rows[idx], :length]).to(logits.device)
+        sel = torch.from_numpy(idx).to(logits.device)
+        out[sel] = _for_rows(processors, rows[idx], hf_rows.shape[0])(ids, scores[sel].clone())
+    return out
