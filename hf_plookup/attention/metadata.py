@@ -13,6 +13,7 @@ import contextvars
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(slots=True)
@@ -49,6 +50,16 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+    def sdpa_mask(self, sliding_window: int | None):
+        """The cheapest mask SDPA can take for this step: none for one sequence feeding one
+        token, a lower-right causal bias for one sequence feeding several (both let SDPA pick
+        its fused kernels), else the explicit boolean mask."""
+        if self.num_seqs == 1 and not (sliding_window and self.max_context_len > sliding_window):
+            if self.max_query_len == 1:
+                return None
+            return causal_lower_right(self.max_query_len, self.max_context_len)
+        return self.mask(sliding_window)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """[B, 1, Tq, Lk] bool, True where a query may attend to a key (causal, within the

@@ -82,10 +82,10 @@ def sdpa_paged_attention(
     q = pad_queries(meta, query)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
-    mask = meta.mask(sliding_window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if softcap:
-        out = softcapped_attention(q, k, v, mask, scale, softcap)
+        out = softcapped_attention(q, k, v, meta.mask(sliding_window), scale, softcap)
     else:
+        mask = meta.sdpa_mask(sliding_window)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return unpad_output(meta, out)

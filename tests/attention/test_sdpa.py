@@ -42,15 +42,20 @@ def _dense_reference(q, k, v, scale, window=None, softcap=None):
     return (torch.softmax(scores, -1) @ v.double()).float()
 
 
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-@pytest.mark.parametrize("uniform", [True, False])
-def test_paged_matches_dense(window, softcap, uniform):
+@pytest.mark.parametrize("layout", ["uniform", "ragged", "one-token", "one-seq"])
+def test_paged_matches_dense(window, softcap, layout):
     g = torch.Generator().manual_seed(0)
     h, h_kv, d, bs, num_blocks = 6, 2, 16, 4, 64
-    b = 4
-    cached = [0, 7, 13, 22]  # tokens already in the cache per sequence
-    new = [3, 3, 3, 3] if uniform else [1, 5, 2, 9]
+    cached, new = {
+        "uniform": ([0, 7, 13, 22], [3, 3, 3, 3]),  # tokens already cached / fed, per sequence
+        "ragged": ([0, 7, 13, 22], [1, 5, 2, 9]),
+        "one-token": ([17], [1]),  # single sequence paths (no mask / lower-right causal bias)
+        "one-seq": ([17], [6]),
+    }[layout]
+    b = len(cached)
+    uniform = layout != "ragged"
     k_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g)  # garbage where nothing is written
     v_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g)
     perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered block tables
