@@ -35,6 +35,14 @@ class AttentionMetadata:
     max_query_len: int  # Tq
     max_context_len: int  # Lk
     backend: str = "sdpa"  # attention backend that runs this step
+    # Varlen/paged-kernel view of the same step (flash_attn); filled by the runner, None when absent.
+    cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32: packed query offsets of each sequence
+    cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32: cumulative context lengths (keys per sequence)
+    cache_seqlens: torch.Tensor | None = None  # [B] int32: context_lens as int32 (keys each sequence attends to)
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32: page ids per sequence (spare entries: a scratch page)
+    # CUDA-graph steps: B and Lk are buckets (Lk longer than the contexts), so masks must come
+    # from the tensors above, never from shape shortcuts decided on the host at capture time.
+    static_shapes: bool = False
     _masks: dict = field(default_factory=dict)  # sliding window (or None) -> [B, 1, Tq, Lk] bool
 
     def __post_init__(self) -> None:
@@ -46,6 +54,18 @@ class AttentionMetadata:
             raise ValueError(f"kv_slots must be [B={self.num_seqs}, Lk={self.max_context_len}]")
         if (self.q_gather is None) != (self.q_scatter is None):
             raise ValueError("q_gather and q_scatter go together")
+        b = self.num_seqs
+        for name, shape in (("cu_seqlens_q", (b + 1,)), ("cu_seqlens_k", (b + 1,)), ("cache_seqlens", (b,))):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
+        if self.block_tables is not None and (self.block_tables.dim() != 2 or self.block_tables.shape[0] != b):
+            raise ValueError(f"block_tables must be [B={b}, max_blocks], got {list(self.block_tables.shape)}")
+
+    @property
+    def uniform(self) -> bool:
+        """True when every sequence feeds `max_query_len` tokens (verify steps, padded drafts)."""
+        return self.q_gather is None
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +75,7 @@ class AttentionMetadata:
         """The cheapest mask SDPA can take for this step: none for one sequence feeding one
         token, a lower-right causal bias for one sequence feeding several (both let SDPA pick
         its fused kernels), else the explicit boolean mask."""
-        if self.num_seqs == 1 and not (sliding_window and self.max_context_len > sliding_window):
+        if self.num_seqs == 1 and not self.static_shapes and not (sliding_window and self.max_context_len > sliding_window):
             if self.max_query_len == 1:
                 return None
             return causal_lower_right(self.max_query_len, self.max_context_len)

@@ -7,11 +7,39 @@ import contextlib
 import torch
 from transformers import AttentionInterface
 
+from .flash import FLASH_BLOCK_MULTIPLE, flash_paged_attention, flash_unavailable_reason
 from .metadata import current_metadata
 from .sdpa import sdpa_paged_attention
 
 ATTN_IMPLEMENTATION = "hf_plookup"
-BACKENDS = {"sdpa": sdpa_paged_attention}
+BACKENDS = {"sdpa": sdpa_paged_attention, "flash_attn": flash_paged_attention}
+BACKEND_CHOICES = ("auto", *BACKENDS)  # what `attn_backend` accepts
+DEFAULT_BLOCK_SIZE = {"sdpa": 16, "flash_attn": FLASH_BLOCK_MULTIPLE}
+
+
+def resolve_backend(requested: str, devices: list[torch.device], dtypes: list[torch.dtype]) -> str:
+    """The backend that will run: "auto" is flash_attn when it can run here (flash_attn imports,
+    CUDA, fp16/bf16), else sdpa. Asking for flash_attn where it cannot run is a ValueError."""
+    if requested not in BACKEND_CHOICES:
+        raise ValueError(f"attn_backend must be one of {BACKEND_CHOICES}, got {requested!r}")
+    if requested == "sdpa":
+        return "sdpa"
+    reason = flash_unavailable_reason(devices, dtypes)
+    if requested == "flash_attn" and reason is not None:
+        raise ValueError(f"attn_backend='flash_attn' cannot run: {reason}; use attn_backend='sdpa' or 'auto'")
+    return "flash_attn" if reason is None else "sdpa"
+
+
+def resolve_block_size(backend: str, block_size: int | None) -> int:
+    """`block_size` for `backend`: its default when None; flash_attn's paged kernels need multiples of 256."""
+    if block_size is None:
+        return DEFAULT_BLOCK_SIZE[backend]
+    if backend == "flash_attn" and block_size % FLASH_BLOCK_MULTIPLE:
+        raise ValueError(
+            f"block_size must be a multiple of {FLASH_BLOCK_MULTIPLE} with attn_backend 'flash_attn' "
+            f"(flash-attn's paged kernels), got {block_size}"
+        )
+    return block_size
 
 
 def paged_attention_forward(

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from ..attention.registry import BACKEND_CHOICES, resolve_backend, resolve_block_size
 from ..spec.ngram import NgramProposer
 from ..spec.sampling import process_scores
 from ..spec.verify import accept_greedy, accept_sampling
 from ..stats import SpecStats
+from .graphs import GraphRunner
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -33,11 +35,16 @@ class EngineOptions:
 
     max_cache_tokens: int | None = None  # KV capacity in tokens (None: from available memory)
     num_blocks: int | None = None  # KV capacity in blocks (overrides max_cache_tokens)
-    block_size: int = 16
+    block_size: int | None = None  # tokens per page (None: 16, or 256 with flash_attn, which needs multiples of 256)
     max_batch_tokens: int = 1024  # token budget of one prefill step
     max_num_seqs: int = 256  # most sequences running at once
-    cache_memory_fraction: float = 0.25  # of free memory, when no capacity is given
-    attn_backend: str = "sdpa"
+    # share of free memory for the KV cache when no capacity is given: of available RAM on CPU;
+    # on CUDA of the memory left free after a warm-up forward of max_batch_tokens tokens, less
+    # that forward's peak (see kv_cache.default_num_tokens)
+    cache_memory_fraction: float = 0.25
+    attn_backend: str = "auto"  # "auto" (flash_attn if it can run here, else sdpa) | "sdpa" | "flash_attn"
+    cuda_graphs: bool = True  # capture verify steps in CUDA graphs (CUDA only; implies pad_drafts)
+    pad_drafts: bool = False  # every sequence of a verify step feeds k + 1 tokens (missing drafts padded)
 
     def __post_init__(self) -> None:
         for name in ("max_cache_tokens", "num_blocks"):
@@ -46,12 +53,15 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
         for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if (v is not None or name != "block_size") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("cuda_graphs", "pad_drafts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not 0.0 < self.cache_memory_fraction <= 1.0:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction!r}")
-        if self.attn_backend not in ("sdpa",):
-            raise ValueError(f"attn_backend must be one of ('sdpa',), got {self.attn_backend!r}")
+        if self.attn_backend not in BACKEND_CHOICES:
+            raise ValueError(f"attn_backend must be one of {BACKEND_CHOICES}, got {self.attn_backend!r}")
 
 
 class Engine:
@@ -59,8 +69,14 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, options: EngineOptions):
         self.model = model
-        self.options = options
         self.specs = layer_specs(model)
+        devices = sorted({s.device for s in self.specs}, key=str)
+        backend = resolve_backend(options.attn_backend, devices, sorted({s.dtype for s in self.specs}, key=str))
+        # resolved: the backend that runs (what stats report) and its block size
+        self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
+        self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda"
+        self._graphs: GraphRunner | None = None
+        self._capacity: int | None = None
         self._cache: PagedKVCache | None = None
         self.blocks: BlockManager | None = None  # the cache's blocks; all free between calls
         self._proposers: dict[tuple[int, int], NgramProposer] = {}
@@ -71,8 +87,12 @@ class Engine:
         o = self.options
         if o.num_blocks is not None:
             return o.num_blocks
-        tokens = o.max_cache_tokens or default_num_tokens(self.specs, o.cache_memory_fraction)
-        return max(-(-tokens // o.block_size), 1)
+        if self._capacity is None:
+            tokens = o.max_cache_tokens or default_num_tokens(
+                self.specs, o.cache_memory_fraction, self.model, o.max_batch_tokens
+            )
+            self._capacity = max(-(-tokens // o.block_size), 1)
+        return self._capacity
 
     def check_fits(self, max_tokens: int) -> None:
         """Raise before any work if one sequence of `max_tokens` can never fit the cache."""
@@ -85,9 +105,19 @@ class Engine:
 
     def cache(self) -> PagedKVCache:
         if self._cache is None:
-            self._cache = PagedKVCache(self.specs, self.capacity_blocks, self.options.block_size)
+            self._cache = PagedKVCache(self.specs, self.capacity_blocks, self.options.block_size, scratch=True)
             self.blocks = BlockManager(self._cache.num_blocks, self._cache.block_size)
         return self._cache
+
+    def graph_runner(self) -> GraphRunner | None:
+        """Captured verify steps (CUDA with cuda_graphs=True), kept across calls."""
+        if self.use_graphs and self._graphs is None:
+            self._graphs = GraphRunner(self.model, self.cache(), self.options.attn_backend, self.options.max_num_seqs)
+        return self._graphs
+
+    def pad_to(self, k: int) -> int | None:
+        """Tokens every sequence feeds in a verify step when drafts are padded (k + 1), else None."""
+        return k + 1 if self.options.pad_drafts or self.use_graphs else None
 
     def proposer(self, k: int, max_ngram: int) -> NgramProposer:
         key = (k, max_ngram)
@@ -108,7 +138,7 @@ class Engine:
         stats.attn_backend = self.options.attn_backend
         cache = self.cache()
         blocks = self.blocks
-        runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend)
+        runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(cfg.k), self.graph_runner())
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs)
         b, k = len(prompts), cfg.k
         extra = cfg.max_new_tokens + k + 1

@@ -46,34 +46,80 @@ def layer_specs(model: torch.nn.Module) -> list[LayerSpec]:
     return [LayerSpec(kv_heads, head_dim, attn[i].dtype, attn[i].device) for i in range(n)]
 
 
-def default_num_tokens(specs: list[LayerSpec], fraction: float = 0.25) -> int:
-    """Cache capacity from available memory: `fraction` of free GPU memory for CUDA layers,
-    of available RAM otherwise (CPU pages are allocated lazily by the OS)."""
+def default_num_tokens(
+    specs: list[LayerSpec],
+    fraction: float = 0.25,
+    model: torch.nn.Module | None = None,
+    warmup_tokens: int = 1024,
+    logits_rows: int | None = None,
+) -> int:
+    """Cache capacity in tokens from available memory.
+
+    CPU: `fraction` of available RAM (CPU pages are allocated lazily by the OS).
+    CUDA: `fraction` of the memory that is free once the model is resident and has run, i.e.
+    when `model` is given, a warm-up forward of `warmup_tokens` tokens (the largest prefill
+    step) runs first, and the free memory it leaves (CUDA context, cuBLAS workspaces and the
+    allocator's cache included) is reduced by that forward's peak activation memory and by
+    fp32 logits for `logits_rows` rows (default `warmup_tokens`), which every step needs again.
+    """
     per_token = sum(s.bytes_per_token() for s in specs)
     device = specs[0].device
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        if model is not None:
+            free = free_cuda_memory_after_warmup(model, device, warmup_tokens, logits_rows)
+        else:
+            free, _ = torch.cuda.mem_get_info(device)
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(int(free * fraction) // per_token, 1)
 
 
-class PagedKVCache:
-    """K and V pages for every layer: `[num_blocks, block_size, H_kv, D]` each."""
+def free_cuda_memory_after_warmup(model: torch.nn.Module, device: torch.device, num_tokens: int,
+                                  logits_rows: int | None = None) -> int:
+    """Bytes left on `device` for the KV cache: free memory after a warm-up forward of
+    `num_tokens` tokens, less that forward's peak and fp32 logits for `logits_rows` rows."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)  # [1, T]
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del ids
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 0
+    logits = 2 * 4 * vocab * (logits_rows if logits_rows is not None else num_tokens)  # logits and their fp32 copy
+    return max(free - peak - logits, 0)
 
-    def __init__(self, specs: list[LayerSpec], num_blocks: int, block_size: int):
+
+class PagedKVCache:
+    """K and V pages for every layer: `[num_blocks, block_size, H_kv, D]` each.
+
+    With `scratch=True` one more page (id `num_blocks`, zero-filled, never handed out by the
+    BlockManager) follows the managed ones: padded draft positions and the dummy rows of a
+    CUDA-graph batch write their K/V there and block tables point their spare entries at it."""
+
+    def __init__(self, specs: list[LayerSpec], num_blocks: int, block_size: int, scratch: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.keys = []  # per layer [num_blocks, block_size, H_kv, D]
+        self.scratch_block: int | None = num_blocks if scratch else None
+        self.keys = []  # per layer [num_blocks (+1 scratch), block_size, H_kv, D]
         self.values = []
+        total = num_blocks + int(scratch)
         for s in specs:
-            shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
+            shape = (total, block_size, s.num_kv_heads, s.head_dim)
             self.keys.append(torch.empty(shape, dtype=s.dtype, device=s.device))
             self.values.append(torch.empty(shape, dtype=s.dtype, device=s.device))
+            if scratch:
+                self.keys[-1][num_blocks].zero_()
+                self.values[-1][num_blocks].zero_()
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,184 @@
+"""CUDA graphs for uniform decode/verify steps.
+
+Every running sequence feeds exactly `q = k + 1` tokens (the runner pads missing drafts), so a
+step's shapes depend only on the batch size B and the longest context Lk. Both are rounded up
+to buckets (B to 1, 2, 4, 8, ...; Lk to a power-of-two number of pages), the step is padded to
+the bucket with dummy rows (they feed token 0 at positions 0..q-1 and write into the cache's
+scratch page), and one graph per `(q, B bucket, Lk bucket)` is captured lazily, the first time
+such a step runs: a warm-up forward on a side stream, then the capture into a graph memory
+pool shared by all graphs (they never run concurrently). A replay copies the step's arrays
+into the graph's static input buffers, replays, and returns the logits of the real rows.
+Prefill steps and batches beyond the largest bucket run eagerly.
+
+`capture=False` runs the same static-buffer forward eagerly instead of replaying a graph: the
+padding and buffer layout are then testable on CPU (tests/attention/test_backends.py); the
+capture itself needs CUDA (tests/gpu).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention.metadata import AttentionMetadata, attention_context
+from ..attention.registry import engine_attention
+from .kv_cache import PagedKVCache
+from .runner import StepPlan
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def batch_bucket(num_seqs: int) -> int | None:
+    """Smallest bucket holding `num_seqs` sequences (None when beyond the largest)."""
+    for b in BATCH_BUCKETS:
+        if b >= num_seqs:
+            return b
+    return None
+
+
+def context_bucket(max_context_len: int, block_size: int) -> int:
+    """Lk rounded up to a power-of-two number of pages."""
+    pages = -(-max_context_len // block_size)
+    return block_size * (1 << (pages - 1).bit_length())
+
+
+def pad_plan(plan: StepPlan, num_seqs: int, max_context_len: int, block_size: int, scratch: int) -> dict[str, np.ndarray]:
+    """The arrays of a uniform decode `plan` padded to `num_seqs` rows and `max_context_len`
+    keys: dummy rows feed token 0 at positions 0..q-1, keep their K/V in the scratch page and
+    attend to their own q keys; spare table entries and key slots point at the scratch page."""
+    if not plan.uniform or not plan.is_decode:
+        raise ValueError("only uniform decode steps are padded to graph buckets")
+    b, q = plan.num_seqs, plan.max_query_len
+    bb, lkb = num_seqs, max_context_len
+    if bb < b or lkb < plan.max_context_len or lkb % block_size:
+        raise ValueError(f"bucket ({bb}, {lkb}) does not hold a step of ({b}, {plan.max_context_len})")
+    if q > block_size:
+        raise ValueError(f"q={q} tokens per sequence exceed the scratch page ({block_size} slots)")
+    pad_slot = scratch * block_size
+    j = np.arange(q, dtype=np.int64)
+    t, tb = b * q, bb * q
+    ids = np.zeros(tb, dtype=np.int64)
+    ids[:t] = plan.input_ids
+    pos = np.tile(j, bb)
+    pos[:t] = plan.positions
+    slots = np.tile(pad_slot + j, bb)
+    slots[:t] = plan.slot_mapping
+    query_pos = np.tile(j, (bb, 1))
+    query_pos[:b] = plan.query_pos
+    kv_slots = np.full((bb, lkb), pad_slot, dtype=np.int64)
+    kv_slots[:b, : plan.max_context_len] = plan.kv_slots
+    kv_slots[b:, :q] = pad_slot + j
+    ctx = np.full(bb, q, dtype=np.int64)
+    ctx[:b] = plan.context_lens
+    tables = np.full((bb, lkb // block_size), scratch, dtype=np.int64)
+    tables[:b, : plan.block_tables.shape[1]] = plan.block_tables
+    cu_q = np.arange(bb + 1, dtype=np.int64) * q
+    cu_k = np.zeros(bb + 1, dtype=np.int64)
+    np.cumsum(ctx, out=cu_k[1:])
+    return {
+        "input_ids": ids, "positions": pos, "slot_mapping": slots, "query_pos": query_pos, "kv_slots": kv_slots,
+        "context_lens": ctx, "cache_seqlens": ctx, "block_tables": tables, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+    }
+
+
+_INT32 = ("cache_seqlens", "block_tables", "cu_seqlens_q", "cu_seqlens_k")
+
+
+@dataclass(slots=True)
+class _Graph:
+    inputs: dict[str, torch.Tensor]  # static buffers, shapes of pad_plan's arrays
+    meta: AttentionMetadata  # built on the static buffers
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # [Bb*q, V] static output of the graph
+
+
+class GraphRunner:
+    """Captured (or, with capture=False, eagerly run) uniform decode steps, kept across calls."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: str, max_num_seqs: int,
+                 capture: bool = True):
+        if cache.scratch_block is None:
+            raise ValueError("CUDA graphs need a cache with a scratch page (PagedKVCache(..., scratch=True))")
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.block_size = cache.block_size
+        self.max_batch = batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1]
+        self.device = model.get_input_embeddings().weight.device
+        self.capture = capture
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, got {self.device}")
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.pool = None  # graph memory pool shared by all captures
+        self.num_replays = 0
+
+    def supports(self, plan: StepPlan) -> bool:
+        return (plan.is_decode and plan.uniform and plan.num_seqs <= self.max_batch
+                and plan.max_query_len <= self.block_size and len(plan.keep) > 0)
+
+    def _static(self, arrays: dict[str, np.ndarray], bb: int, q: int, lkb: int) -> _Graph:
+        inputs = {
+            name: torch.from_numpy(a).to(device=self.device, dtype=torch.int32 if name in _INT32 else torch.int64)
+            for name, a in arrays.items()
+        }
+        meta = AttentionMetadata(
+            kv_cache=self.cache, slot_mapping=inputs["slot_mapping"], query_pos=inputs["query_pos"],
+            kv_slots=inputs["kv_slots"], context_lens=inputs["context_lens"], q_gather=None, q_scatter=None,
+            num_seqs=bb, max_query_len=q, max_context_len=lkb, backend=self.backend,
+            cu_seqlens_q=inputs["cu_seqlens_q"], cu_seqlens_k=inputs["cu_seqlens_k"],
+            cache_seqlens=inputs["cache_seqlens"], block_tables=inputs["block_tables"], static_shapes=True,
+        )
+        return _Graph(inputs, meta)
+
+    def _forward(self, g: _Graph) -> torch.Tensor:
+        """The model on the static buffers; logits of every fed row, [Bb*q, V]."""
+        g.meta._masks.clear()  # masks are rebuilt from the buffers inside the forward (and the graph)
+        with engine_attention(self.model), attention_context(g.meta):
+            out = self.model(
+                input_ids=g.inputs["input_ids"][None],
+                position_ids=g.inputs["positions"][None],
+                attention_mask=None,
+                use_cache=False,
+                logits_to_keep=0,
+            )
+        return out.logits[0]
+
+    def _capture(self, g: _Graph) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(g)  # warm-up: lazy inits, cuBLAS handles, flash-attn's first call
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g.graph, pool=self.pool):
+            g.logits = self._forward(g)
+        if self.pool is None:
+            self.pool = g.graph.pool()
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Logits of the plan's kept rows, `[N, V]` (a fresh tensor, safe across replays)."""
+        q = plan.max_query_len
+        bb = batch_bucket(plan.num_seqs)
+        lkb = context_bucket(plan.max_context_len, self.block_size)
+        arrays = pad_plan(plan, bb, lkb, self.block_size, self.cache.scratch_block)
+        key = (q, bb, lkb)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._static(arrays, bb, q, lkb)
+            if self.capture:
+                self._capture(g)
+            self.graphs[key] = g
+        else:
+            for name, a in arrays.items():
+                g.inputs[name].copy_(torch.from_numpy(a), non_blocking=True)
+        keep = torch.from_numpy(plan.keep).to(self.device, non_blocking=True)
+        if self.capture:
+            g.graph.replay()
+            logits = g.logits
+        else:
+            logits = self._forward(g)
+        self.num_replays += 1
+        return logits.index_select(0, keep)
