@@ -1,0 +1,294 @@
+"""Attention backend selection, the flash backend's plumbing (against a plain-torch stand-in for
+flash-attn's kernels), padded verify steps and the CUDA-graph runner's static-buffer path on CPU.
+
+The real flash-attn kernels and graph capture need CUDA: tests/gpu."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import hf_plookup
+from hf_plookup.attention import registry
+from hf_plookup.attention.flash import flash_paged_attention, window_size
+from hf_plookup.attention.metadata import AttentionMetadata
+from hf_plookup.engine.graphs import BATCH_BUCKETS, GraphRunner, batch_bucket, context_bucket, pad_plan
+from tests.attention.test_sdpa import _Cache, _dense_reference, _Layer
+from tests.conftest import left_padded, tiny_model
+
+
+# -- a plain-torch stand-in for flash_attn, written from flash-attn's docstrings ------------------
+def _ref_attend(q, k, v, scale, causal, window, softcap):
+    """q [sq, H, D], k/v [sk, H_kv, D]; causal and window aligned to the bottom right, as
+    flash-attn documents: query i sees keys [i + sk - sq - left, i + sk - sq + right]."""
+    sq, sk = q.shape[0], k.shape[0]
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1).double(), v.repeat_interleave(g, 1).double()
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    left, right = window
+    if causal:
+        right = 0
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        ok &= j <= i + right
+    if left >= 0:
+        ok &= j >= i - left
+    p = torch.softmax(s.masked_fill(~ok, float("-inf")), -1).nan_to_num(0.0)  # empty rows -> 0
+    return torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
+
+
+def _pages(cache, table, n):
+    """The first n positions of a sequence's pages: [n, H_kv, D]."""
+    return cache[table.long()].reshape(-1, *cache.shape[2:])[:n]
+
+
+def _check_paged(k_cache, block_table):
+    assert block_table.dtype == torch.int32
+    assert k_cache.shape[1] % 256 == 0, "FA2: paged KV block size must be divisible by 256"
+
+
+def _fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                 causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                 return_attn_probs=False, block_table=None):
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+    _check_paged(k, block_table)
+    out = torch.empty_like(q)
+    for b in range(len(cu_seqlens_q) - 1):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        sk = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        assert q1 - q0 <= max_seqlen_q and sk <= max_seqlen_k
+        out[q0:q1] = _ref_attend(q[q0:q1], _pages(k, block_table[b], sk), _pages(v, block_table[b], sk),
+                                 softmax_scale, causal, window_size, softcap)
+    return out
+
+
+def _fake_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                  cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                  window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                  return_softmax_lse=False):
+    assert k is None and v is None and cache_seqlens.dtype == torch.int32
+    _check_paged(k_cache, block_table)
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        sk = int(cache_seqlens[b])
+        out[b] = _ref_attend(q[b], _pages(k_cache, block_table[b], sk), _pages(v_cache, block_table[b], sk),
+                             softmax_scale, causal, window_size, softcap)
+    return out
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """flash_attn importable (as the stand-in) and allowed on this CPU."""
+    mod = types.ModuleType("flash_attn")
+    mod.flash_attn_varlen_func = _fake_varlen
+    mod.flash_attn_with_kvcache = _fake_kvcache
+    monkeypatch.setitem(sys.modules, "flash_attn", mod)
+    monkeypatch.setattr(registry, "flash_unavailable_reason", lambda devices, dtypes: None)
+    return mod
+
+
+def test_stand_in_matches_dense_reference():
+    """The stand-in kernel itself (contiguous, no paging) against the sdpa tests' reference."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
+    for window in (None, 4):
+        ref = _dense_reference(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), 0.3, window, 20.0)
+        got = _ref_attend(q, k, v, 0.3, True, window_size(window), 20.0)
+        torch.testing.assert_close(got.transpose(0, 1), ref, atol=1e-5, rtol=1e-5)
+
+
+# -- selection ---------------------------------------------------------------------------------
+def test_auto_is_sdpa_on_cpu(llama):
+    w = hf_plookup.wrap(llama, max_cache_tokens=512)
+    assert w.options.attn_backend == "auto" and w._engine.options.attn_backend == "sdpa"
+    assert w._engine.options.block_size == 16 and not w._engine.use_graphs
+    ids, mask = left_padded(2)
+    w.generate(ids, attention_mask=mask, max_new_tokens=3)
+    assert w.last_stats.attn_backend == "sdpa"
+
+
+def test_flash_attn_where_it_cannot_run(llama):
+    with pytest.raises(ValueError, match="attn_backend='flash_attn' cannot run"):
+        hf_plookup.wrap(llama, attn_backend="flash_attn")
+    reason = registry.flash_unavailable_reason([torch.device("cpu")], [torch.float32])
+    assert reason is not None
+    with pytest.raises(ValueError, match="attn_backend must be one of"):
+        hf_plookup.wrap(llama, attn_backend="flash")
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        hf_plookup.wrap(llama, cuda_graphs="yes")
+
+
+def test_unavailable_reasons(monkeypatch):
+    mod = types.ModuleType("flash_attn")
+    mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)  # "installed"
+    monkeypatch.setitem(sys.modules, "flash_attn", mod)
+    from hf_plookup.attention.flash import flash_unavailable_reason
+
+    assert "CUDA" in flash_unavailable_reason([torch.device("cpu")], [torch.bfloat16])
+    assert "bfloat16" in flash_unavailable_reason([torch.device("cuda", 0)], [torch.float32])
+    assert flash_unavailable_reason([torch.device("cuda", 0)], [torch.bfloat16]) is None
+
+
+def test_flash_block_size(fake_flash, llama):
+    assert registry.resolve_backend("auto", [torch.device("cpu")], [torch.float32]) == "flash_attn"
+    w = hf_plookup.wrap(llama, attn_backend="flash_attn", max_cache_tokens=1024)
+    assert w._engine.options.block_size == 256
+    with pytest.raises(ValueError, match="block_size must be a multiple of 256"):
+        hf_plookup.wrap(llama, attn_backend="flash_attn", block_size=16)
+    assert hf_plookup.wrap(llama, attn_backend="sdpa", block_size=16)._engine.options.block_size == 16
+
+
+# -- flash backend plumbing against the dense reference --------------------------------------------
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("uniform", [True, False])
+def test_flash_backend_matches_dense(fake_flash, window, softcap, uniform):
+    g = torch.Generator().manual_seed(0)
+    h, h_kv, d, bs, num_blocks = 6, 2, 16, 256, 8
+    cached = [0, 7, 300, 22]
+    new = [3, 3, 3, 3] if uniform else [1, 5, 2, 9]
+    b = len(cached)
+    k_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g)
+    v_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, full_k, full_v = [], [], []
+    for i in range(b):
+        total = cached[i] + new[i]
+        tables.append([perm.pop() for _ in range(-(-total // bs))])
+        full_k.append(torch.randn(h_kv, total, d, generator=g))
+        full_v.append(torch.randn(h_kv, total, d, generator=g))
+        for p in range(cached[i]):
+            k_cache[tables[i][p // bs], p % bs] = full_k[i][:, p]
+            v_cache[tables[i][p // bs], p % bs] = full_v[i][:, p]
+    qs = [torch.randn(h, new[i], d, generator=g) for i in range(b)]
+    ctx = [c + n for c, n in zip(cached, new)]
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(b, width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t)
+    slots = [tables[i][p // bs] * bs + p % bs for i in range(b) for p in range(cached[i], ctx[i])]
+    tq, lk = max(new), max(ctx)
+    meta = AttentionMetadata(
+        kv_cache=_Cache(k_cache, v_cache),
+        slot_mapping=torch.tensor(slots),
+        query_pos=torch.zeros(b, tq, dtype=torch.long),  # unused by this backend
+        kv_slots=torch.zeros(b, lk, dtype=torch.long),
+        context_lens=torch.tensor(ctx),
+        q_gather=None if uniform else torch.zeros(b * tq, dtype=torch.long),
+        q_scatter=None if uniform else torch.zeros(sum(new), dtype=torch.long),
+        num_seqs=b, max_query_len=tq, max_context_len=lk, backend="flash_attn",
+        cu_seqlens_q=torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32),
+        cu_seqlens_k=torch.tensor(np.concatenate([[0], np.cumsum(ctx)]), dtype=torch.int32),
+        cache_seqlens=torch.tensor(ctx, dtype=torch.int32),
+        block_tables=bt,
+    )
+    query = torch.cat(qs, dim=1)[None]
+    key = torch.cat([full_k[i][:, cached[i] :] for i in range(b)], dim=1)[None]
+    value = torch.cat([full_v[i][:, cached[i] :] for i in range(b)], dim=1)[None]
+    out = flash_paged_attention(_Layer(), query, key, value, meta, scaling=0.37, sliding_window=window, softcap=softcap)
+    assert out.shape == (1, sum(new), h, d)
+    off = 0
+    for i in range(b):
+        ref = _dense_reference(qs[i], full_k[i], full_v[i], 0.37, window, softcap)
+        torch.testing.assert_close(out[0, off : off + new[i]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
+        off += new[i]
+
+
+def _hf_equal(model, wrapped, batch, k, seed=7, max_new_tokens=30):
+    ids, mask = left_padded(batch, seed=seed)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
+    out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=k)
+    return torch.equal(ref, out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_flash_backend_engine_identical_to_hf(fake_flash, arch):
+    """The whole engine on the flash backend (varlen prefill, kvcache verify steps) in fp32."""
+    model = tiny_model(arch)
+    for pad in (False, True):
+        w = hf_plookup.wrap(model, attn_backend="flash_attn", max_cache_tokens=2048, pad_drafts=pad)
+        for batch, k in ((1, 4), (3, 4), (2, None)):
+            assert _hf_equal(model, w, batch, k), (arch, pad, batch, k)
+        assert w.last_stats.attn_backend == "flash_attn"
+
+
+# -- padded verify steps ---------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text"])
+def test_pad_drafts_identical_to_hf(arch):
+    model = tiny_model(arch)
+    # block_size 4 < k + 1: padded positions past a sequence's pages go to the scratch page
+    for bs in (4, 16):
+        w = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=bs, pad_drafts=True)
+        for batch, k in ((1, 4), (4, 10), (3, None)):
+            assert _hf_equal(model, w, batch, k, seed=batch + 7), (arch, bs, batch, k)
+        assert w._engine.blocks.num_free == w._engine.blocks.num_blocks
+
+
+def test_padded_plan_layout(llama):
+    w = hf_plookup.wrap(llama, max_cache_tokens=512, block_size=4, pad_drafts=True)
+    eng = w._engine
+    assert eng.pad_to(4) == 5 and hf_plookup.wrap(llama, max_cache_tokens=512)._engine.pad_to(4) is None
+
+
+# -- graph runner (static buffers, bucket padding) without CUDA ------------------------------------
+def test_buckets():
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+    assert batch_bucket(BATCH_BUCKETS[-1] + 1) is None
+    assert [context_bucket(n, 16) for n in (1, 16, 17, 33, 200)] == [16, 16, 32, 64, 256]
+    assert context_bucket(300, 256) == 512
+
+
+def _eager_graph_runner(wrapped, backend="sdpa"):
+    eng = wrapped._engine
+    eng.use_graphs = True
+    eng._graphs = GraphRunner(wrapped.model, eng.cache(), backend, eng.options.max_num_seqs, capture=False)
+    return eng._graphs
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text"])
+def test_graph_runner_static_buffers_identical_to_hf(arch):
+    """Verify steps through GraphRunner's padded static buffers (dummy rows, bucketed Lk), run
+    eagerly: the path a captured graph replays, minus the capture."""
+    model = tiny_model(arch)
+    w = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=16)
+    gr = _eager_graph_runner(w)
+    for batch, k in ((1, 4), (3, 4), (5, 10), (3, None)):
+        assert _hf_equal(model, w, batch, k, seed=batch + 3), (arch, batch, k)
+    assert gr.num_replays > 0
+    assert {key[1] for key in gr.graphs} >= {1, 4, 8}  # batch buckets with dummy rows
+
+
+def test_graph_runner_flash_static_buffers(fake_flash):
+    model = tiny_model("mistral")
+    w = hf_plookup.wrap(model, attn_backend="flash_attn", max_cache_tokens=2048)
+    gr = _eager_graph_runner(w, "flash_attn")
+    for batch, k in ((3, 4), (2, None)):
+        assert _hf_equal(model, w, batch, k), (batch, k)
+    assert gr.num_replays > 0
+
+
+def test_pad_plan_rejects_bad_buckets(llama):
+    w = hf_plookup.wrap(llama, max_cache_tokens=512, block_size=8, pad_drafts=True)
+    eng = w._engine
+    cache = eng.cache()
+    from hf_plookup.engine.runner import StepPlan
+
+    plan = StepPlan(np.zeros(4, np.int64), np.arange(4), np.arange(4), np.arange(4).reshape(2, 2),
+                    np.zeros((2, 8), np.int64), np.array([6, 8]), np.zeros((2, 1), np.int64),
+                    np.array([0, 2, 4]), np.array([0, 6, 14]), None, None, np.arange(4), True)
+    arrays = pad_plan(plan, 4, 16, 8, cache.scratch_block)
+    assert arrays["input_ids"].shape == (8,) and arrays["kv_slots"].shape == (4, 16)
+    assert (arrays["block_tables"][2:] == cache.scratch_block).all() and list(arrays["context_lens"]) == [6, 8, 2, 2]
+    with pytest.raises(ValueError, match="bucket"):
+        pad_plan(plan, 1, 16, 8, cache.scratch_block)
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphRunner(llama, cache, "sdpa", 8, capture=True)

@@ -1,0 +1,172 @@
+"""On a CUDA device: captured graphs against eager steps, the paged backends against dense
+attention, and greedy outputs against HF greedy in fp32. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_plookup
+from hf_plookup.attention.flash import flash_paged_attention
+from hf_plookup.attention.metadata import AttentionMetadata
+from hf_plookup.attention.sdpa import sdpa_paged_attention
+from tests.attention.test_sdpa import _dense_reference, _Layer
+from tests.conftest import left_padded, tiny_model
+
+from .conftest import HAS_CUDA
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+
+ARCHS = ["llama", "mistral", "qwen3", "gemma3_text"]
+
+
+def _generate(wrapped, batch, k, seed, max_new_tokens=40):
+    ids, mask = left_padded(batch, seed=seed)
+    return wrapped.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=max_new_tokens,
+                            prompt_lookup_num_tokens=k)
+
+
+def _hf(model, batch, seed, max_new_tokens=40):
+    ids, mask = left_padded(batch, seed=seed)
+    return model.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=False, max_new_tokens=max_new_tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graphs_fp32_identical_to_hf_greedy(arch):
+    """sdpa backend, CUDA graphs on (padded verify steps), fp32: token-identical to HF greedy."""
+    model = tiny_model(arch).cuda()
+    w = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa")
+    assert w._engine.use_graphs
+    for batch, k in ((1, 4), (5, 4), (3, 10), (4, None)):
+        assert torch.equal(_hf(model, batch, batch + 7), _generate(w, batch, k, batch + 7)), (arch, batch, k)
+    gr = w._engine._graphs
+    assert gr is not None and gr.graphs and gr.num_replays > 0
+    assert all(g.graph is not None for g in gr.graphs.values())
+
+
+def test_graph_replay_identical_to_eager_fp32():
+    """sdpa in fp32: captured and eager padded steps give the same tokens."""
+    model = tiny_model("mistral").cuda()
+    graphs = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa", cuda_graphs=True)
+    eager = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa", cuda_graphs=False, pad_drafts=True)
+    for batch, k in ((1, 4), (6, 4), (2, None)):
+        assert torch.equal(_generate(graphs, batch, k, 11), _generate(eager, batch, k, 11)), (batch, k)
+    assert graphs._engine._graphs.num_replays > 0 and eager._engine._graphs is None
+
+
+def test_graph_replay_close_to_eager_flash_bf16(needs_flash):
+    """flash_attn in bf16: a graph's block table is a bucket wide, which can change flash-attn's
+    split-KV choice and so the rounding; the first tokens must agree on most rows."""
+    model = tiny_model("mistral").to(device="cuda", dtype=torch.bfloat16)
+    graphs = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="flash_attn", cuda_graphs=True)
+    eager = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="flash_attn", cuda_graphs=False)
+    a, b = _generate(graphs, 8, 4, 11, 16), _generate(eager, 8, 4, 11, 16)
+    width = a.shape[1] - 16
+    assert (a[:, width : width + 4] == b[:, width : width + 4]).all(dim=1).float().mean() >= 0.75
+    assert graphs._engine._graphs.num_replays > 0
+
+
+def test_flash_fp32_refused_and_auto_falls_back():
+    model = tiny_model("llama").cuda()
+    with pytest.raises(ValueError, match="attn_backend='flash_attn' cannot run"):
+        hf_plookup.wrap(model, attn_backend="flash_attn")
+    assert hf_plookup.wrap(model)._engine.options.attn_backend == "sdpa"  # fp32: auto -> sdpa
+
+
+def test_flash_bf16_close_to_sdpa(needs_flash):
+    """bf16 greedy on flash_attn vs sdpa: the same model, two kernels; outputs may part after a
+    near-tie, so only the first tokens are required to agree on most rows."""
+    model = tiny_model("qwen3").to(device="cuda", dtype=torch.bfloat16)
+    flash = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="flash_attn")
+    sdpa = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa")
+    a, b = _generate(flash, 8, 4, 5, 16), _generate(sdpa, 8, 4, 5, 16)
+    assert flash.last_stats.attn_backend == "flash_attn"
+    width = a.shape[1] - 16
+    assert (a[:, width : width + 4] == b[:, width : width + 4]).all(dim=1).float().mean() >= 0.75
+
+
+def _paged_step(dtype, bs, uniform):
+    """Random paged step on CUDA: (meta, query, key, value, per-sequence dense tensors)."""
+    g = torch.Generator().manual_seed(0)
+    h, h_kv, d, num_blocks = 8, 2, 64, 16
+    cached = [0, 7, 300, 22]
+    new = [3, 3, 3, 3] if uniform else [1, 5, 2, 9]
+    b = len(cached)
+    ctx = [c + n for c, n in zip(cached, new)]
+    k_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[perm.pop() for _ in range(-(-t // bs))] for t in ctx]
+    full_k = [torch.randn(h_kv, t, d, generator=g).to(dtype) for t in ctx]
+    full_v = [torch.randn(h_kv, t, d, generator=g).to(dtype) for t in ctx]
+    for i in range(b):
+        for p in range(cached[i]):
+            k_cache[tables[i][p // bs], p % bs] = full_k[i][:, p]
+            v_cache[tables[i][p // bs], p % bs] = full_v[i][:, p]
+    tq, lk = max(new), max(ctx)
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(b, width, dtype=torch.int32)
+    kv_slots = torch.zeros(b, lk, dtype=torch.long)
+    query_pos = torch.full((b, tq), -1, dtype=torch.long)
+    slots, scatter = [], []
+    for i in range(b):
+        bt[i, : len(tables[i])] = torch.tensor(tables[i])
+        for p in range(ctx[i]):
+            kv_slots[i, p] = tables[i][p // bs] * bs + p % bs
+        for j in range(new[i]):
+            query_pos[i, j] = cached[i] + j
+            slots.append(int(kv_slots[i, cached[i] + j]))
+            scatter.append(i * tq + j)
+    scatter = torch.tensor(scatter)
+    gather = torch.zeros(b * tq, dtype=torch.long)
+    gather[scatter] = torch.arange(len(scatter))
+
+    class Cache:
+        def layer(self, idx):
+            return k_cache_d, v_cache_d
+
+    k_cache_d, v_cache_d = k_cache.cuda(), v_cache.cuda()
+    i32 = dict(dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(
+        kv_cache=Cache(), slot_mapping=torch.tensor(slots, device="cuda"), query_pos=query_pos.cuda(),
+        kv_slots=kv_slots.cuda(), context_lens=torch.tensor(ctx, device="cuda"),
+        q_gather=None if uniform else gather.cuda(), q_scatter=None if uniform else scatter.cuda(),
+        num_seqs=b, max_query_len=tq, max_context_len=lk,
+        cu_seqlens_q=torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], **i32),
+        cu_seqlens_k=torch.tensor([0, *torch.tensor(ctx).cumsum(0).tolist()], **i32),
+        cache_seqlens=torch.tensor(ctx, **i32), block_tables=bt.cuda(),
+    )
+    qs = [torch.randn(h, n, d, generator=g).to(dtype) for n in new]
+    query = torch.cat(qs, dim=1)[None].cuda()
+    key = torch.cat([full_k[i][:, cached[i] :] for i in range(b)], dim=1)[None].cuda()
+    value = torch.cat([full_v[i][:, cached[i] :] for i in range(b)], dim=1)[None].cuda()
+    return meta, query, key, value, qs, full_k, full_v, new
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash_attn"])
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_paged_backends_match_dense_on_gpu(backend, uniform, window, softcap, request):
+    if backend == "flash_attn":
+        request.getfixturevalue("needs_flash")
+    dtype, bs, tol = (torch.bfloat16, 256, 2e-2) if backend == "flash_attn" else (torch.float32, 16, 2e-5)
+    meta, query, key, value, qs, full_k, full_v, new = _paged_step(dtype, bs, uniform)
+    meta.backend = backend
+    fn = flash_paged_attention if backend == "flash_attn" else sdpa_paged_attention
+    out = fn(_Layer(), query, key, value, meta, scaling=0.125, sliding_window=window, softcap=softcap)
+    off = 0
+    for i, n in enumerate(new):
+        ref = _dense_reference(qs[i].float(), full_k[i].float(), full_v[i].float(), 0.125, window, softcap)
+        torch.testing.assert_close(out[0, off : off + n].transpose(0, 1).float().cpu(), ref, atol=tol, rtol=tol)
+        off += n
+
+
+def test_cache_sized_from_free_memory_after_warmup():
+    model = tiny_model("llama").cuda()
+    w = hf_plookup.wrap(model, cache_memory_fraction=0.05)
+    free, _ = torch.cuda.mem_get_info()
+    cap_tokens = w._engine.capacity_blocks * w._engine.options.block_size
+    per_token = sum(s.bytes_per_token() for s in w._engine.specs)
+    assert 0 < cap_tokens * per_token <= 0.05 * free * 1.05 + per_token * w._engine.options.block_size
+    _generate(w, 2, 4, 1, 8)
