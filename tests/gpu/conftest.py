@@ -14,7 +14,7 @@ HAS_FLASH = HAS_CUDA and importlib.util.find_spec("flash_attn") is not None
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
+        if item.get_closest_marker("gpu") is not None and not HAS_CUDA:
             item.add_marker(skip)
 
 
