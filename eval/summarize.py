@@ -370,6 +370,7 @@ def plot_results(variants: list[dict], path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     others = [v for v in variants if v["name"] != BASELINE]
@@ -377,7 +378,8 @@ def plot_results(variants: list[dict], path) -> None:
     speed = [v["speedup"] or 0.0 for v in others]
     lo = [max(sp - (v["speedup_per_batch"]["min"] if v["speedup_per_batch"]["min"] is not None else sp), 0) for sp, v in zip(speed, others)]
     hi = [max((v["speedup_per_batch"]["max"] if v["speedup_per_batch"]["max"] is not None else sp) - sp, 0) for sp, v in zip(speed, others)]
-    ax1.bar(range(len(others)), speed, yerr=[lo, hi], capsize=4, color="tab:blue")
+    colors = ["tab:blue" if v["engine"] == "plookup" else "tab:gray" for v in others]
+    ax1.bar(range(len(others)), speed, yerr=[lo, hi], capsize=4, color=colors)
     ax1.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     ax1.set_xticks(range(len(others)), names, rotation=20, ha="right")
     ax1.set_ylabel("speedup over HF greedy (tokens/s)")
@@ -386,6 +388,7 @@ def plot_results(variants: list[dict], path) -> None:
         acc = v.get("acceptance_per_position")
         if acc:
             ax2.plot(range(1, len(acc) + 1), acc, marker="o", label=v["label"])
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax2.set_xlabel("draft position")
     ax2.set_ylabel("acceptance rate")
     ax2.set_ylim(0, 1.05)

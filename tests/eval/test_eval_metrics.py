@@ -233,3 +233,20 @@ def test_bench_workload_and_synthetic_prompts():
     assert args.batch_sizes == [1, 4]
     assert bench.variant_names(args, 1) == ["hf-greedy", "hf-pl-k3", "hf-pl-k5", "plk-greedy", "plk-k3", "plk-k5"]
     assert bench.variant_names(args, 4) == ["hf-greedy", "plk-greedy", "plk-k3", "plk-k5"]
+
+
+def test_bench_aggregate_best_of_repeats():
+    def call(v, b, r, s, tok=10, eq=None):
+        return {"variant": v, "batch": b, "repeat": r, "seconds": s, "tokens": tok, "row_steps": tok if v == "hf-greedy" else tok // 2,
+                "forwards": 5, "rows": 2, "rows_equal": eq}
+    calls = [call("hf-greedy", 0, 0, 2.0, eq=2), call("hf-greedy", 0, 1, 1.0, eq=2), call("hf-greedy", 1, 0, 1.0, eq=2),
+             call("plk-k4", 0, 0, 0.5, eq=2), call("plk-k4", 0, 1, 1.5, eq=1), call("plk-k4", 1, 0, 0.5, eq=2)]
+    hf, plk, missing = bench.aggregate(calls, ["hf-greedy", "plk-k4", "plk-k8"], 2, {"plk-k8": "out of memory"})
+    assert hf["tokens_per_second"] == pytest.approx(20 / 2.0)  # best of batch 0 (1.0 s) + batch 1 (1.0 s)
+    assert hf["tokens_per_second_mean"] == pytest.approx(30 / 4.0)
+    assert plk["tokens_per_second"] == pytest.approx(20 / 1.0) and plk["ratio_to_hf_greedy"] == pytest.approx(2.0)
+    assert plk["tokens_per_forward"] == pytest.approx(2.0)
+    assert plk["equal_to_hf_greedy"] == pytest.approx(5 / 6)
+    assert hf["ratio_to_hf_greedy"] == 1.0 and hf["latency_per_call_s"] == pytest.approx(1.0)
+    assert missing["skipped"] == "out of memory" and missing["tokens_per_second"] is None
+    assert "skipped" in bench.format_table([missing])
