@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger("hf_plookup")
 
 
 @dataclass(slots=True)
@@ -65,9 +68,16 @@ def default_num_tokens(
     per_token = sum(s.bytes_per_token() for s in specs)
     device = specs[0].device
     if device.type == "cuda":
+        free = None
         if model is not None:
-            free = free_cuda_memory_after_warmup(model, device, warmup_tokens, logits_rows)
-        else:
+            config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            n = min(warmup_tokens, getattr(config, "max_position_embeddings", None) or warmup_tokens)
+            try:
+                free = free_cuda_memory_after_warmup(model, device, n, logits_rows or warmup_tokens)
+            except Exception as e:  # a model that cannot run this plain forward: size from free memory
+                logger.warning(f"hf_plookup: warm-up forward for cache sizing failed ({type(e).__name__}: {e}); "
+                               "sizing the KV cache from free memory without it")
+        if free is None:
             free, _ = torch.cuda.mem_get_info(device)
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -82,7 +92,7 @@ def free_cuda_memory_after_warmup(model: torch.nn.Module, device: torch.device, 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)  # [1, T]
+    ids = torch.zeros((1, num_tokens), dtype=torch.long, device=model.get_input_embeddings().weight.device)  # [1, T]
     with torch.inference_mode():
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
     torch.cuda.synchronize(device)

@@ -292,3 +292,29 @@ def test_pad_plan_rejects_bad_buckets(llama):
         pad_plan(plan, 1, 16, 8, cache.scratch_block)
     with pytest.raises(ValueError, match="CUDA"):
         GraphRunner(llama, cache, "sdpa", 8, capture=True)
+
+
+# -- CUDA cache sizing, with torch.cuda's memory queries faked -------------------------------------
+def test_cuda_cache_sizing_after_warmup(monkeypatch, llama):
+    from hf_plookup.engine import kv_cache
+
+    calls = []
+    fake = dict(synchronize=lambda *a: None, empty_cache=lambda: None, reset_peak_memory_stats=lambda *a: None,
+                memory_allocated=lambda *a: 1000, max_memory_allocated=lambda *a: 1000 + 500_000,
+                mem_get_info=lambda *a: (100_000_000, 200_000_000))
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    orig_forward = llama.forward
+
+    def forward(*a, **kw):
+        calls.append(kw["input_ids"].shape)
+        return orig_forward(*a, **kw)
+
+    monkeypatch.setattr(llama, "forward", forward)
+    specs = [kv_cache.LayerSpec(s.num_kv_heads, s.head_dim, s.dtype, torch.device("cuda")) for s in kv_cache.layer_specs(llama)]
+    per_token = sum(s.bytes_per_token() for s in specs)
+    tokens = kv_cache.default_num_tokens(specs, 0.5, llama, warmup_tokens=64, logits_rows=10)
+    assert calls == [(1, 64)]  # one warm-up forward of warmup_tokens tokens
+    free = 100_000_000 - 500_000 - 2 * 4 * 96 * 10
+    assert tokens == int(free * 0.5) // per_token
+    assert kv_cache.default_num_tokens(specs, 0.5) == int(100_000_000 * 0.5) // per_token  # no model: no warm-up
