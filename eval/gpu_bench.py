@@ -267,7 +267,9 @@ def run_one(name, model, wrapped, ids, args, eos, device, max_new_tokens):
     return dt, generated(out, ids.shape[1], eos), w.last_stats.as_dict(), timer
 
 
-def bench_model(args, name: str, device: torch.device) -> dict:
+def bench_model(args, name: str, device: torch.device, save=lambda info: None, deadline: float = float("inf")) -> dict:
+    """One model's rows; `save(info)` runs after every batch size (partial results survive a
+    kill), and batch sizes not started before `deadline` (perf_counter seconds) are skipped."""
     dtype = DTYPES[args.dtype]
     t0 = time.perf_counter()
     model, weights = build_model(name, dtype, device, args.smollm2_dir, args.seed)
@@ -294,6 +296,9 @@ def bench_model(args, name: str, device: torch.device) -> dict:
           f"copy {bw / 1e12:.2f} TB/s -> bound {1e3 * weight_bytes / bw:.2f} ms/step", flush=True)
     prompts = synthetic_prompts(vocab, max(args.batch_sizes), args.prompt_len, args.seed)
     for batch in args.batch_sizes:
+        if time.perf_counter() > deadline:
+            info["rows"].append({"batch": batch, "skipped": f"time budget {args.time_budget}s spent"})
+            continue
         ids = prompts[:batch].to(device)
         names = variants(args, batch)
         best: dict[str, dict] = {}
@@ -337,6 +342,10 @@ def bench_model(args, name: str, device: torch.device) -> dict:
                     row["attn_backend"] = r["stats"]["attn_backend"]
             info["rows"].append(row)
             print(format_row(name, row), flush=True)
+        save(info)
+    info["step_summary"] = step_summary(info)
+    for line in info["step_summary"]["lines"]:
+        print(line, flush=True)
     gr = engine._graphs
     info["graphs_captured"] = sorted(list(k) for k in gr.graphs) if gr is not None else []
     del wrapped, engine, gr, model
@@ -344,6 +353,27 @@ def bench_model(args, name: str, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return info
+
+
+def step_summary(info: dict) -> dict:
+    """Per batch: decode step times of greedy (1 token/seq) and prompt lookup (k+1) with graphs,
+    their ratio (the tokens/forward a verify step must reach to pay off), and the bound."""
+    by = {(r["batch"], r["variant"]): r for r in info["rows"] if r.get("decode_step_s")}
+    out, lines = {}, []
+    for batch in sorted({b for b, _ in by}):
+        one = by.get((batch, "plk-greedy"), {}).get("decode_step_s")
+        entry = {"step_1_s": one}
+        parts = [f"{info['model']} batch {batch}: 1-token step {_f(None if one is None else 1e3 * one, '.2f')} ms"]
+        for (b, v), r in sorted(by.items()):
+            k = _k(v)
+            if b == batch and k and not v.endswith("-eager"):
+                entry[f"step_{k + 1}_s"] = r["decode_step_s"]
+                ratio = r["decode_step_s"] / one if one else None
+                entry[f"ratio_{k + 1}"] = ratio
+                parts.append(f"{k + 1}-token {1e3 * r['decode_step_s']:.2f} ms (x{_f(ratio, '.2f')})")
+        out[batch] = entry
+        lines.append(", ".join(parts) + f"; bandwidth bound {1e3 * info['bandwidth_bound_step_s']:.2f} ms")
+    return {"per_batch": out, "lines": lines}
 
 
 def _f(x, spec: str) -> str:
@@ -389,10 +419,17 @@ def main(argv=None) -> int:
         if time.perf_counter() - start > args.time_budget:
             result["models"].append({"model": name, "skipped": f"time budget {args.time_budget}s spent"})
             continue
+        done = list(result["models"])
+
+        def save(info):  # after every batch size: partial results survive a kill
+            result["models"] = done + [info]
+            result["wall_s"] = time.perf_counter() - start
+            out.write_text(json.dumps(result, indent=1) + "\n")
+
         try:
-            result["models"].append(bench_model(args, name, device))
+            result["models"] = done + [bench_model(args, name, device, save, start + args.time_budget)]
         except Exception as e:  # e.g. out of memory: keep the other models' results
-            result["models"].append({"model": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+            result["models"] = done + [{"model": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}]
             print(f"{name}: {result['models'][-1]['error']}", flush=True)
         result["wall_s"] = time.perf_counter() - start
         out.write_text(json.dumps(result, indent=1) + "\n")  # after every model: partial results survive
