@@ -10,51 +10,69 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["NgramProposer", "propose_batch"]
+__all__ = ["NgramProposer", "propose_batch", "propose_serial"]
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def propose_batch(history, lengths, max_drafts, k, max_ngram, min_ngram, drafts, num_drafts):
-    """Fill drafts [B, k] (-1 where unused) and num_drafts [B] for every row in one call.
+@numba.njit(cache=True, nogil=True)
+def _propose_row(history, lengths, max_drafts, k, max_ngram, min_ngram, drafts, num_drafts, b):
+    """Row b of `propose_batch`.
 
-    history: [B, L] int64, row b's tokens are history[b, :lengths[b]]; lengths, max_drafts: [B].
-    One backward pass per row: for each continuation start c (newest first) the match length
+    One backward pass: for each continuation start c (newest first) the match length
     m(c) = largest j <= min(max_ngram, c) with t[c-j:c] == t[n-j:n]. The answer is the first c
     (i.e. the most recent) reaching the largest m(c) >= min_ngram; the pass stops early once a
     match of length max_ngram is found, since nothing can beat it.
     """
-    batch = lengths.shape[0]
-    for b in numba.prange(batch):
-        for j in range(k):
-            drafts[b, j] = -1
-        num_drafts[b] = 0
-        n_len = lengths[b]
-        cap = min(k, max_drafts[b])
-        if cap <= 0 or n_len < 2:
+    for j in range(k):
+        drafts[b, j] = -1
+    num_drafts[b] = 0
+    n_len = lengths[b]
+    cap = min(k, max_drafts[b])
+    if cap <= 0 or n_len < 2:
+        return
+    row = history[b]
+    last = row[n_len - 1]
+    best_n = 0
+    best_c = -1
+    # c = start of the continuation; c <= n_len - 1 keeps the suffix itself out of the search.
+    for c in range(n_len - 1, 0, -1):
+        if row[c - 1] != last:
             continue
-        row = history[b]
-        last = row[n_len - 1]
-        best_n = 0
-        best_c = -1
-        # c = start of the continuation; c <= n_len - 1 keeps the suffix itself out of the search.
-        for c in range(n_len - 1, 0, -1):
-            if row[c - 1] != last:
-                continue
-            lim = min(max_ngram, c)
-            m = 1
-            while m < lim and row[c - 1 - m] == row[n_len - 1 - m]:
-                m += 1
-            if m > best_n and m >= min_ngram:
-                best_n = m
-                best_c = c
-                if m == max_ngram:
-                    break
-        if best_c < 0:
-            continue
-        cnt = min(cap, n_len - best_c)
-        for j in range(cnt):
-            drafts[b, j] = row[best_c + j]
-        num_drafts[b] = cnt
+        lim = min(max_ngram, c)
+        m = 1
+        while m < lim and row[c - 1 - m] == row[n_len - 1 - m]:
+            m += 1
+        if m > best_n and m >= min_ngram:
+            best_n = m
+            best_c = c
+            if m == max_ngram:
+                break
+    if best_c < 0:
+        return
+    cnt = min(cap, n_len - best_c)
+    for j in range(cnt):
+        drafts[b, j] = row[best_c + j]
+    num_drafts[b] = cnt
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def propose_batch(history, lengths, max_drafts, k, max_ngram, min_ngram, drafts, num_drafts):
+    """Fill drafts [B, k] (-1 where unused) and num_drafts [B] for every row in one call,
+    rows in parallel. history: [B, L] int64, row b's tokens are history[b, :lengths[b]];
+    lengths, max_drafts: [B]."""
+    for b in numba.prange(lengths.shape[0]):
+        _propose_row(history, lengths, max_drafts, k, max_ngram, min_ngram, drafts, num_drafts, b)
+
+
+@numba.njit(cache=True, nogil=True)
+def propose_serial(history, lengths, max_drafts, k, max_ngram, min_ngram, drafts, num_drafts):
+    """`propose_batch` on one thread: for small batches, where waking numba's worker threads
+    costs more than the search (and, on a small CPU, competes with torch's threads)."""
+    for b in range(lengths.shape[0]):
+        _propose_row(history, lengths, max_drafts, k, max_ngram, min_ngram, drafts, num_drafts, b)
+
+
+# batches below this many rows are searched on one thread
+PARALLEL_MIN_BATCH = 32
 
 
 def _check_int(name: str, value, minimum: int = 1) -> int:
@@ -82,6 +100,8 @@ class NgramProposer:
         # Compiles (or loads from numba's on-disk cache) the specialization real calls use.
         hist = np.array([[1, 2, 1, 2, 1]], dtype=np.int64)  # [1, 5]
         self.propose(hist, np.array([5], dtype=np.int64))
+        many = np.repeat(hist, PARALLEL_MIN_BATCH, axis=0)  # [32, 5]: the parallel kernel
+        self.propose(many, np.full(PARALLEL_MIN_BATCH, 5, dtype=np.int64))
 
     def propose(
         self,
@@ -118,6 +138,6 @@ class NgramProposer:
                     f"out must be int64 buffers of shapes [>={batch}, {self.k}] and [>={batch}]"
                 )
             drafts, num = d_buf[:batch], n_buf[:batch]  # views [B, k], [B]
-        propose_batch(history, lengths, max_drafts, self.k, self.max_ngram, self.min_ngram,
-                      drafts, num)
+        kernel = propose_batch if batch >= PARALLEL_MIN_BATCH else propose_serial
+        kernel(history, lengths, max_drafts, self.k, self.max_ngram, self.min_ngram, drafts, num)
         return drafts, num

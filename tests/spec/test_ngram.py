@@ -184,3 +184,16 @@ def test_bad_propose_inputs():
 def test_compiled_parallel_and_cached():
     assert propose_batch.targetoptions.get("parallel")
     assert propose_batch._cache is not None and type(propose_batch._cache).__name__ != "NullCache"
+
+
+@pytest.mark.parametrize("batch", [31, 32, 70])
+def test_parallel_and_serial_kernels_agree_with_reference(batch):
+    """Batches from PARALLEL_MIN_BATCH rows on take the parallel kernel; both match the reference."""
+    from hf_plookup.spec.ngram import PARALLEL_MIN_BATCH
+
+    rng = np.random.default_rng(batch)
+    history = rng.integers(0, 5, size=(batch, 60)).astype(np.int64)
+    lengths = rng.integers(0, 61, size=batch).astype(np.int64)
+    max_drafts = rng.integers(0, 8, size=batch).astype(np.int64)
+    assert (batch >= PARALLEL_MIN_BATCH) == (batch != 31)
+    check(history, lengths, 6, 3, 1, max_drafts)
