@@ -148,22 +148,24 @@ def infer_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: frozense
     return torch.ones_like(input_ids)
 
 
-def _max_new_tokens(model, config: GenerationConfig, width: int, has_default_max_length: bool) -> int:
-    """HF's `_prepare_generated_length` + `_validate_generated_length` for decoder-only models."""
-    if config.max_new_tokens is not None:
-        return config.max_new_tokens
-    max_length = config.max_length
-    if has_default_max_length:  # HF: the default max_length counts new tokens
-        max_length = max_length + width
-        max_pos = getattr(model.config, "max_position_embeddings", None)
-        if max_pos is not None:
-            max_length = min(max_length, max_pos)
-    if width >= max_length:
+def _max_new_tokens(model, config: GenerationConfig, width: int, input_ids: torch.Tensor,
+                    has_default_max_length: bool, has_default_min_length: bool) -> int:
+    """HF's own `_prepare_generated_length` (sets max_length and min_length on `config`, with
+    min_new_tokens winning over min_length), then its length validation."""
+    model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=has_default_max_length,
+        has_default_min_length=has_default_min_length,
+        model_input_name="input_ids",
+        input_ids_length=width,
+        inputs_tensor=input_ids,
+    )
+    if width >= config.max_length:
         raise ValueError(
-            f"Input length of input_ids is {width}, but `max_length` is set to {max_length}; "
+            f"Input length of input_ids is {width}, but `max_length` is set to {config.max_length}; "
             "increase `max_length` or set `max_new_tokens`"
         )
-    return max_length - width
+    return config.max_length - width
 
 
 def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Request | str:
@@ -192,6 +194,11 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Reque
         and (generation_config is None or generation_config.max_length is None)
         and model.generation_config.max_length is None
     )
+    has_default_min_length = (
+        kwargs.get("min_length") is None
+        and (generation_config is None or generation_config.min_length is None)
+        and model.generation_config.min_length is None
+    )
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     reason = delegation_reason(config, args, model_kwargs)
     if reason:
@@ -216,8 +223,7 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Reque
     pad = int(pad_t.view(-1)[0]) if pad_t is not None else None
 
     width = input_ids.shape[1]
-    max_new = _max_new_tokens(model, config, width, has_default_max_length)
-    config.max_length = width + max_new  # as HF sets it before building processors and criteria
+    max_new = _max_new_tokens(model, config, width, input_ids, has_default_max_length, has_default_min_length)
     if mask is None:
         mask = infer_attention_mask(input_ids, pad, eos)
     if nrs > 1:
