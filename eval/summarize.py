@@ -12,7 +12,13 @@ Writes results.json, results.md and results.png to `--out`.
     python eval/summarize.py                                 # builtin data, embedded model
     python eval/summarize.py --model smollm2-135m --k 4 8 --check-accuracy
     python eval/summarize.py --dataset cnn_dailymail --num-docs 100 --device cuda --dtype bf16
-    accelerate launch --num_processes 2 eval/summarize.py ...  # documents sharded over processes
+    accelerate launch --num_processes 2 eval/summarize.py ...  # GPUs: documents sharded over processes
+    accelerate launch --multi_gpu --num_processes 2 eval/summarize.py --device cpu ...  # CPU processes
+    torchrun --nproc_per_node 2 eval/summarize.py --device cpu ...                      # same, via torchrun
+
+(`accelerate launch --cpu` starts one process only; on CPU use one of the last two forms.
+Each process generates its share of the documents, the main process gathers the records and
+writes the one report; tok/s is then per process.)
 
 `--check-accuracy` exits with status 1 when an hf_plookup variant misses the thresholds
 (defaults per dtype, see `DEFAULT_THRESHOLDS`).
@@ -36,10 +42,13 @@ from eval import common  # noqa: E402
 
 # dtype -> (min exact-match rate, max ROUGE drop). fp32: every document token-identical to
 # the baseline (the engine is exact in fp32). bf16/fp16: a (k+1)-token verify forward rounds
-# differently from a 1-token forward, so greedy outputs may part after a near-tie (as with
-# every speculative decoder, HF's own included); we ask that at least half the documents
-# stay identical and that no mean ROUGE F1 falls by more than 0.02.
-DEFAULT_THRESHOLDS = {"fp32": (1.0, 1e-9), "bf16": (0.5, 0.02), "fp16": (0.5, 0.02)}
+# differently from a 1-token forward, so greedy outputs may part after a near-tie, as with
+# every speculative decoder. Measured on SmolLM2-135M bf16 (CPU, 8 builtin docs, 64 new
+# tokens, batch 4): hf_plookup k=4/8 and HF's own prompt lookup all kept 4 of 8 documents
+# identical; HF's own lost up to 0.022 ROUGE-1, hf_plookup up to 0.012. The gate sits below
+# that (a quarter of the documents identical, no mean ROUGE F1 down by more than 0.05), far
+# above what a broken engine gives (no document identical, ROUGE collapsing).
+DEFAULT_THRESHOLDS = {"fp32": (1.0, 1e-9), "bf16": (0.25, 0.05), "fp16": (0.25, 0.05)}
 DATASETS = {
     # name -> (hub id, config, text field, summary field)
     "cnn_dailymail": ("abisee/cnn_dailymail", "3.0.0", "article", "highlights"),
@@ -71,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rouge-backend", default="auto", choices=["auto", "evaluate", "rouge_score"],
                    help="auto: evaluate.load('rouge') when it loads (it needs the hub), else rouge_score")
     p.add_argument("--check-accuracy", action="store_true", help="exit 1 when an hf_plookup variant misses the thresholds")
-    p.add_argument("--min-exact-match", type=float, default=None, help="default per dtype: fp32 1.0, bf16/fp16 0.5")
-    p.add_argument("--max-rouge-drop", type=float, default=None, help="default per dtype: fp32 1e-9, bf16/fp16 0.02")
+    p.add_argument("--min-exact-match", type=float, default=None, help="default per dtype: fp32 1.0, bf16/fp16 0.25")
+    p.add_argument("--max-rouge-drop", type=float, default=None, help="default per dtype: fp32 1e-9, bf16/fp16 0.05")
     p.add_argument("--no-plot", action="store_true", help="skip results.png")
     return p
 
@@ -481,6 +490,7 @@ def main(argv=None) -> int:
     model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
     load_seconds = time.perf_counter() - t0
     wrapped = hf_plookup.wrap(model)
+    common.set_threads(args.threads)  # again: wrap() starts numba's OpenMP pool, which resets torch's count
     chat = common.has_chat_template(tokenizer)
 
     mine = shard(list(enumerate(docs)), state.process_index, state.num_processes)

@@ -32,6 +32,7 @@ def test_summarize_main_passes_accuracy_check(tiny_chat_ckpt, tmp_path, capsys):
     plk = res["variants"][2]
     assert len(plk["acceptance_per_position"]) == 4 and plk["tokens_per_forward"] >= 1.0
     assert res["prompt"] == "chat template" and res["num_processes"] == 1
+    assert res["machine"]["threads"] == 1  # --threads survives hf_plookup.wrap()
     assert len(res["documents"]) == 4 * 5
     assert (out / "results.md").exists() and (out / "results.png").exists()
 
