@@ -148,6 +148,11 @@ def wrap(model, **options) -> PlookupModel:
         raise ValueError(f"model: encoder-decoder architecture '{model.config.model_type}' is not supported")
     check_supported(model)
     opts = EngineOptions(**options)
-    register()
-    NgramProposer(1)  # compile (or load from numba's disk cache) before the first generate
-    return PlookupModel(model, opts)
+    threads = torch.get_num_threads()
+    try:
+        register()
+        NgramProposer(1)  # compile (or load from numba's disk cache) before the first generate
+        wrapped = PlookupModel(model, opts)
+    finally:
+        torch.set_num_threads(threads)  # numba's threading layer start-up resets OpenMP's count
+    return wrapped

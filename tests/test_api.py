@@ -149,3 +149,14 @@ def test_delegates_what_engine_does_not_do(pair, caplog):
     assert torch.equal(out, ref)
     assert wrapped.last_stats.delegated and "num_beams" in wrapped.last_stats.delegated_reason
     assert "delegating" in caplog.text
+
+
+def test_wrap_keeps_torch_thread_count():
+    """numba's threading start-up (proposer warm-up) must not change the user's torch threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hf_plookup.wrap(tiny_model("llama"))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
