@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from transformers import StoppingCriteriaList
 
+from ..spec.sampling import rows_by_length
+
 
 def first_stops(
     criteria: StoppingCriteriaList,
@@ -25,10 +27,7 @@ def first_stops(
     i = np.arange(len(seg)) - np.repeat(np.cumsum(counts) - counts, counts)  # [C] candidate index
     lengths = starts[seg] + i + 1  # context length after candidate i
     fired = np.zeros(len(seg), dtype=bool)
-    for length in np.unique(lengths):
-        idx = np.flatnonzero(lengths == length)
-        ids = torch.from_numpy(hf_rows[rows[seg[idx]], :length]).to(scores.device)
-        sel = torch.from_numpy(idx).to(scores.device)
+    for idx, ids, sel in rows_by_length(hf_rows, rows[seg], lengths, scores.device):
         fired[idx] = criteria(ids, scores[sel]).cpu().numpy().astype(bool)
     np.minimum.at(keep, seg[fired], i[fired] + 1)
     stopped = np.zeros(len(counts), dtype=bool)

@@ -28,6 +28,16 @@ def _for_rows(processors: LogitsProcessorList, rows: np.ndarray, batch: int) -> 
     return out
 
 
+def rows_by_length(hf_rows: np.ndarray, rows: np.ndarray, lengths: np.ndarray, device):
+    """Group positions by context length: yields (idx [n] positions, ids [n, length] tokens of
+    their rows, sel [n] the same indices as a tensor on `device`). HF processors and stopping
+    criteria need a rectangular `input_ids`, so the work is one call per distinct length."""
+    for length in np.unique(lengths):
+        idx = np.flatnonzero(lengths == length)
+        ids = torch.from_numpy(hf_rows[rows[idx], :length]).to(device)
+        yield idx, ids, torch.from_numpy(idx).to(device)
+
+
 def process_scores(
     processors: LogitsProcessorList,
     logits: torch.Tensor,  # [N, V] raw logits of the verified positions
@@ -42,9 +52,6 @@ def process_scores(
     if not processors:
         return scores
     out = torch.empty_like(scores)
-    for length in np.unique(lengths):
-        idx = np.flatnonzero(lengths == length)
-        ids = torch.from_numpy(hf_rows[rows[idx], :length]).to(logits.device)
-        sel = torch.from_numpy(idx).to(logits.device)
+    for idx, ids, sel in rows_by_length(hf_rows, rows, lengths, logits.device):
         out[sel] = _for_rows(processors, rows[idx], hf_rows.shape[0])(ids, scores[sel].clone())
     return out

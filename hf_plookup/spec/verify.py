@@ -11,19 +11,6 @@ import numpy as np
 import torch
 
 
-def greedy_accept(drafts: np.ndarray, targets: np.ndarray) -> int:
-    """Number of leading drafts equal to the model's argmax at their position.
-
-    drafts: [m] proposed tokens; targets: [m + 1] argmax after the last token and after each draft.
-    The token appended after them is `targets[returned]` (a correction, or the bonus when all match).
-    """
-    m = len(drafts)
-    if len(targets) != m + 1:
-        raise ValueError(f"targets must have len(drafts) + 1 = {m + 1} entries, got {len(targets)}")
-    mismatch = np.flatnonzero(drafts != targets[:m])
-    return int(mismatch[0]) if len(mismatch) else m
-
-
 def _draft_rows(offsets: np.ndarray, num_drafts: np.ndarray, drafts: np.ndarray):
     """Flat score-row index and token of every draft: ([D], [D]) with D = num_drafts.sum()."""
     seg = np.repeat(np.arange(len(offsets)), num_drafts)  # [D] owning sequence
