@@ -3,7 +3,8 @@
 HF's own prompt lookup refuses batches larger than one; hf_plookup runs them and returns
 exactly what HF greedy returns (checked here with `--check`).
 
-    python examples/batch.py --model smollm2-135m --max-new-tokens 64 --check
+    python examples/batch.py --max-new-tokens 64 --check    # SmolLM2-135M-Instruct if installed
+    python examples/batch.py --model gemma3-270m --check    # the base model, with plain-text prompts
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import torch
 
 import hf_plookup
-from hf_plookup.embedded import DEFAULT_MODEL, resolve_model
+from hf_plookup.embedded import default_example_model, encode_prompts, is_instruct, resolve_model
 
 REQUESTS = [
     "Rewrite this sentence in the past tense: The committee meets on Tuesday and approves the budget for the new library.",
@@ -22,11 +23,22 @@ REQUESTS = [
     "Summarize: The town's footbridge closed in 2021 because of corrosion. A new footbridge, costing 4.3 million "
     "pounds, was approved on Tuesday and the footbridge will open in 2026.",
 ]
+# the same four tasks for a base model: text whose natural continuation is the answer
+BASE_PROMPTS = [
+    "Present: The dog runs to the gate.\nPast: The dog ran to the gate.\n\n"
+    "Present: The committee meets on Tuesday and approves the budget for the new library.\nPast:",
+    "Sentence: A yellow bus passed a white house.\nColours: yellow, white\n\n"
+    "Sentence: The red kite flew over the green field under a blue sky.\nColours:",
+    "# a Python function, written twice\ndef add(a, b): return a + b\ndef add(a, b):",
+    "Article: The town's footbridge closed in 2021 because of corrosion. A new footbridge, costing 4.3 million "
+    "pounds, was approved on Tuesday and the footbridge will open in 2026.\n\nSummary:",
+]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias (gemma3-270m, smollm2-135m) or HF id/path")
+    p.add_argument("--model", default=default_example_model(),
+                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens")
     p.add_argument("--check", action="store_true", help="also run HF greedy and compare the outputs")
@@ -36,12 +48,7 @@ def main(argv=None) -> int:
     tokenizer.padding_side = "left"  # generation continues from the right edge of every row
     wrapped = hf_plookup.wrap(model)
 
-    if tokenizer.chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True, tokenize=False)
-                 for r in REQUESTS]
-        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    else:
-        inputs = tokenizer([r + "\n" for r in REQUESTS], return_tensors="pt", padding=True)
+    inputs = encode_prompts(tokenizer, REQUESTS, BASE_PROMPTS, is_instruct(args.model, tokenizer))
 
     out = wrapped.generate(**inputs, max_new_tokens=args.max_new_tokens,
                            prompt_lookup_num_tokens=args.k, max_matching_ngram_size=2)

@@ -1,7 +1,10 @@
 """Quickstart: wrap an HF causal LM with hf_plookup and generate with prompt lookup.
 
-    python examples/quickstart.py                          # embedded Gemma 3 270M, offline
-    python examples/quickstart.py --model smollm2-135m --max-new-tokens 64
+    python examples/quickstart.py                          # SmolLM2-135M-Instruct if installed, else Gemma 3 270M
+    python examples/quickstart.py --model gemma3-270m --max-new-tokens 64
+
+An instruct model gets the request through its chat template; a base model (Gemma 3 270M)
+gets a plain "Article: ... Summary:" prompt, whose natural continuation is the summary.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import argparse
 import torch
 
 import hf_plookup
-from hf_plookup.embedded import DEFAULT_MODEL, resolve_model
+from hf_plookup.embedded import default_example_model, encode_prompts, is_instruct, resolve_model
 
 TEXT = (
     "The Harwick Vale council approved a new footbridge over the Orrin River on Tuesday. "
@@ -22,7 +25,8 @@ TEXT = (
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias (gemma3-270m, smollm2-135m) or HF id/path")
+    p.add_argument("--model", default=default_example_model(),
+                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens: draft tokens per step")
     args = p.parse_args(argv)
@@ -30,12 +34,8 @@ def main(argv=None) -> int:
     model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
     model = hf_plookup.wrap(model)  # same model; generate() now runs on hf_plookup's engine
 
-    request = f"Summarize in one sentence:\n\n{TEXT}"
-    if tokenizer.chat_template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True, tokenize=False)
-        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
-    else:
-        inputs = tokenizer(request + "\n\nSummary:", return_tensors="pt")
+    inputs = encode_prompts(tokenizer, [f"Summarize in one sentence:\n\n{TEXT}"],
+                            [f"Article: {TEXT}\n\nOne-sentence summary:"], is_instruct(args.model, tokenizer))
 
     out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, prompt_lookup_num_tokens=args.k)
     print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip())

@@ -1,9 +1,11 @@
 """Sampling with prompt lookup: do_sample with temperature / top-p, reproducible by seed.
 
-Calls with sampling are currently handed to HF's own `generate` (hf_plookup logs that it
-delegates); they give what HF gives for the same seed.
+Sampling runs on hf_plookup's engine: drafts are verified by rejection sampling, so every
+token is distributed exactly as HF's own sampling would draw it (the random draws differ, so
+the same seed gives other text than HF's `generate`).
 
-    python examples/sampling.py --model smollm2-135m --max-new-tokens 64 --samples 3
+    python examples/sampling.py --max-new-tokens 64 --samples 3   # SmolLM2-135M-Instruct if installed
+    python examples/sampling.py --model gemma3-270m               # the base model, plain-text prompt
 """
 
 from __future__ import annotations
@@ -13,28 +15,28 @@ import argparse
 import torch
 
 import hf_plookup
-from hf_plookup.embedded import DEFAULT_MODEL, resolve_model
+from hf_plookup.embedded import default_example_model, encode_prompts, is_instruct, resolve_model
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias (gemma3-270m, smollm2-135m) or HF id/path")
+    p.add_argument("--model", default=default_example_model(),
+                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens")
     p.add_argument("--samples", type=int, default=2, help="how many samples to draw (one seed each)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt", default="Give three names for a bakery that sells bread, and say why each name suits a bakery.")
+    p.add_argument("--prompt", default="Give three names for a bakery that sells bread, and say why each name suits a bakery.",
+                   help="request for an instruct model")
+    p.add_argument("--base-prompt", default="Three good names for a small bakery that sells bread, and why each suits it:\n1.",
+                   help="plain-text prompt for a base model")
     args = p.parse_args(argv)
 
     model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
     model = hf_plookup.wrap(model)
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False)
-        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-    else:
-        inputs = tokenizer(args.prompt + "\n", return_tensors="pt")
+    inputs = encode_prompts(tokenizer, [args.prompt], [args.base_prompt], is_instruct(args.model, tokenizer))
 
     width = inputs["input_ids"].shape[1]
     for i in range(args.samples):

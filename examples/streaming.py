@@ -1,9 +1,10 @@
 """Streaming: print tokens as they are generated, with transformers' TextStreamer.
 
-A `streamer` argument is currently handled by handing the call to HF's own `generate`
-(hf_plookup logs that it delegates); the output is the same as without streaming.
+Streaming runs on hf_plookup's engine: the tokens of each accepted run of drafts reach the
+streamer one by one, in order, and the output is the same as without streaming.
 
-    python examples/streaming.py --model smollm2-135m --max-new-tokens 64
+    python examples/streaming.py --max-new-tokens 64            # SmolLM2-135M-Instruct if installed
+    python examples/streaming.py --model gemma3-270m            # the base model, plain-text prompt
 """
 
 from __future__ import annotations
@@ -14,24 +15,24 @@ import torch
 from transformers import TextStreamer
 
 import hf_plookup
-from hf_plookup.embedded import DEFAULT_MODEL, resolve_model
+from hf_plookup.embedded import default_example_model, encode_prompts, is_instruct, resolve_model
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded alias (gemma3-270m, smollm2-135m) or HF id/path")
+    p.add_argument("--model", default=default_example_model(),
+                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens")
-    p.add_argument("--prompt", default="Write a short note to a neighbour about a parcel that was delivered to the wrong house.")
+    p.add_argument("--prompt", default="Write a short note to a neighbour about a parcel that was delivered to the wrong house.",
+                   help="request for an instruct model")
+    p.add_argument("--base-prompt", default="Article: A parcel for number 12 was delivered to number 21 by mistake on Monday. The neighbour at number 21 carried it over in the evening and left a note.\n\nSummary:",
+                   help="plain-text prompt for a base model")
     args = p.parse_args(argv)
 
     model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
     model = hf_plookup.wrap(model)
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False)
-        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-    else:
-        inputs = tokenizer(args.prompt + "\n", return_tensors="pt")
+    inputs = encode_prompts(tokenizer, [args.prompt], [args.base_prompt], is_instruct(args.model, tokenizer))
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     model.generate(**inputs, max_new_tokens=args.max_new_tokens, prompt_lookup_num_tokens=args.k, streamer=streamer)

