@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["hf-greedy", "hf-pl", "plk-greedy", "plk"], help="which variant families to run (hf-greedy always runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
-    return p
+    return common.show_defaults(p)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

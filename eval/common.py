@@ -3,6 +3,7 @@ left-padded batches, timed generate calls for HF and hf_plookup, forward countin
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -19,6 +20,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 PLAIN_PROMPT = "Summarize the following text.\n\n{document}\n\nSummary:"
 CHAT_INSTRUCTION = "Summarize the following text in two or three sentences.\n\n{document}"
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make `--help` show every option's default: "(default: X)" is appended to each option
+    whose default is a value (not None/False) unless its help already describes the default."""
+    for action in parser._actions:
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            continue
+        text = action.help or ""
+        if "default" not in text:
+            action.help = f"{text} (default: %(default)s)".strip()
+    return parser
 
 
 def default_model() -> str:

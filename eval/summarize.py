@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-exact-match", type=float, default=None, help="default per dtype: fp32 1.0, bf16/fp16 0.25")
     p.add_argument("--max-rouge-drop", type=float, default=None, help="default per dtype: fp32 1e-9, bf16/fp16 0.05")
     p.add_argument("--no-plot", action="store_true", help="skip results.png")
-    return p
+    return common.show_defaults(p)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
