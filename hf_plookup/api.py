@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, fields
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .attention.registry import check_supported, register
+from .attention.registry import register
 from .engine.engine import Engine, EngineOptions
 from .generation import GENERATE_ARGS, resolve
 from .spec.ngram import NgramProposer
@@ -28,20 +29,25 @@ class PlookupGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 class PlookupModel:
-    """Behaves as the wrapped HF model (attributes, calls, saving) except for `generate`."""
+    """Behaves as the wrapped HF model (attributes, calls, saving) except for `generate`.
+
+    `generate` may be called from several threads: calls run one at a time on the engine (its
+    cache, blocks and graphs belong to one call at a time), and `last_stats` is per thread (the
+    stats of the calling thread's last call; also on the output with `return_dict_in_generate`)."""
 
     def __init__(self, model: torch.nn.Module, options: EngineOptions):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_options", options)
         object.__setattr__(self, "_engine", Engine(model, options))
-        object.__setattr__(self, "last_stats", None)
+        object.__setattr__(self, "_lock", threading.Lock())  # one engine call (or delegated HF call) at a time
+        object.__setattr__(self, "_local", threading.local())  # per thread: .stats
 
     # -- passthrough --------------------------------------------------------------------
     def __getattr__(self, name):
         return getattr(object.__getattribute__(self, "_model"), name)
 
     def __setattr__(self, name, value):
-        if name in type(self).__dict__ or name == "last_stats":
+        if name in type(self).__dict__:
             object.__setattr__(self, name, value)
         else:
             setattr(self._model, name, value)
@@ -64,6 +70,11 @@ class PlookupModel:
     def options(self) -> EngineOptions:
         return self._options
 
+    @property
+    def last_stats(self) -> SpecStats | None:
+        """`SpecStats` of this thread's last `generate` call (None before the first)."""
+        return getattr(self._local, "stats", None)
+
     # -- generate -----------------------------------------------------------------------
     def generate(self, inputs=None, generation_config=None, **kwargs):
         """Same arguments and result as HF's `generate`; greedy (with `prompt_lookup_num_tokens`
@@ -76,18 +87,20 @@ class PlookupModel:
             logger.warning(f"hf_plookup: delegating to transformers' generate ({request})")
             stats.delegated, stats.delegated_reason = True, request
             try:
-                return self._model.generate(inputs, generation_config=generation_config, **args, **kwargs)
+                with self._lock:  # HF's forward must not see the engine's attention switched on
+                    return self._model.generate(inputs, generation_config=generation_config, **args, **kwargs)
             finally:
                 stats.wall_time = time.perf_counter() - start
-                object.__setattr__(self, "last_stats", stats)
+                self._local.stats = stats
 
         engine = self._engine
         engine.check_fits(max(len(p) for p in request.prompts) + request.decode.max_new_tokens)
         try:
-            result = engine.generate(request.prompts, request.decode, stats)
+            with self._lock:
+                result = engine.generate(request.prompts, request.decode, stats)
         finally:
             stats.wall_time = time.perf_counter() - start
-            object.__setattr__(self, "last_stats", stats)
+            self._local.stats = stats
         sequences = _layout(request.input_ids, result.new_tokens, request.pad_token_id)
         if request.return_dict:
             return PlookupGenerateOutput(
@@ -146,7 +159,6 @@ def wrap(model, **options) -> PlookupModel:
         raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"model: encoder-decoder architecture '{model.config.model_type}' is not supported")
-    check_supported(model)
     opts = EngineOptions(**options)
     threads = torch.get_num_threads()
     try:

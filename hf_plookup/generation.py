@@ -91,8 +91,17 @@ def _check_raw(kwargs: dict) -> None:
     if mnt is not None:
         if isinstance(mnt, bool) or not isinstance(mnt, (int, np.integer)):
             raise TypeError(f"max_new_tokens must be an int, got {type(mnt).__name__}")
-        if mnt < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {mnt}")
+        if mnt < 1:  # HF's own rule (GenerationConfig.validate): greater than 0
+            raise ValueError(f"max_new_tokens must be greater than 0, got {mnt}")
+
+
+def _check_token_range(model, input_ids: torch.Tensor) -> None:
+    """Every id must index the embedding table (HF's forward would fail in the embedding lookup)."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {vocab - 1}] of size {vocab}")
 
 
 def _check_sampling(config: GenerationConfig) -> None:
@@ -183,7 +192,14 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Reque
         )
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty (length 0)")
+    if input_ids.shape[0] == 0:
+        raise ValueError("input_ids has no rows (batch size 0)")
+    _check_token_range(model, input_ids)
     mask = kwargs.get("attention_mask")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask is not None and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 and 1")
     if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
         raise ValueError(
             f"attention_mask has shape {tuple(mask.shape)}, input_ids has {tuple(input_ids.shape)}: they must match"

@@ -38,15 +38,33 @@ ARCHS = {
     "phi3": {},
     "olmo2": {},
     "gpt_neox": {"num_key_value_heads": None, "rotary_pct": 0.5},
+    # GPT-NeoX has no GQA and ignores this field: the cache layout must come from the real keys
+    "gpt_neox_kv_field": {"model_type": "gpt_neox", "num_key_value_heads": 2, "rotary_pct": 0.5},
+    "stablelm": {"partial_rotary_factor": 0.25, "qk_layernorm": True, "use_parallel_residual": True},
+    "gemma2": {  # attention and final logit soft-capping, alternating sliding/global layers
+        "head_dim": 16, "attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0,
+        "sliding_window": 8, "query_pre_attn_scalar": 24,
+    },
+    "cohere": {"logit_scale": 0.5},  # parallel attention and MLP
+    "gpt_bigcode": {"multi_query": True, "num_key_value_heads": None},  # MQA
+    "starcoder2": {"sliding_window": 8},
+    "granite": {"attention_multiplier": 0.2, "residual_multiplier": 0.5, "embedding_multiplier": 2.0, "logits_scaling": 2.0},
+    "phi": {"partial_rotary_factor": 0.5, "num_key_value_heads": None},
+    "olmo": {},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "smollm3": {"no_rope_layer_interval": 2},  # some layers without rotary embeddings
+    "exaone4": {"sliding_window": 8, "head_dim": 16},
 }
+# refused at wrap time, with the architecture and the reason in the message
+REFUSED_ARCHS = {"mamba": "attention", "bloom": "AttentionInterface", "falcon": "probe forward"}
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
     kw = dict(_BASE)
-    kw.update(ARCHS[arch])
+    kw.update(ARCHS.get(arch, {}))
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}
-    config = AutoConfig.for_model(arch, **kw)
+    config = AutoConfig.for_model(kw.pop("model_type", arch), **kw)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_plookup
-from tests.conftest import PAD, left_padded, tiny_model
+from tests.conftest import PAD, REFUSED_ARCHS, left_padded, tiny_model
 
 
 @pytest.fixture()
@@ -50,11 +50,34 @@ def test_model_unchanged_outside_generate(pair):
     assert ref.shape[1] == ids.shape[1] + 6
 
 
-def test_unsupported_architecture_named_at_wrap_time():
-    config = AutoConfig.for_model("bloom", vocab_size=64, hidden_size=32, n_layer=1, n_head=2)
+@pytest.mark.parametrize("arch", sorted(REFUSED_ARCHS))
+def test_unsupported_architecture_named_at_wrap_time(arch):
+    """Decided by a probe forward, not by a class flag: the message names the class, the
+    architecture and the reason."""
+    config = AutoConfig.for_model(arch, vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
     model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ValueError, match="bloom"):
+    with pytest.raises(ValueError, match=rf"{type(model).__name__} \(architecture '{arch}'\).*{REFUSED_ARCHS[arch]}"):
         hf_plookup.wrap(model)
+
+
+def test_layer_sharing_another_layers_keys_is_refused():
+    """Cross-layer KV sharing (a layer attending with another layer's index) cannot get pages of its own."""
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn.layer_idx = 0
+    with pytest.raises(ValueError, match=r"layers \[1\] do not call"):
+        hf_plookup.wrap(model)
+
+
+def test_cache_layout_from_real_keys_not_config_fields():
+    """A GPT-NeoX config carrying num_key_value_heads=2 (the architecture ignores it): pages get
+    the 4 heads the keys really have."""
+    model = tiny_model("gpt_neox_kv_field")
+    assert model.config.num_key_value_heads == 2
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=256)
+    assert {s.num_kv_heads for s in wrapped._engine.specs} == {4}
+    ids, mask = left_padded(2)
+    assert torch.equal(wrapped.generate(ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3),
+                       model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
 
 
 def test_bad_wrap_options():
@@ -79,6 +102,7 @@ def test_bad_wrap_options():
         ({"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 0}, ValueError, "max_matching_ngram_size"),
         ({"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": "2"}, TypeError, "max_matching_ngram_size"),
         ({"max_new_tokens": -1}, ValueError, "max_new_tokens"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be greater than 0"),
     ],
 )
 def test_bad_generate_arguments(pair, kwargs, exc, name):
@@ -103,6 +127,19 @@ def test_bad_inputs(pair):
         wrapped.generate([[1, 2, 3]], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_length"):
         wrapped.generate(ids, attention_mask=mask, max_length=ids.shape[1])
+    vocab = wrapped.get_input_embeddings().weight.shape[0]
+    for bad in (vocab, -1):
+        oov = ids.clone()
+        oov[2, -1] = bad
+        with pytest.raises(ValueError, match=rf"input_ids holds token id {bad}, outside the vocabulary .* size {vocab}"):
+            wrapped.generate(oov, attention_mask=mask, max_new_tokens=4)
+    with pytest.raises(ValueError, match="attention_mask must hold only 0 and 1"):
+        wrapped.generate(ids, attention_mask=mask * 2, max_new_tokens=4)
+    with pytest.raises(TypeError, match="attention_mask must be a torch.Tensor"):
+        wrapped.generate(ids, attention_mask=mask.tolist(), max_new_tokens=4)
+    with pytest.raises(ValueError, match="no rows"):
+        wrapped.generate(ids[:0], max_new_tokens=4)
+    assert wrapped._engine.blocks is None or wrapped._engine.blocks.num_free == wrapped._engine.blocks.num_blocks
 
 
 def test_prompt_that_cannot_fit_names_the_option():

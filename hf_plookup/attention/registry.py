@@ -68,26 +68,17 @@ def register() -> None:
         AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
-def check_supported(model: torch.nn.Module) -> None:
-    """Refuse, at wrap time, a model whose attention does not dispatch through AttentionInterface."""
-    if not getattr(type(model), "_supports_attention_backend", False):
-        arch = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
-        raise ValueError(
-            f"hf_plookup cannot run {type(model).__name__} (architecture '{arch}'): its attention does not go "
-            "through transformers' AttentionInterface, so the paged KV cache cannot be plugged in"
-        )
-
-
 @contextlib.contextmanager
-def engine_attention(model: torch.nn.Module):
-    """Switch `model` to the hf_plookup attention for one forward; always restore the previous one."""
+def engine_attention(model: torch.nn.Module, name: str = ATTN_IMPLEMENTATION):
+    """Switch `model` to the attention implementation `name` (the hf_plookup one by default) for
+    one forward; always restore the previous one."""
     config = model.config
     previous = {"": config._attn_implementation}
     for name in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, name, None)
         if sub is not None:
             previous[name] = sub._attn_implementation
-    config._attn_implementation = ATTN_IMPLEMENTATION
+    config._attn_implementation = name
     try:
         yield
     finally:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.probe import probe_key_layouts
+
 logger = logging.getLogger("hf_plookup")
 
 
@@ -29,24 +31,12 @@ class LayerSpec:
 
 
 def layer_specs(model: torch.nn.Module) -> list[LayerSpec]:
-    """One spec per attention layer, on that layer's device and dtype (models split by accelerate
-    keep each layer's pages next to its weights)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    attn = {}
-    for module in model.modules():
-        idx = getattr(module, "layer_idx", None)
-        if isinstance(idx, int) and type(module).__name__.endswith("Attention") and idx not in attn:
-            attn[idx] = next(module.parameters())
-    n = config.num_hidden_layers
-    if sorted(attn) != list(range(n)):
-        raise ValueError(
-            f"expected one attention module per layer (0..{n - 1}) with a `layer_idx`, found {sorted(attn)}; "
-            f"architecture '{config.model_type}' is not supported"
-        )
-    return [LayerSpec(kv_heads, head_dim, attn[i].dtype, attn[i].device) for i in range(n)]
+    """One spec per attention layer, from the keys each layer really hands to its attention
+    function (a probe forward, attention.probe), on that layer's device and dtype: models split
+    by accelerate keep each layer's pages next to its weights, and config fields an
+    architecture ignores (a GPT-NeoX config's `num_key_value_heads`) play no part. Raises
+    `ValueError` naming the architecture when the model cannot run on the paged cache."""
+    return [LayerSpec(k.num_kv_heads, k.head_dim, k.dtype, k.device) for k in probe_key_layouts(model)]
 
 
 def default_num_tokens(

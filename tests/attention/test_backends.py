@@ -298,6 +298,8 @@ def test_pad_plan_rejects_bad_buckets(llama):
 def test_cuda_cache_sizing_after_warmup(monkeypatch, llama):
     from hf_plookup.engine import kv_cache
 
+    # the specs first: layer_specs runs probe forwards of its own, before the warm-up is counted
+    specs = [kv_cache.LayerSpec(s.num_kv_heads, s.head_dim, s.dtype, torch.device("cuda")) for s in kv_cache.layer_specs(llama)]
     calls = []
     fake = dict(synchronize=lambda *a: None, empty_cache=lambda: None, reset_peak_memory_stats=lambda *a: None,
                 memory_allocated=lambda *a: 1000, max_memory_allocated=lambda *a: 1000 + 500_000,
@@ -311,7 +313,6 @@ def test_cuda_cache_sizing_after_warmup(monkeypatch, llama):
         return orig_forward(*a, **kw)
 
     monkeypatch.setattr(llama, "forward", forward)
-    specs = [kv_cache.LayerSpec(s.num_kv_heads, s.head_dim, s.dtype, torch.device("cuda")) for s in kv_cache.layer_specs(llama)]
     per_token = sum(s.bytes_per_token() for s in specs)
     tokens = kv_cache.default_num_tokens(specs, 0.5, llama, warmup_tokens=64, logits_rows=10)
     assert calls == [(1, 64)]  # one warm-up forward of warmup_tokens tokens

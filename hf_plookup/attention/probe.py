@@ -1,0 +1,138 @@
+"""Wrap-time probe: does this model's attention really run through `AttentionInterface`, and
+what do its keys look like per layer?
+
+A class flag (`_supports_attention_backend`) is not the truth: some models dispatch through
+transformers' attention functions without setting it, others set it but keep layers that never
+call an attention function (Mamba mixers) or share keys across layers. So the model is run twice
+on a few tokens: once as it is, once with a recording attention function registered under its
+own name that computes plain causal attention from the arguments it is given. The recording gives
+each layer's real key layout (KV heads, head size, dtype, device: from the tensors, not from config
+fields the architecture may ignore), and the two outputs must agree, or the model is refused with
+the reason.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+
+from .registry import engine_attention
+
+PROBE_IMPLEMENTATION = "hf_plookup_probe"
+PROBE_TOKENS = 5  # tokens of the probe input
+
+
+@dataclass(slots=True)
+class KeyLayout:
+    """What one layer's attention function was handed as keys."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(slots=True)
+class _Recording:
+    layouts: dict[int, KeyLayout] = field(default_factory=dict)  # layer_idx -> layout
+    anonymous_calls: int = 0  # calls from modules without an int `layer_idx`
+
+
+_RECORDING: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("hf_plookup_probe", default=None)
+
+
+def _probe_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, H_kv, T, D]
+    value: torch.Tensor,  # [1, H_kv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Record the key layout, then plain causal attention (windowed, soft-capped as asked)."""
+    rec = _RECORDING.get()
+    idx = getattr(module, "layer_idx", None)
+    if rec is not None:
+        if isinstance(idx, int):
+            rec.layouts[idx] = KeyLayout(key.shape[1], key.shape[3], key.dtype, key.device)
+        else:
+            rec.anonymous_calls += 1
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1).float()
+    v = value.repeat_interleave(groups, dim=1).float()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale  # [1, H, T, T]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    t = query.shape[2]
+    pos = torch.arange(t, device=query.device)
+    visible = pos[None, :] <= pos[:, None]  # [T, T] causal
+    if sliding_window:
+        visible &= pos[None, :] > pos[:, None] - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)  # [1, H, T, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _arch(model: torch.nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return f"{type(model).__name__} (architecture '{getattr(config, 'model_type', None) or '?'}')"
+
+
+def _num_layers(model: torch.nn.Module) -> int | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "num_hidden_layers", None)
+
+
+@torch.inference_mode()
+def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLayout]:
+    """One `KeyLayout` per decoder layer; `ValueError` naming the architecture and the reason
+    when the paged attention cannot stand in for the model's own."""
+    if AttentionInterface._global_mapping.get(PROBE_IMPLEMENTATION) is not _probe_attention:
+        AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
+    emb = model.get_input_embeddings()
+    vocab = emb.weight.shape[0]
+    ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % vocab  # a few distinct tokens
+    ids = ids[None].to(emb.weight.device)  # [1, PROBE_TOKENS]
+    try:
+        reference = model(input_ids=ids, use_cache=False).logits.float()
+    except Exception as e:  # a forward that cannot run on plain input_ids at all
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: its own forward on {PROBE_TOKENS} tokens failed "
+                         f"({type(e).__name__}: {e})") from e
+    rec = _Recording()
+    token = _RECORDING.set(rec)
+    try:
+        with engine_attention(model, PROBE_IMPLEMENTATION):
+            probed = model(input_ids=ids, attention_mask=None, use_cache=False).logits.float()
+    except Exception as e:  # e.g. an attention path that needs the mask transformers builds
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: a probe forward with attention through "
+                         f"AttentionInterface and no mask failed ({type(e).__name__}: {e})") from e
+    finally:
+        _RECORDING.reset(token)
+    n = _num_layers(model)
+    if not rec.layouts:
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: none of its layers calls an attention function "
+                         "through transformers' AttentionInterface (a model-specific attention path, or non-attention "
+                         "mixers such as Mamba), so the paged KV cache cannot be plugged in")
+    if rec.anonymous_calls:
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: some attention modules have no integer `layer_idx`, "
+                         "so their keys cannot be given pages")
+    missing = sorted(set(range(n)) - set(rec.layouts)) if n is not None else []
+    if missing or (n is not None and sorted(rec.layouts) != list(range(n))):
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: layers {missing or sorted(rec.layouts)} do not call "
+                         "an attention function (non-attention mixers such as Mamba layers are not supported)")
+    diff = float((reference - probed).abs().max())
+    tol = atol if reference.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 5e-2
+    scale = max(float(reference.abs().max()), 1.0)
+    if not diff <= tol * scale:
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: its outputs change when its attention runs through "
+                         f"AttentionInterface (max logit difference {diff:.3g}); it attends in a way the paged cache "
+                         "does not reproduce (e.g. keys shared across layers)")
+    return [rec.layouts[i] for i in range(len(rec.layouts))]
