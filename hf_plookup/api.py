@@ -31,15 +31,16 @@ class PlookupGenerateOutput(GenerateDecoderOnlyOutput):
 class PlookupModel:
     """Behaves as the wrapped HF model (attributes, calls, saving) except for `generate`.
 
-    `generate` may be called from several threads: calls run one at a time on the engine (its
-    cache, blocks and graphs belong to one call at a time), and `last_stats` is per thread (the
-    stats of the calling thread's last call; also on the output with `return_dict_in_generate`)."""
+    `generate` may be called from several threads: a call that arrives while another runs joins
+    its engine loop at the next step when their settings allow (greedy, same drafting and stop
+    tokens, no processors/criteria/streamer; option `join_calls`), else it waits for that loop
+    to end. `last_stats` is per thread: the stats of the calling thread's last call (also on the
+    output with `return_dict_in_generate`)."""
 
     def __init__(self, model: torch.nn.Module, options: EngineOptions):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_options", options)
         object.__setattr__(self, "_engine", Engine(model, options))
-        object.__setattr__(self, "_lock", threading.Lock())  # one engine call (or delegated HF call) at a time
         object.__setattr__(self, "_local", threading.local())  # per thread: .stats
 
     # -- passthrough --------------------------------------------------------------------
@@ -87,7 +88,7 @@ class PlookupModel:
             logger.warning(f"hf_plookup: delegating to transformers' generate ({request})")
             stats.delegated, stats.delegated_reason = True, request
             try:
-                with self._lock:  # HF's forward must not see the engine's attention switched on
+                with self._engine.exclusive():  # HF's forwards must not see the engine's attention switched on
                     return self._model.generate(inputs, generation_config=generation_config, **args, **kwargs)
             finally:
                 stats.wall_time = time.perf_counter() - start
@@ -96,8 +97,7 @@ class PlookupModel:
         engine = self._engine
         engine.check_fits(max(len(p) for p in request.prompts) + request.decode.max_new_tokens)
         try:
-            with self._lock:
-                result = engine.generate(request.prompts, request.decode, stats)
+            result = engine.generate(request.prompts, request.decode, stats)
         finally:
             stats.wall_time = time.perf_counter() - start
             self._local.stats = stats
@@ -143,7 +143,7 @@ def wrap(model, **options) -> PlookupModel:
 
     Options (see `EngineOptions`): max_cache_tokens, num_blocks, block_size, max_batch_tokens,
     max_num_seqs, cache_memory_fraction, attn_backend ("auto" | "sdpa" | "flash_attn"),
-    cuda_graphs, pad_drafts. Wrapping a `PlookupModel` again rewraps the same HF model with
+    cuda_graphs, pad_drafts, join_calls. Wrapping a `PlookupModel` again rewraps the same HF model with
     the options merged.
     """
     unknown = set(options) - _OPTION_NAMES

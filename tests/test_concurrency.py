@@ -4,6 +4,7 @@ its own stats, and no block stays in use."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -48,3 +49,81 @@ def test_threads_get_hf_greedy_tokens_and_their_own_stats():
     blocks = wrapped._engine.blocks
     assert blocks.num_free == blocks.num_blocks
     assert wrapped.last_stats is None  # the main thread made no call
+
+
+def _joined_pair(join_calls: bool, fail_after_join: bool = False):
+    """Call A starts; its first forward waits until call B (another thread) has arrived, so B
+    arrives while A's loop runs. Returns (model, wrapped, results, stats, errors, forwards)."""
+    model = tiny_model("llama")
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=1024, block_size=8, join_calls=join_calls)
+    engine = wrapped._engine
+    started = threading.Event()
+    forwards = []
+
+    def hook(module, args, kwargs):
+        forwards.append(1)
+        if not started.is_set():
+            started.set()
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not (engine._pending or b_waiting.is_set()):
+                time.sleep(0.01)
+            time.sleep(0.05)
+        elif fail_after_join and len(forwards) == 4:
+            raise RuntimeError("boom in a forward")
+
+    b_waiting = threading.Event()
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    inputs = {"A": left_padded(2, seed=1), "B": left_padded(3, seed=2)}
+    results, stats, errors = {}, {}, {}
+
+    def client(name, n):
+        ids, mask = inputs[name]
+        try:
+            results[name] = wrapped.generate(ids, attention_mask=mask, max_new_tokens=n, prompt_lookup_num_tokens=4)
+            stats[name] = wrapped.last_stats
+        except BaseException as e:  # checked by the caller
+            errors[name] = e
+
+    a = threading.Thread(target=client, args=("A", 12))
+    a.start()
+    assert started.wait(20)
+    b = threading.Thread(target=client, args=("B", 20))
+    b.start()
+    if not join_calls:  # B waits for A's loop instead of joining it; let A go on
+        time.sleep(0.3)
+        b_waiting.set()
+    a.join(60)
+    b.join(60)
+    handle.remove()
+    return model, wrapped, inputs, results, stats, errors, len(forwards)
+
+
+def test_a_call_arriving_mid_loop_joins_it():
+    model, wrapped, inputs, results, stats, errors, forwards = _joined_pair(join_calls=True)
+    assert not errors, errors
+    for name, n in (("A", 12), ("B", 20)):
+        ids, mask = inputs[name]
+        assert torch.equal(results[name], model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False))
+    assert stats["A"].num_sequences == 2 and stats["B"].num_sequences == 3
+    # shared forwards are counted by both calls: fewer model forwards ran than the calls counted
+    assert forwards < stats["A"].forwards + stats["B"].forwards
+    assert wrapped._engine.blocks.num_free == wrapped._engine.blocks.num_blocks
+
+
+def test_join_calls_false_runs_calls_one_after_another():
+    model, wrapped, inputs, results, stats, errors, forwards = _joined_pair(join_calls=False)
+    assert not errors, errors
+    assert forwards == stats["A"].forwards + stats["B"].forwards
+    ids, mask = inputs["B"]
+    assert torch.equal(results["B"], model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False))
+
+
+def test_an_error_in_a_joined_loop_reaches_every_caller_and_frees_the_cache():
+    model, wrapped, inputs, results, stats, errors, forwards = _joined_pair(join_calls=True, fail_after_join=True)
+    assert isinstance(errors.get("A"), RuntimeError) and "boom" in str(errors["A"])
+    assert isinstance(errors.get("B"), RuntimeError) and "joined failed" in str(errors["B"])
+    blocks = wrapped._engine.blocks
+    assert blocks.num_free == blocks.num_blocks and wrapped._engine._batch is None and not wrapped._engine._pending
+    ids, mask = inputs["B"]  # the next call runs normally
+    assert torch.equal(wrapped.generate(ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=4),
+                       model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))

@@ -1,0 +1,198 @@
+"""The rows of one engine loop: their token history, drafts, and which `generate` call each
+row belongs to (calls that arrive while a loop runs join it; see engine.Engine.generate)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..spec.ngram import NgramProposer
+from ..spec.sampling import process_scores
+from ..spec.verify import accept_greedy, accept_sampling
+from ..stats import SpecStats
+from .scheduler import ScheduledChunk, Scheduler
+from .sequence import DecodeConfig, Sequence
+from .stopping import first_stops
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    new_tokens: list[np.ndarray]  # B arrays of generated tokens (EOS included, no padding)
+    scores: list[list[torch.Tensor]] | None  # per row, processed scores [V] of each new token
+    logits: list[list[torch.Tensor]] | None  # per row, raw logits [V] of each new token
+
+
+@dataclass(slots=True)
+class Call:
+    """One `generate` call's share of a loop: its prompts, config, stats and, once its rows are
+    done, its result (or the error that ended the loop)."""
+
+    prompts: list[np.ndarray]  # each [L_i] int64, padding removed
+    cfg: DecodeConfig
+    stats: SpecStats
+    seqs: list[Sequence] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+
+def joinable(running: DecodeConfig, cfg: DecodeConfig) -> bool:
+    """Whether a call with `cfg` can join a loop running `running`: the same drafting and stop
+    tokens, greedy, and nothing that needs rows laid out as HF lays them out (processors,
+    criteria, streamers, recorded scores) on either side."""
+    def plain(c: DecodeConfig) -> bool:
+        return not (c.do_sample or c.needs_hf_rows or c.streamer is not None or c.output_scores or c.output_logits)
+
+    return (plain(running) and plain(cfg) and running.k == cfg.k and running.max_ngram == cfg.max_ngram
+            and running.eos_token_ids == cfg.eos_token_ids)
+
+
+class Batch:
+    """Token rows of every call in one loop. `history[row, :seq.num_tokens]` is a row's prompt
+    (padding removed) and generated tokens; drafts are written right after them before a step."""
+
+    def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | None, sched: Scheduler, ids):
+        self.cfg = cfg  # the first call's config: it sets drafting and stopping for every row
+        self.proposer = proposer
+        self.sched = sched
+        self._ids = ids  # itertools.count shared by the engine: unique sequence ids
+        k = max(cfg.k, 1)
+        self.history = np.zeros((0, 1), dtype=np.int64)  # [B, L]
+        self.drafts = np.full((0, k), -1, dtype=np.int64)  # [B, k]
+        self.n_drafts = np.zeros(0, dtype=np.int64)  # [B]
+        self.calls: list[Call] = []
+        self.call_of_row: list[Call] = []
+        self.hf_rows: np.ndarray | None = None  # [B, W + extra] rows as HF lays them out (first call only)
+        self.width = 0  # W
+        self.rec_scores: list[list[torch.Tensor]] | None = None
+        self.rec_logits: list[list[torch.Tensor]] | None = None
+
+    def add(self, call: Call) -> None:
+        """Give `call`'s prompts rows (growing the buffers) and queue them in the scheduler."""
+        cfg = call.cfg
+        first = len(self.call_of_row)
+        b = len(call.prompts)
+        extra = cfg.max_new_tokens + cfg.k + 1
+        width = max(self.history.shape[1], max(len(p) for p in call.prompts) + extra)
+        history = np.zeros((first + b, width), dtype=np.int64)
+        history[:first, : self.history.shape[1]] = self.history
+        self.history = history
+        self.drafts = np.concatenate([self.drafts, np.full((b, self.drafts.shape[1]), -1, dtype=np.int64)])
+        self.n_drafts = np.concatenate([self.n_drafts, np.zeros(b, dtype=np.int64)])
+        if not self.calls:
+            if cfg.needs_hf_rows:
+                self.width = cfg.hf_input_ids.shape[1]
+                self.hf_rows = np.zeros((b, self.width + extra), dtype=np.int64)
+                self.hf_rows[:, : self.width] = cfg.hf_input_ids
+            self.rec_scores = [[] for _ in range(b)] if cfg.output_scores else None
+            self.rec_logits = [[] for _ in range(b)] if cfg.output_logits else None
+        call.stats.num_sequences = b
+        call.stats.resize(cfg.k)
+        for i, p in enumerate(call.prompts):
+            row = first + i
+            self.history[row, : len(p)] = p
+            seq = Sequence(next(self._ids), row, len(p), cfg.max_new_tokens)
+            call.seqs.append(seq)
+            self.call_of_row.append(call)
+            self.sched.add(seq)
+        self.calls.append(call)
+
+    def propose(self, running: list[Sequence]) -> np.ndarray:
+        """Drafts for the running sequences (written into `history` after their last token)."""
+        if self.proposer is None:
+            return np.zeros(len(running), dtype=np.int64)
+        rows = np.array([s.row for s in running])
+        lengths = np.array([s.num_tokens for s in running], dtype=np.int64)
+        cap = np.array([s.remaining - 1 for s in running], dtype=np.int64)
+        d, nd = self.proposer.propose(self.history[rows], lengths, cap)
+        self.drafts[rows], self.n_drafts[rows] = d, nd
+        for s in running:  # drafts are fed (and seen by processors) right after the last token
+            m = self.n_drafts[s.row]
+            self.history[s.row, s.num_tokens : s.num_tokens + m] = self.drafts[s.row, :m]
+            if self.hf_rows is not None:
+                at = self.width + s.num_generated
+                self.hf_rows[s.row, at : at + m] = self.drafts[s.row, :m]
+        return nd
+
+    def count_forward(self, chunks: list[ScheduledChunk]) -> None:
+        """One forward, counted for every call that had a row in it."""
+        for call in {id(self.call_of_row[c.seq.row]): self.call_of_row[c.seq.row] for c in chunks}.values():
+            call.stats.forwards += 1
+            call.stats.prefill_forwards += chunks[0].is_prefill
+
+    def finish_calls(self) -> list[Call]:
+        """Calls whose rows have all stopped and that have no result yet: their results are set."""
+        done = []
+        for call in self.calls:
+            if call.result is None and all(s.finished for s in call.seqs):
+                call.result = self.result(call)
+                done.append(call)
+        return done
+
+    def result(self, call: Call) -> GenerationResult:
+        return GenerationResult(
+            [self.history[s.row, s.prompt_len : s.num_tokens].copy() for s in call.seqs],
+            self.rec_scores if call is self.calls[0] else None,
+            self.rec_logits if call is self.calls[0] else None,
+        )
+
+    def verify_and_commit(self, active: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        """Score every verified position (`logits` [N, V]), accept drafts, append tokens up to the first stop."""
+        cfg, history, hf_rows, width = self.cfg, self.history, self.hf_rows, self.width
+        seqs = [c.seq for c in active]
+        rows = np.array([s.row for s in seqs], dtype=np.int64)  # [S]
+        n_pos = np.array([1 if c.is_prefill else c.num_tokens for c in active], dtype=np.int64)  # [S]
+        offsets = np.cumsum(n_pos) - n_pos  # [S]
+        num_drafts = n_pos - 1
+        gen = np.array([s.num_generated for s in seqs], dtype=np.int64)  # [S] before this step
+        step_drafts = self.drafts[rows]  # [S, k]
+        if cfg.processors:
+            pos_rows = np.repeat(rows, n_pos)
+            pos_len = width + np.repeat(gen, n_pos) + (np.arange(n_pos.sum()) - np.repeat(offsets, n_pos))
+            scores = process_scores(cfg.processors, logits, pos_rows, pos_len, hf_rows)  # [N, V]
+        else:
+            scores = logits.float()
+        if cfg.do_sample:
+            accepted, final = accept_sampling(torch.softmax(scores, dim=-1), offsets, num_drafts, step_drafts)
+        else:
+            accepted, final = accept_greedy(scores, offsets, num_drafts, step_drafts)
+        counts = accepted + 1
+        candidates = [np.append(step_drafts[i, : accepted[i]], final[i]) for i in range(len(seqs))]
+        if cfg.stopping:
+            starts = width + gen
+            for i, s in enumerate(seqs):
+                hf_rows[s.row, starts[i] : starts[i] + counts[i]] = candidates[i]
+            cand_rows = np.concatenate([offsets[i] + np.arange(counts[i]) for i in range(len(seqs))])
+            keep, stopped = first_stops(
+                cfg.stopping, rows, starts, counts, hf_rows, scores[torch.from_numpy(cand_rows).to(scores.device)]
+            )
+        else:
+            keep, stopped = counts, np.zeros(len(seqs), dtype=bool)
+        for i, (c, seq) in enumerate(zip(active, seqs)):
+            stats = self.call_of_row[seq.row].stats
+            m = num_drafts[i]
+            if not c.is_prefill:
+                a = int(accepted[i])
+                stats.drafted += int(m)
+                stats.accepted += a
+                for j in range(m):
+                    stats.drafted_per_position[j] += 1
+                    stats.accepted_per_position[j] += j < a
+                seq.num_cached += 1 + a
+            emitted = seq.append(history, candidates[i][: keep[i]].tolist(), cfg.eos_token_ids)
+            if stopped[i] and emitted == keep[i]:
+                seq.finished = True  # a stopping criterion fired on the last kept token
+            if hf_rows is not None:
+                hf_rows[seq.row, width + gen[i] : width + gen[i] + emitted] = candidates[i][:emitted]
+            stats.row_steps += 1
+            stats.new_tokens += emitted
+            if self.rec_scores is not None:
+                self.rec_scores[seq.row].extend(scores[offsets[i] : offsets[i] + emitted])
+            if self.rec_logits is not None:
+                self.rec_logits[seq.row].extend(logits[offsets[i] : offsets[i] + emitted].float())
+            if cfg.streamer is not None:
+                for t in candidates[i][:emitted]:
+                    cfg.streamer.put(torch.tensor([int(t)]))
