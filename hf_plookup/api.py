@@ -54,7 +54,8 @@ class PlookupModel:
             setattr(self._model, name, value)
 
     def __call__(self, *args, **kwargs):
-        return self._model(*args, **kwargs)
+        with self._engine.exclusive():  # not while an engine loop has the attention switched
+            return self._model(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"PlookupModel({self._model!r})"

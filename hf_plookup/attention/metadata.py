@@ -108,8 +108,9 @@ def current_metadata() -> AttentionMetadata:
     meta = _CURRENT.get()
     if meta is None:
         raise RuntimeError(
-            "the hf_plookup attention function ran outside an engine forward; "
-            "the wrapped model's attention implementation should have been restored"
+            "the hf_plookup attention function ran outside an engine forward: the HF model was called "
+            "directly (another thread?) while an hf_plookup generate call had its attention switched; call "
+            "the wrapped model instead (it waits for the running generate) or call it outside generate calls"
         )
     return meta
 
