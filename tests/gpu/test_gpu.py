@@ -85,14 +85,15 @@ def test_flash_bf16_close_to_sdpa(needs_flash):
     assert (a[:, width : width + 4] == b[:, width : width + 4]).all(dim=1).float().mean() >= 0.75
 
 
-def _paged_step(dtype, bs, uniform):
-    """Random paged step on CUDA: (meta, query, key, value, per-sequence dense tensors)."""
+def _paged_step(dtype, bs, uniform, device="cuda"):
+    """Random paged step on `device`: (meta, query, key, value, per-sequence dense tensors)."""
     g = torch.Generator().manual_seed(0)
-    h, h_kv, d, num_blocks = 8, 2, 64, 16
+    h, h_kv, d = 8, 2, 64
     cached = [0, 7, 300, 22]
     new = [3, 3, 3, 3] if uniform else [1, 5, 2, 9]
     b = len(cached)
     ctx = [c + n for c, n in zip(cached, new)]
+    num_blocks = sum(-(-t // bs) for t in ctx) + 3  # every context's pages, and a few spare to scatter among
     k_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -125,21 +126,21 @@ def _paged_step(dtype, bs, uniform):
         def layer(self, idx):
             return k_cache_d, v_cache_d
 
-    k_cache_d, v_cache_d = k_cache.cuda(), v_cache.cuda()
-    i32 = dict(dtype=torch.int32, device="cuda")
+    k_cache_d, v_cache_d = k_cache.to(device), v_cache.to(device)
+    i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(
-        kv_cache=Cache(), slot_mapping=torch.tensor(slots, device="cuda"), query_pos=query_pos.cuda(),
-        kv_slots=kv_slots.cuda(), context_lens=torch.tensor(ctx, device="cuda"),
-        q_gather=None if uniform else gather.cuda(), q_scatter=None if uniform else scatter.cuda(),
+        kv_cache=Cache(), slot_mapping=torch.tensor(slots, device=device), query_pos=query_pos.to(device),
+        kv_slots=kv_slots.to(device), context_lens=torch.tensor(ctx, device=device),
+        q_gather=None if uniform else gather.to(device), q_scatter=None if uniform else scatter.to(device),
         num_seqs=b, max_query_len=tq, max_context_len=lk,
         cu_seqlens_q=torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], **i32),
         cu_seqlens_k=torch.tensor([0, *torch.tensor(ctx).cumsum(0).tolist()], **i32),
-        cache_seqlens=torch.tensor(ctx, **i32), block_tables=bt.cuda(),
+        cache_seqlens=torch.tensor(ctx, **i32), block_tables=bt.to(device),
     )
     qs = [torch.randn(h, n, d, generator=g).to(dtype) for n in new]
-    query = torch.cat(qs, dim=1)[None].cuda()
-    key = torch.cat([full_k[i][:, cached[i] :] for i in range(b)], dim=1)[None].cuda()
-    value = torch.cat([full_v[i][:, cached[i] :] for i in range(b)], dim=1)[None].cuda()
+    query = torch.cat(qs, dim=1)[None].to(device)
+    key = torch.cat([full_k[i][:, cached[i] :] for i in range(b)], dim=1)[None].to(device)
+    value = torch.cat([full_v[i][:, cached[i] :] for i in range(b)], dim=1)[None].to(device)
     return meta, query, key, value, qs, full_k, full_v, new
 
 
