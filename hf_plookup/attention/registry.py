@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 
 import torch
 from transformers import AttentionInterface
@@ -12,9 +14,30 @@ from .metadata import current_metadata
 from .sdpa import sdpa_paged_attention
 
 ATTN_IMPLEMENTATION = "hf_plookup"
-BACKENDS = {"sdpa": sdpa_paged_attention, "flash_attn": flash_paged_attention}
+
+
+def triton_paged_attention(*args, **kwargs):
+    """The Triton backend, imported on first use (CPU installs need not have triton)."""
+    from .triton import triton_paged_attention as fn
+
+    return fn(*args, **kwargs)
+
+
+BACKENDS = {"sdpa": sdpa_paged_attention, "flash_attn": flash_paged_attention, "triton": triton_paged_attention}
 BACKEND_CHOICES = ("auto", *BACKENDS)  # what `attn_backend` accepts
-DEFAULT_BLOCK_SIZE = {"sdpa": 16, "flash_attn": FLASH_BLOCK_MULTIPLE}
+DEFAULT_BLOCK_SIZE = {"sdpa": 16, "flash_attn": FLASH_BLOCK_MULTIPLE, "triton": 16}
+
+
+def triton_unavailable_reason(devices: list[torch.device]) -> str | None:
+    """Why the Triton backend cannot run on these devices; None when it can (CUDA, or any device
+    under the Triton interpreter, TRITON_INTERPRET=1)."""
+    if importlib.util.find_spec("triton") is None:
+        return "the `triton` package is not installed"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        bad = sorted({str(d) for d in devices if d.type != "cuda"})
+        if bad:
+            return f"Triton kernels run on CUDA (or under TRITON_INTERPRET=1), the model is on {', '.join(bad)}"
+    return None
 
 
 def resolve_backend(requested: str, devices: list[torch.device], dtypes: list[torch.dtype]) -> str:
@@ -24,6 +47,11 @@ def resolve_backend(requested: str, devices: list[torch.device], dtypes: list[to
         raise ValueError(f"attn_backend must be one of {BACKEND_CHOICES}, got {requested!r}")
     if requested == "sdpa":
         return "sdpa"
+    if requested == "triton":
+        reason = triton_unavailable_reason(devices)
+        if reason is not None:
+            raise ValueError(f"attn_backend='triton' cannot run: {reason}; use attn_backend='sdpa' or 'auto'")
+        return "triton"
     reason = flash_unavailable_reason(devices, dtypes)
     if requested == "flash_attn" and reason is not None:
         raise ValueError(f"attn_backend='flash_attn' cannot run: {reason}; use attn_backend='sdpa' or 'auto'")
@@ -34,6 +62,8 @@ def resolve_block_size(backend: str, block_size: int | None) -> int:
     """`block_size` for `backend`: its default when None; flash_attn's paged kernels need multiples of 256."""
     if block_size is None:
         return DEFAULT_BLOCK_SIZE[backend]
+    if backend == "triton" and (block_size < 2 or block_size & (block_size - 1)):
+        raise ValueError(f"block_size must be a power of two >= 2 with attn_backend 'triton', got {block_size}")
     if backend == "flash_attn" and block_size % FLASH_BLOCK_MULTIPLE:
         raise ValueError(
             f"block_size must be a multiple of {FLASH_BLOCK_MULTIPLE} with attn_backend 'flash_attn' "

@@ -1,0 +1,132 @@
+"""The Triton paged-attention kernel against dense attention, run by the Triton interpreter on
+CPU (TRITON_INTERPRET=1, set before the kernel module is imported), and the whole engine on the
+Triton backend against HF greedy. Skipped only when triton is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:  # pragma: no cover - triton ships with the test extra
+    pytest.skip("triton is not installed", allow_module_level=True)
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. on import below
+
+import hf_plookup  # noqa: E402
+from hf_plookup.attention.triton import paged_attention  # noqa: E402
+from tests.attention.test_sdpa import _dense_reference  # noqa: E402
+from tests.conftest import left_padded, tiny_model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _step(cached, new, h, h_kv, d, page, dummies=0, extra_table=0, seed=0):
+    """Random pages, scattered block tables, packed queries. `dummies` rows padded the way the
+    CUDA-graph runner pads a bucket (context = q, every table entry the scratch page);
+    `extra_table` spare table entries pointing at the scratch page."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = [c + n for c, n in zip(cached, new)]
+    num_pages = sum(-(-t // page) for t in ctx) + 4
+    scratch = num_pages  # one more page at the end, zero-filled
+    k_cache = torch.randn(num_pages + 1, page, h_kv, d, generator=g)
+    v_cache = torch.randn(num_pages + 1, page, h_kv, d, generator=g)
+    k_cache[scratch] = 0
+    v_cache[scratch] = 0
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    width = max(-(-t // page) for t in ctx) + extra_table
+    rows = len(ctx) + dummies
+    tables = torch.full((rows, width), scratch, dtype=torch.int32)
+    full_k, full_v, qs = [], [], []
+    for i, t in enumerate(ctx):
+        pages = [perm.pop() for _ in range(-(-t // page))]
+        tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        kk, vv = torch.randn(h_kv, t, d, generator=g), torch.randn(h_kv, t, d, generator=g)
+        for p in range(t):
+            k_cache[pages[p // page], p % page] = kk[:, p]
+            v_cache[pages[p // page], p % page] = vv[:, p]
+        full_k.append(kk)
+        full_v.append(vv)
+        qs.append(torch.randn(h, new[i], d, generator=g))
+    q_lens = list(new) + [new[0]] * dummies
+    ctx_all = ctx + [new[0]] * dummies
+    q = torch.cat(qs + [torch.randn(h, n, d, generator=g) for n in q_lens[len(ctx):]], dim=1).transpose(0, 1)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return (q.contiguous(), k_cache, v_cache, tables, torch.tensor(ctx_all, dtype=torch.int32), cu,
+            max(q_lens), qs, full_k, full_v)
+
+
+CASES = {  # name: (cached per sequence, new per sequence)
+    "uniform-verify": ([0, 7, 29, 22], [3, 3, 3, 3]),
+    "ragged": ([0, 7, 13, 22], [1, 5, 2, 9]),
+    "one-token": ([17], [1]),
+    "long-chunk": ([5, 0], [20, 33]),  # more queries than one query block (16)
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (9, 20.0)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_matches_dense(case, window, softcap, splits):
+    cached, new = CASES[case]
+    h, h_kv, d, page = 6, 2, 16, 4
+    q, kc, vc, tables, ctx, cu, tq, qs, full_k, full_v = _step(cached, new, h, h_kv, d, page)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    out = paged_attention(dev(q), dev(kc), dev(vc), dev(tables), dev(ctx), dev(cu), tq, 0.3, window, softcap,
+                          num_splits=splits).cpu()
+    for i in range(len(new)):
+        ref = _dense_reference(qs[i], full_k[i], full_v[i], 0.3, window, softcap)  # [H, n, D]
+        torch.testing.assert_close(out[cu[i] : cu[i + 1]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("h, h_kv, d", [(4, 1, 24), (8, 8, 32)])  # MQA with a head dim that is no power of two; MHA
+@pytest.mark.parametrize("splits", [None, 1])
+def test_kernel_head_layouts_and_graph_padded_steps(h, h_kv, d, splits):
+    """A bucket-padded static-shape step (dummy rows on the scratch page, spare table entries):
+    the real rows match dense attention, the dummy rows stay finite."""
+    cached, new = [3, 40], [5, 5]
+    q, kc, vc, tables, ctx, cu, tq, qs, full_k, full_v = _step(cached, new, h, h_kv, d, 8, dummies=2, extra_table=3)
+    out = paged_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), tables.to(DEVICE), ctx.to(DEVICE),
+                          cu.to(DEVICE), tq, d**-0.5, num_splits=splits).cpu()
+    for i in range(len(new)):
+        ref = _dense_reference(qs[i], full_k[i], full_v[i], d**-0.5)
+        torch.testing.assert_close(out[cu[i] : cu[i + 1]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
+    assert torch.isfinite(out).all()
+
+
+def test_kernel_bf16_close_to_fp32():
+    cached, new = [0, 12], [4, 4]
+    q, kc, vc, tables, ctx, cu, tq, *_ = _step(cached, new, 4, 2, 16, 4)
+    args = lambda dt: [t.to(DEVICE, dt) for t in (q, kc, vc)] + [t.to(DEVICE) for t in (tables, ctx, cu)]  # noqa: E731
+    a = paged_attention(*args(torch.float32), tq, 0.25).float().cpu()
+    b = paged_attention(*args(torch.bfloat16), tq, 0.25)
+    assert b.dtype == torch.bfloat16
+    torch.testing.assert_close(b.float().cpu(), a, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("arch, pad_drafts", [("gemma3_text", True), ("llama", False)])  # gemma3: window, scaling
+def test_engine_on_triton_backend_identical_to_hf(arch, pad_drafts):
+    """Packed prefill chunks, verify steps (padded to k + 1 with pad_drafts, as CUDA graphs run
+    them), sliding windows and Gemma's scaling, through the HF model's own modules."""
+    model = tiny_model(arch).to(DEVICE)
+    wrapped = hf_plookup.wrap(model, attn_backend="triton", max_cache_tokens=1024, block_size=8, pad_drafts=pad_drafts)
+    ids, mask = left_padded(2, seed=4)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3)
+    assert wrapped.last_stats.attn_backend == "triton" and wrapped.last_stats.drafted > 0  # multi-token verify chunks ran
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+
+
+def test_triton_backend_checks():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        hf_plookup.wrap(model, attn_backend="triton", block_size=12)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_triton_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attn_backend='triton' cannot run: Triton kernels run on CUDA"):
+        hf_plookup.wrap(tiny_model("llama"), attn_backend="triton")
