@@ -18,19 +18,10 @@ import pytest
 import torch
 
 import hf_plookup
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 from tests.conftest import EOS, PAD, VOCAB, tiny_model
-
-
-class StopOnToken(StoppingCriteria):
-    """A user stopping criterion: a row stops right after it emits `token`."""
-
-    def __init__(self, token: int):
-        self.token = token
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return input_ids[:, -1] == self.token
+from tests.test_hf_semantics import StopOnToken
 
 
 class Injected(RuntimeError):
