@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Without CUDA the Triton kernels run under Triton's interpreter. Triton reads this when its
+# functions are decorated, including the ones of `triton.language` itself, so it must be set
+# before anything in the session imports triton (torch or transformers may do so).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch.cuda  # noqa: E402  (does not import triton)
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM
 
 VOCAB = 96

@@ -12,8 +12,8 @@ import torch
 
 if importlib.util.find_spec("triton") is None:  # pragma: no cover - triton ships with the test extra
     pytest.skip("triton is not installed", allow_module_level=True)
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. on import below
+if not torch.cuda.is_available():  # tests/conftest.py sets it before triton is first imported
+    assert os.environ.get("TRITON_INTERPRET") == "1", "TRITON_INTERPRET=1 must be set before triton is imported"
 
 import hf_plookup  # noqa: E402
 from hf_plookup.attention.triton import paged_attention  # noqa: E402
