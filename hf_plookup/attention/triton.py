@@ -75,12 +75,15 @@ def _paged_attention_kernel(
     for j in range(page_lo, page_hi):
         page = tl.load(block_tables_ptr + b * stride_bt + j)
         kv_off = page.to(tl.int64) * stride_kp + offs_s[:, None] * stride_ks + h_kv * stride_kh + offs_d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)  # [PAGE, BLOCK_D]
-        v = tl.load(v_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)
+        k_pos = j * PAGE + offs_s
+        # slots past the context hold whatever the page held before (even NaN): never read them,
+        # since a zero probability times a NaN value is still NaN
+        kv_ok = (k_pos < ctx)[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)  # [PAGE, BLOCK_D]
+        v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_Q, PAGE]
         if HAS_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        k_pos = j * PAGE + offs_s
         ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx) & q_ok[:, None]
         if HAS_WINDOW:
             ok = ok & (k_pos[None, :] > q_pos[:, None] - window)

@@ -31,8 +31,9 @@ def _step(cached, new, h, h_kv, d, page, dummies=0, extra_table=0, seed=0):
     ctx = [c + n for c, n in zip(cached, new)]
     num_pages = sum(-(-t // page) for t in ctx) + 4
     scratch = num_pages  # one more page at the end, zero-filled
-    k_cache = torch.randn(num_pages + 1, page, h_kv, d, generator=g)
-    v_cache = torch.randn(num_pages + 1, page, h_kv, d, generator=g)
+    # unwritten slots hold NaN, as an uninitialised cache may: they must never leak into outputs
+    k_cache = torch.full((num_pages + 1, page, h_kv, d), float("nan"))
+    v_cache = torch.full((num_pages + 1, page, h_kv, d), float("nan"))
     k_cache[scratch] = 0
     v_cache[scratch] = 0
     perm = torch.randperm(num_pages, generator=g).tolist()
