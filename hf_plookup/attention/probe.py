@@ -20,6 +20,7 @@ import torch
 from transformers import AttentionInterface
 
 from .registry import engine_attention
+from .sdpa import softcapped_attention
 
 PROBE_IMPLEMENTATION = "hf_plookup_probe"
 PROBE_TOKENS = 5  # tokens of the probe input
@@ -64,20 +65,14 @@ def _probe_attention(
             rec.layouts[idx] = KeyLayout(key.shape[1], key.shape[3], key.dtype, key.device)
         else:
             rec.anonymous_calls += 1
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1).float()
-    v = value.repeat_interleave(groups, dim=1).float()
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale  # [1, H, T, T]
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
     t = query.shape[2]
     pos = torch.arange(t, device=query.device)
     visible = pos[None, :] <= pos[:, None]  # [T, T] causal
     if sliding_window:
         visible &= pos[None, :] > pos[:, None] - sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)  # [1, H, T, D]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = softcapped_attention(query.float(), key.float(), value.float(), visible, scale, softcap)  # [1, H, T, D]
+    out = out.to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 

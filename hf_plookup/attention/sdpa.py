@@ -52,14 +52,17 @@ def unpad_output(meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
     return out[None]
 
 
-def softcapped_attention(q, k, v, mask, scaling: float, softcap: float) -> torch.Tensor:
-    """Plain attention with tanh logit soft-capping (SDPA has no softcap argument)."""
+def softcapped_attention(q, k, v, mask, scaling: float, softcap: float | None) -> torch.Tensor:
+    """Plain attention (q [B, H, Tq, D], k/v [B, H_kv, Lk, D], mask broadcastable to
+    [B, H, Tq, Lk], True = attend) with tanh logit soft-capping when `softcap` is given (SDPA has
+    no softcap argument)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     return torch.matmul(probs, v)
