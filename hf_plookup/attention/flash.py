@@ -22,7 +22,7 @@ import importlib.util
 import torch
 
 from .metadata import AttentionMetadata
-from .sdpa import write_kv
+from .sdpa import write_and_pack
 
 FLASH_BLOCK_MULTIPLE = 256  # FA2: "Paged KV cache block size must be divisible by 256"
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -63,12 +63,8 @@ def flash_paged_attention(
     """Returns `[1, T, H, D]`."""
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-    write_kv(meta, module.layer_idx, key, value)
-    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)  # [num_blocks, block_size, H_kv, D]
+    q, k_cache, v_cache = write_and_pack(meta, module.layer_idx, query, key, value)  # q [T, H, D]
     h, t, d = query.shape[1], query.shape[2], query.shape[3]
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    if q.dtype != k_cache.dtype:
-        q = q.to(k_cache.dtype)
     kw = dict(
         softmax_scale=scaling if scaling is not None else d**-0.5,
         causal=True,

@@ -23,6 +23,17 @@ def write_kv(meta: AttentionMetadata, layer_idx: int, key: torch.Tensor, value: 
     v_flat.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_flat.dtype))
 
 
+def write_and_pack(meta: AttentionMetadata, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the kernels that read the pages themselves (flash, triton): write this step's K/V,
+    then return the packed queries `[T, H, D]` in the cache's dtype and the layer's pages
+    (`[num_blocks, block_size, H_kv, D]` each)."""
+    write_kv(meta, layer_idx, key, value)
+    k_cache, v_cache = meta.kv_cache.layer(layer_idx)
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    return (q if q.dtype == k_cache.dtype else q.to(k_cache.dtype)), k_cache, v_cache
+
+
 def gather_kv(meta: AttentionMetadata, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys/values of every sequence as `[B, H_kv, Lk, D]` (positions past a context are padding)."""
     k_cache, v_cache = meta.kv_cache.layer(layer_idx)

@@ -26,7 +26,7 @@ import triton.language as tl
 import torch
 
 from .metadata import AttentionMetadata
-from .sdpa import write_kv
+from .sdpa import write_and_pack
 
 
 @triton.jit
@@ -190,11 +190,7 @@ def triton_paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Returns `[1, T, H, D]`."""
-    write_kv(meta, module.layer_idx, key, value)
-    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    if q.dtype != k_cache.dtype:
-        q = q.to(k_cache.dtype)
+    q, k_cache, v_cache = write_and_pack(meta, module.layer_idx, query, key, value)  # q [T, H, D]
     out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cache_seqlens, meta.cu_seqlens_q,
                           meta.max_query_len, scaling if scaling is not None else query.shape[-1] ** -0.5,
                           sliding_window, softcap)
