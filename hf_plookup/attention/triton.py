@@ -1,7 +1,7 @@
 """Triton backend: attention read straight from the pages through the block table (no gather).
 
 One program computes, for one sequence, one query head and a block of that sequence's query
-tokens, softmax(q k^T) v over the sequence's context, walking its pages in order (online softmax,
+tokens, softmax(q k^T) v over the sequence's context, walking it in tiles of 16 keys (online softmax,
 fp32 accumulation). With `num_splits > 1` (flash-decoding) the pages of a sequence are divided
 among that many programs, each writing a partial result (running max, sum and unnormalised
 output), and a second kernel merges them: for small batches, where one program per (sequence,
@@ -37,8 +37,8 @@ def _paged_attention_kernel(
     scale, softcap, window, num_tokens,  # window 0: none; softcap 0.0: none; num_tokens = T
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt,
     num_heads: tl.constexpr, groups: tl.constexpr, head_dim: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -58,33 +58,37 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + (q_start + offs_q)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=q_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
 
-    # pages this program walks: those holding keys some of its queries can see
+    # key tiles of BLOCK_N positions this program walks: those holding keys some of its queries
+    # can see. A tile may span several pages (each key's page comes from the block table), so
+    # tile shapes never depend on the page size.
     last_pos = tl.minimum(ctx - q_len + qb * BLOCK_Q + BLOCK_Q - 1, ctx - 1)
-    num_pages = tl.cdiv(last_pos + 1, PAGE)
-    first_page = 0
+    num_tiles = tl.cdiv(last_pos + 1, BLOCK_N)
+    first_tile = 0
     if HAS_WINDOW:
-        first_page = tl.maximum(ctx - q_len + qb * BLOCK_Q - window + 1, 0) // PAGE
-    per_split = tl.cdiv(num_pages - first_page, NUM_SPLITS)
-    page_lo = first_page + split * per_split
-    page_hi = tl.minimum(page_lo + per_split, num_pages)
+        first_tile = tl.maximum(ctx - q_len + qb * BLOCK_Q - window + 1, 0) // BLOCK_N
+    per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    offs_s = tl.arange(0, PAGE)
-    for j in range(page_lo, page_hi):
-        page = tl.load(block_tables_ptr + b * stride_bt + j)
-        kv_off = page.to(tl.int64) * stride_kp + offs_s[:, None] * stride_ks + h_kv * stride_kh + offs_d[None, :]
-        k_pos = j * PAGE + offs_s
+    offs_n = tl.arange(0, BLOCK_N)
+    for j in range(tile_lo, tile_hi):
+        k_pos = j * BLOCK_N + offs_n  # [BLOCK_N]
+        in_ctx = k_pos < ctx
+        page = tl.load(block_tables_ptr + b * stride_bt + k_pos // PAGE, mask=in_ctx, other=0)
+        slot = page.to(tl.int64) * stride_kp + (k_pos % PAGE) * stride_ks
+        kv_off = slot[:, None] + h_kv * stride_kh + offs_d[None, :]
         # slots past the context hold whatever the page held before (even NaN): never read them,
         # since a zero probability times a NaN value is still NaN
-        kv_ok = (k_pos < ctx)[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)  # [PAGE, BLOCK_D]
+        kv_ok = in_ctx[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_Q, PAGE]
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_Q, BLOCK_N]
         if HAS_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx) & q_ok[:, None]
+        ok = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :] & q_ok[:, None]
         if HAS_WINDOW:
             ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
@@ -153,7 +157,9 @@ def paged_attention(
     if page & (page - 1) or h % h_kv:
         raise ValueError(f"block_size must be a power of two and heads a multiple of kv heads, got {page}, {h}/{h_kv}")
     b = block_tables.shape[0]
-    block_q = max(triton.next_power_of_2(max_query_len), 1) if max_query_len <= 16 else 16
+    # query blocks of at most 8 rows: 16-row blocks gave wrong results on an H100 (triton 3.6)
+    # while the interpreter agreed with dense attention
+    block_q = min(triton.next_power_of_2(max(max_query_len, 1)), 8)
     q_blocks = triton.cdiv(max_query_len, block_q)
     if num_splits is None:
         num_splits = 1 if b * h * q_blocks >= 128 or max_query_len > 16 else 4
@@ -169,7 +175,7 @@ def paged_attention(
         q, k_cache, v_cache, out, part_m, part_l, part_o, block_tables, context_lens, cu_seqlens_q,
         float(scale), float(softcap or 0.0), int(sliding_window or 0), t,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_heads=h, groups=h // h_kv, head_dim=d, PAGE=page, BLOCK_Q=block_q,
+        num_heads=h, groups=h // h_kv, head_dim=d, PAGE=page, BLOCK_Q=block_q, BLOCK_N=16,
         BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
         HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window),
     )

@@ -121,7 +121,7 @@ def test_engine_on_triton_backend_identical_to_hf(arch, pad_drafts):
 
 
 def test_triton_backend_checks():
-    model = tiny_model("llama")
+    model = tiny_model("llama").to(DEVICE)
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         hf_plookup.wrap(model, attn_backend="triton", block_size=12)
 
