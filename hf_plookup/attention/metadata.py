@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -82,21 +83,26 @@ class AttentionMetadata:
         return self.mask(sliding_window)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[B, 1, Tq, Lk] bool, True where a query may attend to a key (causal, within the
-        context, and within `sliding_window` keys when given, as HF counts it)."""
+        """[B, 1, Tq, Lk] bool, True where a query may attend to a key (`step_mask`), cached per window."""
         key = sliding_window if sliding_window else None
         m = self._masks.get(key)
         if m is None:
-            key_pos = torch.arange(self.max_context_len, device=self.query_pos.device)  # [Lk]
-            q = self.query_pos[:, :, None]  # [B, Tq, 1]
-            m = (key_pos[None, None, :] <= q) & (key_pos[None, None, :] < self.context_lens[:, None, None])
-            if key is not None:
-                m &= key_pos[None, None, :] > q - key
-            # padded query rows attend to key 0 so softmax stays finite; their output is dropped
-            m[:, :, 0] |= q[:, :, 0] < 0
-            m = m[:, None]
-            self._masks[key] = m
+            m = self._masks[key] = step_mask(self.query_pos, self.context_lens, self.max_context_len, key)
         return m
+
+
+def step_mask(query_pos: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
+              sliding_window: int | None) -> torch.Tensor:
+    """[B, 1, Tq, Lk] bool, True where a query may attend to a key: causal, within the context,
+    and within `sliding_window` keys when given, as HF counts it."""
+    key_pos = torch.arange(max_context_len, device=query_pos.device)  # [Lk]
+    q = query_pos[:, :, None]  # [B, Tq, 1]
+    m = (key_pos[None, None, :] <= q) & (key_pos[None, None, :] < context_lens[:, None, None])
+    if sliding_window:
+        m = m & (key_pos[None, None, :] > q - sliding_window)
+    # padded query rows attend to key 0 so softmax stays finite; their output is dropped
+    m[:, :, 0] |= q[:, :, 0] < 0
+    return m[:, None]
 
 
 _CURRENT: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(
@@ -104,7 +110,33 @@ _CURRENT: contextvars.ContextVar[AttentionMetadata | None] = contextvars.Context
 )
 
 
+class _CompiledStep:
+    """Where a compiled step finds its metadata: torch.compile cannot trace `ContextVar.get`, but
+    it can read a module-level object's attribute (it guards on it, so each graph bucket's
+    metadata object gets its own compiled graph). One compiled forward at a time, by the lock."""
+
+    def __init__(self) -> None:
+        self.meta: AttentionMetadata | None = None
+        self.lock = threading.Lock()
+
+
+_COMPILED_STEP = _CompiledStep()
+
+
+@contextlib.contextmanager
+def compiled_step_context(meta: AttentionMetadata):
+    """Make `meta` visible to the attention function inside a compiled forward."""
+    with _COMPILED_STEP.lock:
+        _COMPILED_STEP.meta = meta
+        try:
+            yield meta
+        finally:
+            _COMPILED_STEP.meta = None
+
+
 def current_metadata() -> AttentionMetadata:
+    if torch.compiler.is_compiling():
+        return _COMPILED_STEP.meta
     meta = _CURRENT.get()
     if meta is None:
         raise RuntimeError(

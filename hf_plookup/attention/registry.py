@@ -11,6 +11,7 @@ from transformers import AttentionInterface
 
 from .flash import FLASH_BLOCK_MULTIPLE, flash_paged_attention, flash_unavailable_reason
 from .metadata import current_metadata
+from .ops import compiled_paged_attention
 from .sdpa import sdpa_paged_attention
 
 ATTN_IMPLEMENTATION = "hf_plookup"
@@ -86,7 +87,8 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Entry point called by the HF model's attention modules during an engine forward."""
     meta = current_metadata()
-    out = BACKENDS[meta.backend](
+    fn = compiled_paged_attention if torch.compiler.is_compiling() else BACKENDS[meta.backend]
+    out = fn(
         module, query, key, value, meta, scaling=scaling, sliding_window=sliding_window, softcap=softcap
     )
     return out, None

@@ -13,14 +13,18 @@ import torch.nn.functional as F
 from .metadata import AttentionMetadata
 
 
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> None:
+    """Store keys/values `[1, H_kv, T, D]` at the flat slots `slot_mapping` [T] of one layer's
+    pages `[num_blocks, block_size, H_kv, D]`."""
+    h_kv, d = k_cache.shape[-2:]
+    k_cache.view(-1, h_kv, d).index_copy_(0, slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(-1, h_kv, d).index_copy_(0, slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+
+
 def write_kv(meta: AttentionMetadata, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """Store this step's keys/values ([1, H_kv, T, D]) at `meta.slot_mapping`."""
-    k_cache, v_cache = meta.kv_cache.layer(layer_idx)  # [num_blocks, block_size, H_kv, D] each
-    h_kv, d = k_cache.shape[-2:]
-    k_flat = k_cache.view(-1, h_kv, d)
-    v_flat = v_cache.view(-1, h_kv, d)
-    k_flat.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_flat.dtype))
-    v_flat.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_flat.dtype))
+    store_kv(*meta.kv_cache.layer(layer_idx), meta.slot_mapping, key, value)
 
 
 def write_and_pack(meta: AttentionMetadata, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
@@ -34,9 +38,9 @@ def write_and_pack(meta: AttentionMetadata, layer_idx: int, query: torch.Tensor,
     return (q if q.dtype == k_cache.dtype else q.to(k_cache.dtype)), k_cache, v_cache
 
 
-def gather_kv(meta: AttentionMetadata, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys/values of every sequence as `[B, H_kv, Lk, D]` (positions past a context are padding)."""
-    k_cache, v_cache = meta.kv_cache.layer(layer_idx)
+def gather_kv(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values of every sequence as `[B, H_kv, Lk, D]` from one layer's pages (positions
+    past a context are padding)."""
     h_kv, d = k_cache.shape[-2:]
     idx = meta.kv_slots.reshape(-1)
     shape = (meta.num_seqs, meta.max_context_len, h_kv, d)
@@ -79,6 +83,21 @@ def softcapped_attention(q, k, v, mask, scaling: float, softcap: float | None) -
     return torch.matmul(probs, v)
 
 
+def sdpa_attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """Packed queries `[1, H, T, D]` over one layer's pages (K/V already written): `[1, T, H, D]`."""
+    k, v = gather_kv(meta, k_cache, v_cache)
+    q = pad_queries(meta, query)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    if softcap:
+        out = softcapped_attention(q, k, v, meta.mask(sliding_window), scale, softcap)
+    else:
+        mask = meta.sdpa_mask(sliding_window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return unpad_output(meta, out)
+
+
 def sdpa_paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D] after RoPE
@@ -90,16 +109,7 @@ def sdpa_paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Returns `[1, T, H, D]`."""
-    layer_idx = module.layer_idx
-    write_kv(meta, layer_idx, key, value)
-    k, v = gather_kv(meta, layer_idx)
-    q = pad_queries(meta, query)
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    write_kv(meta, module.layer_idx, key, value)
+    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if softcap:
-        out = softcapped_attention(q, k, v, meta.mask(sliding_window), scale, softcap)
-    else:
-        mask = meta.sdpa_mask(sliding_window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return unpad_output(meta, out)
+    return sdpa_attend(query, k_cache, v_cache, meta, scale, sliding_window, softcap)

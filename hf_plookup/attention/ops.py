@@ -1,0 +1,113 @@
+"""The KV write and paged attention as PyTorch custom ops, for compiled steps.
+
+`torch.compile(fullgraph=True)` traces the HF model's own forward; when its attention modules
+call the hf_plookup attention function, the step's work must be ops the compiler can keep
+opaque (it cannot trace into a Triton launch, and in-place writes into the pages must stay in
+place, not become a copy of the whole cache). Two ops:
+
+- `hf_plookup::write_kv(k_cache!, v_cache!, slot_mapping, key, value)`: the pages are
+  declared mutated, so the compiler orders it before the attention that reads them.
+- `hf_plookup::paged_attention(query, k_cache, v_cache, <step tensors>, backend, scale,
+  window, softcap) -> out`: the sdpa backend (gather + SDPA or soft-capped attention) or the
+  Triton kernel, with the step's layout passed as tensors and plain ints.
+
+Both have fake (meta) implementations that only state output shapes. Eager steps call the
+backends directly (a custom op's dispatch costs microseconds per layer); compiled steps go
+through these ops (`compiled_paged_attention`), with identical results (tests/attention/test_ops.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metadata import AttentionMetadata, step_mask
+from .sdpa import sdpa_attend, store_kv
+
+
+@torch.library.custom_op("hf_plookup::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> None:
+    """`sdpa.store_kv` as an op (the pages are mutated in place)."""
+    store_kv(k_cache, v_cache, slot_mapping, key, value)
+
+
+@write_kv.register_fake
+def _(k_cache, v_cache, slot_mapping, key, value) -> None:
+    return None
+
+
+@torch.library.custom_op("hf_plookup::paged_attention", mutates_args=())
+def paged_attention(
+    query: torch.Tensor,  # [1, H, T, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+    v_cache: torch.Tensor,
+    kv_slots: torch.Tensor,  # [B, Lk] int64
+    query_pos: torch.Tensor,  # [B, Tq] int64
+    context_lens: torch.Tensor,  # [B] int64
+    block_tables: torch.Tensor,  # [B, W] int32
+    cache_seqlens: torch.Tensor,  # [B] int32
+    cu_seqlens_q: torch.Tensor,  # [B+1] int32
+    q_gather: torch.Tensor | None,
+    q_scatter: torch.Tensor | None,
+    mask: torch.Tensor | None,  # [B, 1, Tq, Lk] bool (metadata.step_mask) for sdpa; None: built here
+    backend: str,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention of the packed queries over the pages; `[1, T, H, D]` in the query's dtype."""
+    b, tq = query_pos.shape
+    if backend == "triton":
+        from .triton import paged_attention as kernel
+
+        q = query[0].transpose(0, 1)
+        q = q if q.dtype == k_cache.dtype else q.to(k_cache.dtype)
+        out = kernel(q, k_cache, v_cache, block_tables, cache_seqlens, cu_seqlens_q, tq, scale,
+                     sliding_window or None, softcap or None)
+        return out[None].to(query.dtype)
+    meta = AttentionMetadata(
+        kv_cache=None, slot_mapping=cu_seqlens_q.new_empty(0, dtype=torch.int64), query_pos=query_pos,
+        kv_slots=kv_slots, context_lens=context_lens, q_gather=q_gather, q_scatter=q_scatter, num_seqs=b,
+        max_query_len=tq, max_context_len=kv_slots.shape[1], static_shapes=True,
+    )
+    if mask is not None:
+        meta._masks[sliding_window or None] = mask
+    return sdpa_attend(query, k_cache, v_cache, meta, scale, sliding_window or None, softcap or None).contiguous()
+
+
+@paged_attention.register_fake
+def _(query, k_cache, v_cache, kv_slots, query_pos, context_lens, block_tables, cache_seqlens, cu_seqlens_q,
+      q_gather, q_scatter, mask, backend, scale, sliding_window, softcap):
+    _, h, t, d = query.shape
+    return query.new_empty((1, t, h, d))
+
+
+COMPILABLE_BACKENDS = ("sdpa", "triton")
+
+
+def compiled_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The attention function's work in a compiled step: the two ops above. Returns `[1, T, H, D]`.
+    The sdpa mask is built here, in traced code: the compiler fuses it into one kernel and, as
+    every layer builds the same one, keeps a single copy (common subexpressions are merged)."""
+    if meta.backend not in COMPILABLE_BACKENDS:
+        raise ValueError(f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, got {meta.backend!r}")
+    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
+    torch.ops.hf_plookup.write_kv(k_cache, v_cache, meta.slot_mapping, key, value)
+    mask = None
+    if meta.backend == "sdpa":
+        mask = step_mask(meta.query_pos, meta.context_lens, meta.max_context_len, sliding_window)
+    return torch.ops.hf_plookup.paged_attention(
+        query, k_cache, v_cache, meta.kv_slots, meta.query_pos, meta.context_lens, meta.block_tables,
+        meta.cache_seqlens, meta.cu_seqlens_q, meta.q_gather, meta.q_scatter, mask, meta.backend,
+        float(scaling if scaling is not None else query.shape[-1] ** -0.5), int(sliding_window or 0),
+        float(softcap or 0.0),
+    )
