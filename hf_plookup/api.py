@@ -143,9 +143,9 @@ def wrap(model, **options) -> PlookupModel:
     """Wrap an HF causal LM so its `generate` runs on hf_plookup's engine.
 
     Options (see `EngineOptions`): max_cache_tokens, num_blocks, block_size, max_batch_tokens,
-    max_num_seqs, cache_memory_fraction, attn_backend ("auto" | "sdpa" | "flash_attn"),
-    cuda_graphs, pad_drafts, join_calls. Wrapping a `PlookupModel` again rewraps the same HF model with
-    the options merged.
+    max_num_seqs, cache_memory_fraction, attn_backend ("auto" | "sdpa" | "flash_attn" | "triton"),
+    compile ("auto" | True | False), cuda_graphs, pad_drafts, join_calls. Wrapping a
+    `PlookupModel` again rewraps the same HF model with the options merged.
     """
     unknown = set(options) - _OPTION_NAMES
     if unknown:

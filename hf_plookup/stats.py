@@ -25,6 +25,7 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)  # [k]
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
     wall_time: float = 0.0  # seconds, whole call
+    compile_time: float = 0.0  # seconds of wall_time spent compiling (and capturing) new step buckets
     delegated: bool = False  # True when the call went to HF's own generate
     delegated_reason: str = ""
     attn_backend: str = ""
@@ -72,6 +73,7 @@ class SpecStats:
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "wall_time": self.wall_time,
+            "compile_time": self.compile_time,
             "tokens_per_second": self.tokens_per_second,
             "delegated": self.delegated,
             "delegated_reason": self.delegated_reason,

@@ -15,6 +15,7 @@ from ..attention.registry import BACKEND_CHOICES, resolve_backend, resolve_block
 from ..spec.ngram import NgramProposer
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
+from .cpu_head import head_chooser
 from .graphs import GraphRunner
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
 from .runner import ModelRunner
@@ -39,6 +40,10 @@ class EngineOptions:
     cuda_graphs: bool = True  # capture verify steps in CUDA graphs (CUDA only; implies pad_drafts)
     pad_drafts: bool = False  # every sequence of a verify step feeds k + 1 tokens (missing drafts padded)
     join_calls: bool = True  # concurrent generate calls join the running loop when their configs allow
+    # decode/verify steps through torch.compile (inductor), one graph per bucket, then captured in
+    # CUDA graphs when cuda_graphs is on: True | False | "auto" (on where it measured faster: see
+    # COMPILE_AUTO)
+    compile: bool | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_cache_tokens", "num_blocks"):
@@ -52,10 +57,32 @@ class EngineOptions:
         for name in ("cuda_graphs", "pad_drafts", "join_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.compile not in (True, False, "auto") or not isinstance(self.compile, (bool, str)):
+            raise ValueError(f"compile must be True, False or 'auto', got {self.compile!r}")
         if not 0.0 < self.cache_memory_fraction <= 1.0:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction!r}")
         if self.attn_backend not in BACKEND_CHOICES:
             raise ValueError(f"attn_backend must be one of {BACKEND_CHOICES}, got {self.attn_backend!r}")
+
+
+# Where compile="auto" turns compiled steps on, by device type (measured: README "Compiled steps").
+COMPILE_AUTO = {"cuda": True, "cpu": False}
+
+
+def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str) -> bool:
+    """Whether steps run compiled. True where it cannot work is a ValueError."""
+    from ..attention.ops import COMPILABLE_BACKENDS
+
+    reason = None
+    if backend not in COMPILABLE_BACKENDS:
+        reason = f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, this model runs {backend!r}"
+    elif len(devices) != 1:
+        reason = f"compiled steps need the model on one device, it is on {[str(d) for d in devices]}"
+    if requested is True and reason is not None:
+        raise ValueError(f"compile=True cannot run: {reason}; use compile=False or 'auto'")
+    if requested == "auto":
+        return reason is None and COMPILE_AUTO.get(devices[0].type, False)
+    return bool(requested)
 
 
 class Engine:
@@ -69,7 +96,9 @@ class Engine:
         # resolved: the backend that runs (what stats report) and its block size
         self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
         self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda"
+        self.use_compile = resolve_compile(options.compile, devices, backend)
         self._graphs: GraphRunner | None = None
+        self.head = head_chooser(model)  # CPU: the LM head's faster matmul layout for multi-row steps
         self._capacity: int | None = None
         self._cache: PagedKVCache | None = None
         self.blocks: BlockManager | None = None  # the cache's blocks; all free between calls
@@ -108,14 +137,16 @@ class Engine:
         return self._cache
 
     def graph_runner(self) -> GraphRunner | None:
-        """Captured verify steps (CUDA with cuda_graphs=True), kept across calls."""
-        if self.use_graphs and self._graphs is None:
-            self._graphs = GraphRunner(self.model, self.cache(), self.options.attn_backend, self.options.max_num_seqs)
+        """Bucketed decode/verify steps, captured (CUDA with cuda_graphs=True) and/or compiled
+        (`compile`), kept across calls; None when steps run plain eager."""
+        if (self.use_graphs or self.use_compile) and self._graphs is None:
+            self._graphs = GraphRunner(self.model, self.cache(), self.options.attn_backend, self.options.max_num_seqs,
+                                       capture=self.use_graphs, compiled=self.use_compile)
         return self._graphs
 
     def pad_to(self, k: int) -> int | None:
         """Tokens every sequence feeds in a verify step when drafts are padded (k + 1), else None."""
-        return k + 1 if self.options.pad_drafts or self.use_graphs else None
+        return k + 1 if self.options.pad_drafts or self.use_graphs or self.use_compile else None
 
     def proposer(self, k: int, max_ngram: int) -> NgramProposer:
         key = (k, max_ngram)
@@ -164,7 +195,10 @@ class Engine:
         cfg = own.cfg
         cache = self.cache()
         blocks = self.blocks
-        runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(cfg.k), self.graph_runner())
+        graphs = self.graph_runner()
+        compile_before = graphs.compile_seconds if graphs is not None else 0.0
+        runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(cfg.k), graphs,
+                             self.head)
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs)
         batch = Batch(cfg, self.proposer(cfg.k, cfg.max_ngram) if cfg.k > 0 else None, sched, self._ids)
         batch.add(own)
@@ -207,6 +241,8 @@ class Engine:
             raise
         finally:
             blocks.free_all()
+            if graphs is not None:
+                own.stats.compile_time += graphs.compile_seconds - compile_before
             if cfg.streamer is not None:
                 cfg.streamer.end()
         return own.result if own.result is not None else batch.result(own)

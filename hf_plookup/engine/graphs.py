@@ -10,24 +10,34 @@ pool shared by all graphs (they never run concurrently). A replay copies the ste
 into the graph's static input buffers, replays, and returns the logits of the real rows.
 Prefill steps and batches beyond the largest bucket run eagerly.
 
-`capture=False` runs the same static-buffer forward eagerly instead of replaying a graph: the
-padding and buffer layout are then testable on CPU (tests/attention/test_backends.py); the
-capture itself needs CUDA (tests/gpu).
+`capture=False` runs the same static-buffer forward without a graph: the padding and buffer
+layout are then testable on CPU (tests/attention/test_backends.py); the capture itself needs
+CUDA (tests/gpu).
+
+`compiled=True` runs that forward through `torch.compile(fullgraph=True, dynamic=False)`
+(inductor): one compiled graph per bucket, the attention and KV write as the custom ops of
+attention.ops, the metadata found through `metadata.compiled_step_context`. On CUDA the
+compiled forward is then captured like the eager one (compile first, in the warm-up, then
+capture its kernels), so a replay launches inductor's fused kernels from one graph. The
+seconds spent in first calls of new buckets (compile plus warm-up) add up in `compile_seconds`.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..attention.metadata import AttentionMetadata, attention_context
+from ..attention.metadata import AttentionMetadata, attention_context, compiled_step_context
 from ..attention.registry import engine_attention
+from .cpu_head import fast_head, head_chooser
 from .kv_cache import PagedKVCache
 from .runner import StepPlan
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+COMPILE_BACKEND = "inductor"  # torch.compile backend of compiled steps (tests trace with "aot_eager")
 
 
 def batch_bucket(num_seqs: int) -> int | None:
@@ -83,6 +93,15 @@ def pad_plan(plan: StepPlan, num_seqs: int, max_context_len: int, block_size: in
     }
 
 
+def raise_recompile_limit(n: int) -> None:
+    """Let dynamo keep `n` compiled graphs of one function (one per bucket; its default is 8)."""
+    import torch._dynamo.config as cfg
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+        if hasattr(cfg, name) and getattr(cfg, name) < n:
+            setattr(cfg, name, n)
+
+
 _INT32 = ("cache_seqlens", "block_tables", "cu_seqlens_q", "cu_seqlens_k")
 
 
@@ -98,7 +117,7 @@ class GraphRunner:
     """Captured (or, with capture=False, eagerly run) uniform decode steps, kept across calls."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: str, max_num_seqs: int,
-                 capture: bool = True):
+                 capture: bool = True, compiled: bool = False):
         if cache.scratch_block is None:
             raise ValueError("CUDA graphs need a cache with a scratch page (PagedKVCache(..., scratch=True))")
         self.model = model
@@ -113,6 +132,19 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.pool = None  # graph memory pool shared by all captures
         self.num_replays = 0
+        self.compiled = compiled
+        self.compile_seconds = 0.0  # first calls of new buckets (compile + warm-up) when compiled
+        self._compiled_forward = None
+        self.head = head_chooser(model) if not compiled else None  # CPU: the LM head's faster layout
+        if compiled:
+            from ..attention.ops import COMPILABLE_BACKENDS
+
+            if backend not in COMPILABLE_BACKENDS:
+                raise ValueError(f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, got {backend!r}")
+            raise_recompile_limit(4 * len(BATCH_BUCKETS) * 16)
+            options = {"freezing": True} if self.device.type == "cpu" and COMPILE_BACKEND == "inductor" else None
+            self._compiled_forward = torch.compile(self._logits, fullgraph=True, dynamic=False,
+                                                   backend=COMPILE_BACKEND, options=options)
 
     def supports(self, plan: StepPlan) -> bool:
         return (plan.is_decode and plan.uniform and plan.num_seqs <= self.max_batch
@@ -132,18 +164,20 @@ class GraphRunner:
         )
         return _Graph(inputs, meta)
 
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=None,
+                         use_cache=False, logits_to_keep=0)
+        return out.logits[0]
+
     def _forward(self, g: _Graph) -> torch.Tensor:
         """The model on the static buffers; logits of every fed row, [Bb*q, V]."""
         g.meta._masks.clear()  # masks are rebuilt from the buffers inside the forward (and the graph)
-        with engine_attention(self.model), attention_context(g.meta):
-            out = self.model(
-                input_ids=g.inputs["input_ids"][None],
-                position_ids=g.inputs["positions"][None],
-                attention_mask=None,
-                use_cache=False,
-                logits_to_keep=0,
-            )
-        return out.logits[0]
+        ids, pos = g.inputs["input_ids"], g.inputs["positions"]
+        if self._compiled_forward is not None:
+            with engine_attention(self.model), compiled_step_context(g.meta):
+                return self._compiled_forward(ids, pos)
+        with engine_attention(self.model), attention_context(g.meta), fast_head(self.head):
+            return self._logits(ids, pos)
 
     def _capture(self, g: _Graph) -> None:
         side = torch.cuda.Stream(self.device)
@@ -167,10 +201,15 @@ class GraphRunner:
         key = (q, bb, lkb)
         g = self.graphs.get(key)
         if g is None:
+            t0 = time.perf_counter()
             g = self._static(arrays, bb, q, lkb)
             if self.capture:
                 self._capture(g)
+            elif self.compiled:
+                self._forward(g)  # compile now, so compile_seconds holds it
             self.graphs[key] = g
+            if self.compiled:
+                self.compile_seconds += time.perf_counter() - t0
         else:
             for name, a in arrays.items():
                 g.inputs[name].copy_(torch.from_numpy(a), non_blocking=True)

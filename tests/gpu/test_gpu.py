@@ -33,9 +33,10 @@ def _hf(model, batch, seed, max_new_tokens=40):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_graphs_fp32_identical_to_hf_greedy(arch):
-    """sdpa backend, CUDA graphs on (padded verify steps), fp32: token-identical to HF greedy."""
+    """sdpa backend, CUDA graphs of the eager forward (padded verify steps), fp32: token-identical
+    to HF greedy."""
     model = tiny_model(arch).cuda()
-    w = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa")
+    w = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa", compile=False)
     assert w._engine.use_graphs
     for batch, k in ((1, 4), (5, 4), (3, 10), (4, None)):
         assert torch.equal(_hf(model, batch, batch + 7), _generate(w, batch, k, batch + 7)), (arch, batch, k)
@@ -44,11 +45,31 @@ def test_graphs_fp32_identical_to_hf_greedy(arch):
     assert all(g.graph is not None for g in gr.graphs.values())
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_compiled_graphs_fp32_identical_to_hf_greedy(arch, backend):
+    """compile=True: inductor-compiled steps with the attention as custom ops, captured in CUDA
+    graphs; fp32 greedy token-identical to HF and to the uncompiled graphs."""
+    model = tiny_model(arch).cuda()
+    w = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend=backend, compile=True)
+    plain = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend=backend, compile=False)
+    for batch, k in ((1, 4), (3, 4), (2, None)):
+        out = _generate(w, batch, k, batch + 7)
+        assert torch.equal(_hf(model, batch, batch + 7), out), (arch, backend, batch, k)
+        assert torch.equal(_generate(plain, batch, k, batch + 7), out), (arch, backend, batch, k)
+    gr = w._engine._graphs
+    assert gr.compiled and gr.compile_seconds > 0 and all(g.graph is not None for g in gr.graphs.values())
+    before = gr.compile_seconds
+    _generate(w, 1, 4, 8)  # same buckets: nothing compiles again
+    assert gr.compile_seconds == before and w.last_stats.compile_time == 0.0
+
+
 def test_graph_replay_identical_to_eager_fp32():
     """sdpa in fp32: captured and eager padded steps give the same tokens."""
     model = tiny_model("mistral").cuda()
-    graphs = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa", cuda_graphs=True)
-    eager = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa", cuda_graphs=False, pad_drafts=True)
+    graphs = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa", cuda_graphs=True, compile=False)
+    eager = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa", cuda_graphs=False, pad_drafts=True,
+                            compile=False)
     for batch, k in ((1, 4), (6, 4), (2, None)):
         assert torch.equal(_generate(graphs, batch, k, 11), _generate(eager, batch, k, 11)), (batch, k)
     assert graphs._engine._graphs.num_replays > 0 and eager._engine._graphs is None

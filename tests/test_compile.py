@@ -1,0 +1,119 @@
+"""Compiled steps on CPU: the custom ops against the eager backends, torch.library's own checks
+of the ops, fullgraph tracing of every tiny architecture, and compiled engines token-identical to
+HF greedy and to uncompiled ones. (On CUDA the compiled forward is also captured in graphs:
+tests/gpu.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_plookup
+from hf_plookup.attention.ops import compiled_paged_attention, paged_attention, write_kv
+from hf_plookup.attention.sdpa import sdpa_paged_attention
+from hf_plookup.engine import graphs
+from tests.conftest import ARCHS, left_padded, tiny_model
+from tests.gpu.test_gpu import _paged_step
+
+
+class _Layer(torch.nn.Module):
+    layer_idx = 0
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    yield
+    torch._dynamo.reset()  # drop compiled graphs (they hold the test's model)
+
+
+def _op_args(meta, query, backend, window, softcap):
+    k_cache, v_cache = meta.kv_cache.layer(0)
+    return (query, k_cache, v_cache, meta.kv_slots, meta.query_pos, meta.context_lens, meta.block_tables,
+            meta.cache_seqlens, meta.cu_seqlens_q, meta.q_gather, meta.q_scatter, None, backend, 0.3, window or 0,
+            softcap or 0.0)
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_ops_match_eager_backend(uniform, window, softcap):
+    """write_kv + paged_attention (sdpa inside) give what the eager sdpa backend gives."""
+    meta, query, key, value, *_ = _paged_step(torch.float32, 16, uniform, device="cpu")
+    meta.static_shapes = True  # what compiled steps run on (explicit masks, as the ops use)
+    k_cache, v_cache = meta.kv_cache.layer(0)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref = sdpa_paged_attention(_Layer(), query, key, value, meta, scaling=0.3, sliding_window=window, softcap=softcap)
+    written_k, written_v = k_cache.clone(), v_cache.clone()
+    k_cache.copy_(ref_k)
+    v_cache.copy_(ref_v)
+    write_kv(k_cache, v_cache, meta.slot_mapping, key, value)
+    assert torch.equal(k_cache, written_k) and torch.equal(v_cache, written_v)
+    out = paged_attention(*_op_args(meta, query, "sdpa", window, softcap))
+    assert torch.equal(out, ref)
+    meta.backend = "sdpa"
+    both = compiled_paged_attention(_Layer(), query, key, value, meta, scaling=0.3, sliding_window=window, softcap=softcap)
+    assert torch.equal(both, ref)
+
+
+def test_triton_op_matches_sdpa_op():
+    """The op's Triton branch (interpreter on CPU) against its sdpa branch."""
+    pytest.importorskip("triton")
+    meta, query, key, value, *_ = _paged_step(torch.float32, 16, False, device="cuda" if torch.cuda.is_available() else "cpu")
+    write_kv(*meta.kv_cache.layer(0), meta.slot_mapping, key, value)
+    a = paged_attention(*_op_args(meta, query, "sdpa", 5, None))
+    b = paged_attention(*_op_args(meta, query, "triton", 5, None))
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_opcheck():
+    """torch.library's checks: schema, fake (meta) implementations, in-place mutation declared."""
+    meta, query, key, value, *_ = _paged_step(torch.float32, 16, True, device="cpu")
+    torch.library.opcheck(write_kv, (*meta.kv_cache.layer(0), meta.slot_mapping, key, value),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(paged_attention, _op_args(meta, query, "sdpa", None, None),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def _equal_to_hf(model, wrapped, batch, k, seed, max_new_tokens=12):
+    ids, mask = left_padded(batch, seed=seed)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
+    out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=k)
+    return torch.equal(ref, out)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_arch_traces_fullgraph(arch, monkeypatch):
+    """Every architecture's forward with our attention traces with fullgraph=True (no graph
+    break) and runs the traced graph through AOT autograd (backend aot_eager: the ops' fake
+    implementations and functionalisation, without inductor's code generation, which the next
+    test pays for); fp32 greedy identical to HF."""
+    monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
+    model = tiny_model(arch)
+    w = hf_plookup.wrap(model, max_cache_tokens=2048, compile=True)
+    assert _equal_to_hf(model, w, 2, 4, seed=3), arch
+    gr = w._engine._graphs
+    assert gr.compiled and gr.graphs and gr.num_replays > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_inductor_compiled_identical_to_hf_and_eager(arch):
+    """Inductor-compiled steps (gemma2: attention and final-logit softcap, sliding windows):
+    identical to HF greedy and to the uncompiled engine; compile time reported once per bucket."""
+    model = tiny_model(arch)
+    w = hf_plookup.wrap(model, max_cache_tokens=2048, compile=True)
+    plain = hf_plookup.wrap(model, max_cache_tokens=2048, compile=False, pad_drafts=True)
+    ids, mask = left_padded(2, seed=5)
+    kw = dict(attention_mask=mask, max_new_tokens=10, prompt_lookup_num_tokens=4)
+    out = w.generate(ids, **kw)
+    assert w.last_stats.compile_time > 0
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10))
+    assert torch.equal(out, plain.generate(ids, **kw))
+    again = w.generate(ids, **kw)
+    assert torch.equal(again, out) and w.last_stats.compile_time == 0.0  # buckets compiled once
+
+
+def test_compile_option_checks(llama):
+    with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
+        hf_plookup.wrap(llama, compile="yes")
+    assert hf_plookup.wrap(llama)._engine.use_compile is False  # auto: off on CPU (measured slower)
+    assert hf_plookup.wrap(llama, compile=True)._engine.use_compile is True
