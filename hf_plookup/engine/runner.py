@@ -9,6 +9,7 @@ import torch
 
 from ..attention.metadata import AttentionMetadata, attention_context
 from ..attention.registry import engine_attention
+from .cpu_head import HeadChooser, fast_head
 from .kv_cache import BlockManager, PagedKVCache
 from .scheduler import ScheduledChunk
 
@@ -53,10 +54,11 @@ class StepPlan:
 class ModelRunner:
     """`pad_to`: feed every sequence of a decode step exactly this many tokens (k + 1; missing
     drafts padded), so verify steps are uniform. `graphs`: a `GraphRunner` that takes the
-    uniform decode steps it supports (engine.graphs); everything else runs eagerly."""
+    uniform decode steps it supports (engine.graphs); everything else runs eagerly. `head`: a
+    `cpu_head.HeadChooser` for the LM head of eager CPU steps (None: the model's own)."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, blocks: BlockManager, backend: str = "sdpa",
-                 pad_to: int | None = None, graphs=None):
+                 pad_to: int | None = None, graphs=None, head: HeadChooser | None = None):
         if pad_to is not None and pad_to < 1:
             raise ValueError(f"pad_to must be >= 1 or None, got {pad_to}")
         self.model = model
@@ -65,6 +67,7 @@ class ModelRunner:
         self.backend = backend
         self.pad_to = pad_to
         self.graphs = graphs
+        self.head = head
         self.device = model.get_input_embeddings().weight.device
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -166,7 +169,7 @@ class ModelRunner:
         else:
             keep_t = self._tensor(keep)
         meta = self.metadata(plan)
-        with engine_attention(self.model), attention_context(meta):
+        with engine_attention(self.model), attention_context(meta), fast_head(self.head):
             out = self.model(
                 input_ids=self._tensor(plan.input_ids)[None],
                 position_ids=self._tensor(plan.positions)[None],
