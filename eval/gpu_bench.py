@@ -6,11 +6,15 @@ tokenizer, no network, no gguf); prompts are synthetic token ids with repeated p
 Per model and batch size (default 1, 16, 64), variants run interleaved, best of --repeats:
   hf-greedy            HF generate, greedy (the reference of every ratio)
   hf-pl-k{k}           HF's own prompt lookup (batch 1 only: HF refuses larger batches)
-  plk-greedy           hf_plookup greedy (attn_backend auto, CUDA graphs on)
+  hf-static            HF generate(cache_implementation="static"): HF compiles its forward
+                       (--hf-static; the compiling first call is reported as first_call_s)
+  plk-greedy           hf_plookup greedy (defaults: attn_backend and compile "auto", CUDA graphs on)
   plk-k{k}             hf_plookup prompt lookup, prompt_lookup_num_tokens=k
-  plk-*-eager          the same with cuda_graphs=False (--eager-variants)
+  plk-*-nocompile      the same with compile=False (CUDA graphs of the eager forward)
+  plk-*-eager          the same with cuda_graphs=False, compile=False (--eager-variants)
 Per hf_plookup variant also the median time of a decode step (1 token per sequence for
-greedy, k+1 for prompt lookup), timed around the engine's forward with device syncs. Per model
+greedy, k+1 for prompt lookup), timed around the engine's forward with device syncs, and the
+GPU kernels one un-captured forward of that step launches. Per model
 the weight bytes, the measured device-to-device copy bandwidth and the bandwidth bound of a
 decode step (weight bytes / bandwidth: every step reads all weights once). Also the numba
 proposer's cost at batch 256 with 8k-token contexts.
@@ -84,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-backend", default="auto", help="hf_plookup attn_backend for plk variants")
     p.add_argument("--eager-variants", action=argparse.BooleanOptionalAction, default=True,
                    help="also run plk-greedy and plk-k{first k} with cuda_graphs=False")
+    p.add_argument("--compile-variants", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run plk-greedy and plk-k{first k} with compile=False")
+    p.add_argument("--hf-static", action=argparse.BooleanOptionalAction, default=True,
+                   help="run HF's static-cache compiled generate (hf-static)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF variants (hf-greedy still runs at batch 1 as reference)")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; models not started by then are skipped")
     p.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_bench.json, else results/gpu_bench.json)")
@@ -234,7 +242,11 @@ def variants(args, batch: int) -> list[str]:
     names = ["hf-greedy"]
     if not args.no_hf and batch == 1:
         names += [f"hf-pl-k{k}" for k in args.k]
+    if args.hf_static:
+        names.append("hf-static")
     names += ["plk-greedy"] + [f"plk-k{k}" for k in args.k]
+    if args.compile_variants:
+        names += ["plk-greedy-nocompile", f"plk-k{args.k[0]}-nocompile"]
     if args.eager_variants:
         names += ["plk-greedy-eager", f"plk-k{args.k[0]}-eager"]
     return names
@@ -255,11 +267,13 @@ def run_one(name, model, wrapped, ids, args, eos, device, max_new_tokens):
     sync(device)
     if name.startswith("hf"):
         t0 = time.perf_counter()
+        if name == "hf-static":
+            kw["cache_implementation"] = "static"
         with torch.inference_mode():
             out = model.generate(ids, prompt_lookup_num_tokens=k, **kw) if k else model.generate(ids, **kw)
         sync(device)
         return time.perf_counter() - t0, generated(out, ids.shape[1], eos), None, None
-    w = wrapped["eager" if name.endswith("-eager") else "graphs"]
+    w = wrapped[name.rsplit("-", 1)[1] if name.endswith(("-eager", "-nocompile")) else "graphs"]
     with StepTimer(device) as timer:
         t0 = time.perf_counter()
         out = w.generate(ids, prompt_lookup_num_tokens=k, **kw)
@@ -282,18 +296,22 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
     wrapped = {"graphs": hf_plookup.wrap(model, attn_backend=args.attn_backend, cuda_graphs=True)}
     if args.eager_variants:
         need = max(args.batch_sizes) * (args.prompt_len + args.max_new_tokens + max(args.k) + 1)
-        wrapped["eager"] = hf_plookup.wrap(model, attn_backend=args.attn_backend, cuda_graphs=False,
+        wrapped["eager"] = hf_plookup.wrap(model, attn_backend=args.attn_backend, cuda_graphs=False, compile=False,
                                            max_cache_tokens=need + need // 4)
+    if args.compile_variants:
+        need = max(args.batch_sizes) * (args.prompt_len + args.max_new_tokens + max(args.k) + 1)
+        wrapped["nocompile"] = hf_plookup.wrap(model, attn_backend=args.attn_backend, compile=False,
+                                               max_cache_tokens=need + need // 4)
     engine = wrapped["graphs"]._engine
     info = {
         "model": name, "weights": weights, "dtype": args.dtype, "load_s": load_s,
         "num_params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes,
         "copy_bandwidth_Bps": bw, "bandwidth_bound_step_s": weight_bytes / bw,
         "attn_backend": engine.options.attn_backend, "block_size": engine.options.block_size,
-        "cuda_graphs": engine.use_graphs, "rows": [],
+        "cuda_graphs": engine.use_graphs, "compile": engine.use_compile, "rows": [],
     }
     print(f"\n== {name} ({weights} weights, {info['num_params'] / 1e9:.2f}B params, {weight_bytes / 2**30:.2f} GiB) "
-          f"backend {info['attn_backend']} block {info['block_size']} graphs {info['cuda_graphs']}; "
+          f"backend {info['attn_backend']} block {info['block_size']} graphs {info['cuda_graphs']} compile {info['compile']}; "
           f"copy {bw / 1e12:.2f} TB/s -> bound {1e3 * weight_bytes / bw:.2f} ms/step", flush=True)
     prompts = synthetic_prompts(vocab, max(args.batch_sizes), args.prompt_len, args.seed)
     for batch in args.batch_sizes:
@@ -303,11 +321,15 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
         ids = prompts[:batch].to(device)
         names = variants(args, batch)
         best: dict[str, dict] = {}
-        for n in names:  # warm-up: lazy inits, cuBLAS, first graph captures
+        first: dict[str, float] = {}
+        for n in names:  # warm-up: lazy inits, cuBLAS, compiles, first graph captures
+            # (hf-static compiles for its cache length, so it warms up on the full length)
+            t0 = time.perf_counter()
             try:
-                run_one(n, model, wrapped, ids, args, eos, device, 4)
+                run_one(n, model, wrapped, ids, args, eos, device, args.max_new_tokens if n == "hf-static" else 4)
             except Exception as e:  # keep measuring the rest; the error is reported
                 best[n] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            first[n] = time.perf_counter() - t0
         for rep in range(args.repeats):
             order = names[rep % len(names):] + names[: rep % len(names)]
             for n in order:
@@ -326,7 +348,7 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
         base_tokens = sum(len(r) for r in ref) if ref else None
         for n in names:
             r = best.get(n, {})
-            row = {"batch": batch, "variant": n, "k": _k(n)}
+            row = {"batch": batch, "variant": n, "k": _k(n), "first_call_s": first.get(n)}
             if "error" in r:
                 row["error"] = r["error"]
             elif r:
@@ -338,6 +360,7 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
                 if ref:
                     row["rows_equal_hf_greedy"] = sum(a == b for a, b in zip(r["rows"], ref)) / len(ref)
                 if r["stats"]:
+                    row["kernels_per_step"] = step_kernels(wrapped, n, batch, r["q"], device)
                     row["tokens_per_forward"] = r["stats"]["tokens_per_forward"]
                     row["acceptance_rate"] = r["stats"]["acceptance_rate"]
                     row["attn_backend"] = r["stats"]["attn_backend"]
@@ -356,6 +379,27 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
     return info
 
 
+def step_kernels(wrapped: dict, name: str, batch: int, q: int | None, device: torch.device) -> int | None:
+    """GPU kernels one un-captured forward of the variant's decode step launches (its engine's
+    bucketed step for `batch` sequences of q tokens; None when it has none)."""
+    gr = wrapped[name.rsplit("-", 1)[1] if name.endswith(("-eager", "-nocompile")) else "graphs"]._engine._graphs
+    if gr is None or q is None or device.type != "cuda":
+        return None
+    from hf_plookup.engine.graphs import batch_bucket
+
+    keys = [key for key in gr.graphs if key[0] == q and key[1] == batch_bucket(batch)]
+    if not keys:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    g = gr.graphs[max(keys)]
+    sync(device)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gr._forward(g)
+        sync(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def step_summary(info: dict) -> dict:
     """Per batch: decode step times of greedy (1 token/seq) and prompt lookup (k+1) with graphs,
     their ratio (the tokens/forward a verify step must reach to pay off), and the bound."""
@@ -367,7 +411,7 @@ def step_summary(info: dict) -> dict:
         parts = [f"{info['model']} batch {batch}: 1-token step {_f(None if one is None else 1e3 * one, '.2f')} ms"]
         for (b, v), r in sorted(by.items()):
             k = _k(v)
-            if b == batch and k and not v.endswith("-eager"):
+            if b == batch and k and not v.endswith(("-eager", "-nocompile")):
                 entry[f"step_{k + 1}_s"] = r["decode_step_s"]
                 ratio = r["decode_step_s"] / one if one else None
                 entry[f"ratio_{k + 1}"] = ratio
@@ -387,11 +431,11 @@ def format_row(model: str, r: dict) -> str:
     step = r.get("decode_step_s")
     return (f"| {model} | {r['batch']} | {r['variant']} | {_f(r.get('tokens_per_s'), '.1f')} | {_f(r.get('x_hf_greedy'), '.2f')} "
             f"| {_f(r.get('tokens_per_forward'), '.2f')} | {_f(None if step is None else 1e3 * step, '.2f')} ({_f(r.get('q'), 'd')}) "
-            f"| {_f(r.get('rows_equal_hf_greedy'), '.0%')} |")
+            f"| {_f(r.get('kernels_per_step'), 'd')} | {_f(r.get('first_call_s'), '.1f')} | {_f(r.get('rows_equal_hf_greedy'), '.0%')} |")
 
 
-HEADER = ("| model | batch | variant | tok/s | x HF greedy | tokens/forward | decode step ms (tokens/seq) | = HF greedy |\n"
-          "|---|---:|---|---:|---:|---:|---:|---:|")
+HEADER = ("| model | batch | variant | tok/s | x HF greedy | tokens/forward | decode step ms (tokens/seq) | kernels/step "
+          "| first call s | = HF greedy |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def main(argv=None) -> int:

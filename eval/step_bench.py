@@ -1,0 +1,207 @@
+"""One decode/verify step of hf_plookup, timed per execution mode: what a k+1-token verify step
+costs against a 1-token step, eager vs compiled vs CUDA graphs, and HF's compiled static-cache
+forward beside it. Random weights of the real shapes (eval/gpu_bench.py's MODELS): step times
+do not depend on weight values.
+
+Per model, batch size and tokens per sequence q (1 = plain decode, k+1 = verify), each mode
+runs the engine's bucketed step (engine.graphs.GraphRunner) over B sequences of --context
+cached tokens (pages filled with random keys/values):
+  eager            the static-buffer forward, no compile, no graph
+  compiled         torch.compile(fullgraph=True) of that forward (inductor; on CPU with freezing)
+  graphs           eager forward captured in a CUDA graph (CUDA only)
+  compiled+graphs  compiled forward captured in a CUDA graph (CUDA only; compile=True's path)
+  hf-static        (--hf-static) HF's own forward over its StaticCache, torch.compile
+                   mode="reduce-overhead", fullgraph=True, after a --context-token prefill
+First calls (compile, capture) are reported apart from the median of --iters timed calls. On
+CUDA also the GPU kernels one un-captured forward launches (torch.profiler).
+
+    python eval/step_bench.py --device cpu --dtype fp32 --models smollm2-135m --threads 2
+    python eval/step_bench.py --models smollm2-135m qwen3-8b --batch-sizes 1 16 64 --hf-static
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if __package__ in (None, ""):  # run as a script: make hf_plookup and eval importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eval.common import show_defaults  # noqa: E402
+from eval.gpu_bench import DTYPES, MODELS, build_model, copy_bandwidth, sync  # noqa: E402
+from hf_plookup.attention.registry import register  # noqa: E402
+from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket, pad_plan  # noqa: E402
+from hf_plookup.engine.kv_cache import PagedKVCache, layer_specs  # noqa: E402
+from hf_plookup.engine.runner import StepPlan  # noqa: E402
+
+MODES = ("eager", "compiled", "graphs", "compiled+graphs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["smollm2-135m"], choices=sorted(MODELS))
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    p.add_argument("--q", type=int, nargs="+", default=[1, 5, 9], help="tokens per sequence of a step (k + 1)")
+    p.add_argument("--context", type=int, default=700, help="cached tokens per sequence before the step")
+    p.add_argument("--modes", nargs="+", default=None, choices=MODES,
+                   help="default: eager compiled on CPU; all four on CUDA")
+    p.add_argument("--hf-static", action="store_true", help="also time HF's compiled static-cache forward")
+    p.add_argument("--attn-backends", nargs="+", default=["sdpa"], choices=["sdpa", "triton"],
+                   help="each mode runs once per backend")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--iters", type=int, default=20, help="timed calls per (mode, batch, q); the median counts")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--out", default=None, help="JSON path (default: $OUT/step_bench.json, else results/step_bench.json)")
+    p.add_argument("--seed", type=int, default=0)
+    return show_defaults(p)
+
+
+def step_plan(num_seqs: int, q: int, context: int, block_size: int, vocab: int = 1000) -> StepPlan:
+    """A uniform decode step: sequence i has `context` cached tokens in its own pages
+    (1 + i*W ... ; page 0 stays unused) and feeds q tokens."""
+    ctx = context + q
+    w = -(-ctx // block_size)
+    tables = 1 + np.arange(num_seqs * w, dtype=np.int64).reshape(num_seqs, w)
+    key_pos = np.arange(ctx)
+    kv_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size
+    pos = np.tile(np.arange(context, ctx), num_seqs)
+    rng = np.random.default_rng(q)
+    return StepPlan(
+        input_ids=rng.integers(3, vocab, size=num_seqs * q), positions=pos,
+        slot_mapping=kv_slots[:, context:].reshape(-1), query_pos=np.tile(np.arange(context, ctx), (num_seqs, 1)),
+        kv_slots=kv_slots, context_lens=np.full(num_seqs, ctx), block_tables=tables,
+        cu_seqlens_q=np.arange(num_seqs + 1) * q, cu_seqlens_k=np.arange(num_seqs + 1) * ctx,
+        q_gather=None, q_scatter=None, keep=np.arange(num_seqs * q), is_decode=True,
+    )
+
+
+def timed(fn, device: torch.device, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def count_kernels(fn, device: torch.device) -> int | None:
+    """GPU kernels launched by one call of `fn` (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache) -> list[dict]:
+    gr = GraphRunner(model, cache, backend, max(args.batch_sizes), capture="graphs" in mode,
+                     compiled="compiled" in mode)
+    rows = []
+    for b in args.batch_sizes:
+        for q in args.q:
+            plan = step_plan(b, q, args.context, args.block_size, model.config.vocab_size)
+            t0 = time.perf_counter()
+            gr.run(plan)  # compile / capture
+            sync(device)
+            first = time.perf_counter() - t0
+            step = timed(lambda: gr.run(plan), device, args.iters)
+            kernels = None
+            if device.type == "cuda":
+                key = (q, batch_bucket(b), context_bucket(plan.max_context_len, args.block_size))
+                kernels = count_kernels(lambda: gr._forward(gr.graphs[key]), device)
+            rows.append({"mode": mode, "attn_backend": backend, "batch": b, "q": q, "step_s": step,
+                         "first_call_s": first, "kernels": kernels})
+            print(f"  {mode + '/' + backend:22s} batch {b:3d} q {q:2d}: {1e3 * step:8.2f} ms  (first call {first:6.1f} s"
+                  + (f", {kernels} kernels)" if kernels is not None else ")"), flush=True)
+    return rows
+
+
+def bench_hf_static(model, args, device) -> list[dict]:
+    """HF's forward over a StaticCache of --context + 128 tokens (what static-cache generate
+    allocates for 128 new tokens), compiled the way HF's static-cache generate compiles it. Each
+    step appends its q tokens (positions advance), so a (batch, q) pair gets a fresh prefilled cache."""
+    from transformers import StaticCache
+
+    rows = []
+    fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    vocab = model.config.vocab_size
+    for b in args.batch_sizes:
+        for q in args.q:
+            cache = StaticCache(config=model.config, max_cache_len=args.context + 128)
+            ids = torch.randint(3, vocab, (b, args.context), device=device)
+            with torch.inference_mode():
+                model(input_ids=ids, past_key_values=cache, use_cache=True,
+                      cache_position=torch.arange(args.context, device=device))
+            step_ids = torch.randint(3, vocab, (b, q), device=device)
+            state = {"pos": args.context}
+
+            def step():
+                pos = torch.arange(state["pos"], state["pos"] + q, device=device)
+                state["pos"] += q
+                with torch.inference_mode():
+                    fwd(input_ids=step_ids, past_key_values=cache, use_cache=True, cache_position=pos)
+
+            t0 = time.perf_counter()
+            for _ in range(3):  # reduce-overhead records its graph on a later call
+                step()
+            sync(device)
+            first = time.perf_counter() - t0
+            s = timed(step, device, max(min(args.iters, 128 // q - 3), 1))
+            rows.append({"mode": "hf-static", "batch": b, "q": q, "step_s": s, "first_call_s": first, "kernels": None})
+            print(f"  {'hf-static':22s} batch {b:3d} q {q:2d}: {1e3 * s:8.2f} ms  (first calls {first:6.1f} s)", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    args.modes = args.modes or (list(MODES) if device.type == "cuda" else ["eager", "compiled"])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out or (Path(os.environ["OUT"]) / "step_bench.json" if os.environ.get("OUT") else "results/step_bench.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    register()  # the "hf_plookup" attention implementation (wrap does this)
+    result = {"config": vars(args), "torch": torch.__version__, "models": []}
+    for name in args.models:
+        model, _ = build_model(name, DTYPES[args.dtype], device, None, args.seed)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        bound = weight_bytes / copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26)
+        print(f"== {name} {args.dtype} on {device}: bandwidth bound {1e3 * bound:.2f} ms/step", flush=True)
+        bb = batch_bucket(max(args.batch_sizes))
+        pages = bb * context_bucket(args.context + max(args.q), args.block_size) // args.block_size + 2
+        cache = PagedKVCache(layer_specs(model), pages, args.block_size, scratch=True)
+        for k, v in zip(cache.keys, cache.values):
+            k.normal_()
+            v.normal_()
+        rows = []
+        for backend in args.attn_backends:
+            for mode in args.modes:
+                rows += bench_mode(model, mode, backend, args, device, cache)
+        if args.hf_static:
+            rows += bench_hf_static(model, args, device)
+        result["models"].append({"model": name, "bandwidth_bound_s": bound, "rows": rows})
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        del model, cache
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
