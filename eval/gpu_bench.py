@@ -137,10 +137,10 @@ class StepTimer:
         timer, orig = self, ModelRunner.run
         self._orig = orig
 
-        def run(runner, chunks, history):
+        def run(runner, chunks, history, tree_parents=None):
             sync(timer.device)
             t0 = time.perf_counter()
-            out = orig(runner, chunks, history)
+            out = orig(runner, chunks, history, tree_parents)
             sync(timer.device)
             decode = not any(c.is_prefill for c in chunks)
             q = (runner.pad_to or max(c.num_tokens for c in chunks)) if decode else max(c.num_tokens for c in chunks)

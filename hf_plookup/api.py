@@ -12,7 +12,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention.registry import register
 from .engine.engine import Engine, EngineOptions
-from .generation import GENERATE_ARGS, resolve
+from .generation import GENERATE_ARGS, OWN_ARGS, resolve
 from .spec.ngram import NgramProposer
 from .stats import SpecStats
 
@@ -83,7 +83,8 @@ class PlookupModel:
         for n-gram drafts) runs on the paged engine, any batch size; the rest goes to HF."""
         start = time.perf_counter()
         args = {name: kwargs.pop(name) for name in list(kwargs) if name in GENERATE_ARGS}
-        request = resolve(self._model, inputs, generation_config, args, kwargs)
+        own = {name: kwargs.pop(name) for name in OWN_ARGS if name in kwargs}  # HF's generate does not know them
+        request = resolve(self._model, inputs, generation_config, args, kwargs, own)
         stats = SpecStats()
         if isinstance(request, str):
             logger.warning(f"hf_plookup: delegating to transformers' generate ({request})")

@@ -177,10 +177,49 @@ def _max_new_tokens(model, config: GenerationConfig, width: int, input_ids: torc
     return config.max_length - width
 
 
-def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Request | str:
-    """A `Request`, or the reason (str) to delegate. Raises on bad input before any work."""
+# generate arguments of hf_plookup's own (HF's generate does not know them): drafting options
+OWN_ARGS = ("prompt_lookup_tree_nodes", "draft_cross_rows", "draft_corpus")
+
+
+def _corpus(model, corpus, tokenizer) -> tuple[np.ndarray, ...]:
+    """`draft_corpus` as token arrays: a list of strings (tokenized with `tokenizer=`, no special
+    tokens) and/or token id sequences within the vocabulary."""
+    if isinstance(corpus, (str, bytes)) or not isinstance(corpus, (list, tuple)):
+        raise TypeError(f"draft_corpus must be a list of strings or token id sequences, got {type(corpus).__name__}")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    out = []
+    for i, doc in enumerate(corpus):
+        if isinstance(doc, str):
+            if tokenizer is None:
+                raise ValueError("draft_corpus holds strings: pass `tokenizer=` to generate so they can be tokenized")
+            ids = np.asarray(tokenizer(doc, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        else:
+            if isinstance(doc, torch.Tensor):
+                doc = doc.detach().cpu().numpy()
+            ids = np.asarray(doc)
+            if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+                raise TypeError(f"draft_corpus[{i}] must be a string or a 1-D sequence of token ids")
+            ids = ids.astype(np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(f"draft_corpus[{i}] holds token ids outside the vocabulary [0, {vocab - 1}]")
+        out.append(ids)
+    return tuple(out)
+
+
+def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dict | None = None) -> Request | str:
+    """A `Request`, or the reason (str) to delegate. Raises on bad input before any work.
+    `own`: hf_plookup's own drafting arguments (OWN_ARGS)."""
     kwargs = dict(kwargs)
     _check_raw(kwargs)
+    own = own or {}
+    tree_nodes = own.get("prompt_lookup_tree_nodes")
+    if tree_nodes is not None:
+        tree_nodes = _positive_int("prompt_lookup_tree_nodes", tree_nodes)
+    cross_rows = own.get("draft_cross_rows", False)
+    if not isinstance(cross_rows, bool):
+        raise TypeError(f"draft_cross_rows must be True or False, got {cross_rows!r}")
+    corpus = own.get("draft_corpus")
+    corpus = _corpus(model, corpus, args.get("tokenizer")) if corpus is not None else None
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or "inputs_embeds" in kwargs:
         return "inputs given as embeddings (or not at all)"
@@ -232,6 +271,10 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Reque
     k = 0 if k is None else _positive_int("prompt_lookup_num_tokens", k)
     n = config.max_matching_ngram_size
     n = 2 if n is None else _positive_int("max_matching_ngram_size", n)
+    for name, given in (("prompt_lookup_tree_nodes", tree_nodes is not None), ("draft_cross_rows", cross_rows),
+                        ("draft_corpus", corpus is not None)):
+        if given and k == 0:
+            raise ValueError(f"{name} needs prompt_lookup_num_tokens (the longest path of a draft)")
     device = input_ids.device
     model._prepare_special_tokens(config, mask is not None, device=device)
     eos_t, pad_t = config._eos_token_tensor, config._pad_token_tensor
@@ -272,6 +315,9 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict) -> Reque
         eos_token_ids=eos,
         k=k,
         max_ngram=n,
+        tree_nodes=tree_nodes or 0,
+        cross_rows=cross_rows,
+        corpus=corpus,
         do_sample=bool(config.do_sample),
         processors=processors,
         stopping=stopping,

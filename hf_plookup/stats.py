@@ -24,6 +24,11 @@ class SpecStats:
     accepted: int = 0  # draft tokens accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [k]
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
+    drafter: str = ""  # "ngram" (one chain of k drafts), "ngram-tree" (candidate trees), "" (none)
+    verify_steps: int = 0  # row steps that verified drafts (decode steps of drafting rows)
+    accepted_hist: list[int] = field(default_factory=list)  # [k+1]: verify steps that accepted j drafts
+    propose_time: float = 0.0  # seconds in the proposer
+    propose_calls: int = 0  # proposer calls (one per decode step)
     wall_time: float = 0.0  # seconds, whole call
     compile_time: float = 0.0  # seconds of wall_time spent compiling (and capturing) new step buckets
     delegated: bool = False  # True when the call went to HF's own generate
@@ -40,6 +45,7 @@ class SpecStats:
         self.k = k
         self.drafted_per_position = [0] * k
         self.accepted_per_position = [0] * k
+        self.accepted_hist = [0] * (k + 1)
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,6 +59,15 @@ class SpecStats:
     def acceptance_per_position(self) -> list[float]:
         """Share of drafts at position j (0-based) that were accepted."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def mean_tree_size(self) -> float:
+        """Draft tokens (tree nodes, or chain length) fed per verify step."""
+        return self.drafted / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def propose_ms_per_step(self) -> float:
+        return 1000 * self.propose_time / self.propose_calls if self.propose_calls else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -72,6 +87,11 @@ class SpecStats:
             "acceptance_per_position": self.acceptance_per_position,
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
+            "drafter": self.drafter,
+            "verify_steps": self.verify_steps,
+            "mean_tree_size": self.mean_tree_size,
+            "accepted_hist": list(self.accepted_hist),
+            "propose_ms_per_step": self.propose_ms_per_step,
             "wall_time": self.wall_time,
             "compile_time": self.compile_time,
             "tokens_per_second": self.tokens_per_second,

@@ -309,6 +309,25 @@ def test_sampling_distribution_matches_exact(wrapped, case):
     assert p > ALPHA, f"{case}: Monte Carlo chi-square p-value {p:.3g} (floor 1/4001; acceptance {stats.acceptance_rate:.2f})"
 
 
+@pytest.mark.parametrize("case", ["temperature_0.7", "top_k_3", "top_p_0.8", "min_p_0.2", "combined"])
+def test_tree_sampling_distribution_matches_exact(wrapped, case):
+    """The same check with candidate trees (prompt_lookup_tree_nodes): each fed node gets one
+    draw and the walk follows matching children. Where a processor looks at the history
+    (repetition penalty in "combined") the call keeps one chain, and that must hold too."""
+    joint, _, _ = _exact(case)
+    ids = torch.tensor([PROMPT]).repeat(N, 1)
+    torch.manual_seed(20240602)
+    out = wrapped.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=True,
+                           eos_token_id=None, prompt_lookup_num_tokens=K, prompt_lookup_tree_nodes=6, **_kwargs(case))
+    stats = wrapped.last_stats
+    assert stats.delegated is False, stats.delegated_reason
+    assert stats.drafter == ("ngram" if "repetition_penalty" in CASES[case] else "ngram-tree")
+    assert 0 < stats.accepted < stats.drafted, stats.as_dict()
+    p, impossible = check_distribution(out[:, len(PROMPT) :].numpy(), joint)
+    assert impossible == 0, f"{case}: {impossible} samples have probability 0 under HF's processors"
+    assert p > ALPHA, f"{case} (trees): Monte Carlo chi-square p-value {p:.3g}"
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_chi_square_rejects_wrong_samplers(case):
     """The test's power: a correct simulated sampler passes, plausible wrong ones fail, with

@@ -44,6 +44,9 @@ class AttentionMetadata:
     # CUDA-graph steps: B and Lk are buckets (Lk longer than the contexts), so masks must come
     # from the tensors above, never from shape shortcuts decided on the host at capture time.
     static_shapes: bool = False
+    # Candidate-tree steps (spec.tree): chunk node j of sequence b may see chunk node i when
+    # tree_mask[b, j, i]; each chunk starts at query_pos[b, 0] (its root). None: causal chunks.
+    tree_mask: torch.Tensor | None = None  # [B, Tq, Tq] bool
     _masks: dict = field(default_factory=dict)  # sliding window (or None) -> [B, 1, Tq, Lk] bool
 
     def __post_init__(self) -> None:
@@ -76,7 +79,7 @@ class AttentionMetadata:
         """The cheapest mask SDPA can take for this step: none for one sequence feeding one
         token, a lower-right causal bias for one sequence feeding several (both let SDPA pick
         its fused kernels), else the explicit boolean mask."""
-        if self.num_seqs == 1 and not self.static_shapes and not (sliding_window and self.max_context_len > sliding_window):
+        if (self.num_seqs == 1 and not self.static_shapes and self.tree_mask is None and not (sliding_window and self.max_context_len > sliding_window)):
             if self.max_query_len == 1:
                 return None
             return causal_lower_right(self.max_query_len, self.max_context_len)
@@ -87,19 +90,35 @@ class AttentionMetadata:
         key = sliding_window if sliding_window else None
         m = self._masks.get(key)
         if m is None:
-            m = self._masks[key] = step_mask(self.query_pos, self.context_lens, self.max_context_len, key)
+            m = self._masks[key] = step_mask(self.query_pos, self.context_lens, self.max_context_len, key,
+                                             self.tree_mask)
         return m
 
 
 def step_mask(query_pos: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
-              sliding_window: int | None) -> torch.Tensor:
+              sliding_window: int | None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[B, 1, Tq, Lk] bool, True where a query may attend to a key: causal, within the context,
-    and within `sliding_window` keys when given, as HF counts it."""
-    key_pos = torch.arange(max_context_len, device=query_pos.device)  # [Lk]
+    and within `sliding_window` keys when given, as HF counts it. With `tree_mask` [B, Tq, Tq]
+    (candidate trees), a query sees the keys before its chunk (the window applied) and, inside
+    the chunk, the nodes its tree_mask row marks (its ancestors and itself)."""
+    key_pos = torch.arange(max_context_len, device=query_pos.device)[None, None, :]  # [1, 1, Lk]
     q = query_pos[:, :, None]  # [B, Tq, 1]
-    m = (key_pos[None, None, :] <= q) & (key_pos[None, None, :] < context_lens[:, None, None])
-    if sliding_window:
-        m = m & (key_pos[None, None, :] > q - sliding_window)
+    in_context = key_pos < context_lens[:, None, None]
+    if tree_mask is None:
+        m = (key_pos <= q) & in_context
+        if sliding_window:
+            m = m & (key_pos > q - sliding_window)
+    else:
+        start = query_pos[:, :1, None]  # [B, 1, 1] the root's position = the chunk's first key
+        before = key_pos < start
+        if sliding_window:
+            before = before & (key_pos > q - sliding_window)
+        rel = (key_pos - start).clamp(0, tree_mask.shape[-1] - 1)  # [B, 1, Lk] chunk node held by each key
+        inside = torch.gather(tree_mask, 2, rel.expand(-1, tree_mask.shape[1], -1)) & (key_pos >= start) & in_context
+        if sliding_window:  # a chunk key's position is its node's (start + depth), not its slot
+            node_pos = torch.gather(query_pos, 1, rel[:, 0, :])[:, None, :]  # [B, 1, Lk]
+            inside = inside & (node_pos > q - sliding_window)
+        m = before | inside
     # padded query rows attend to key 0 so softmax stays finite; their output is dropped
     m[:, :, 0] |= q[:, :, 0] < 0
     return m[:, None]

@@ -104,7 +104,7 @@ def compiled_paged_attention(
     torch.ops.hf_plookup.write_kv(k_cache, v_cache, meta.slot_mapping, key, value)
     mask = None
     if meta.backend == "sdpa":
-        mask = step_mask(meta.query_pos, meta.context_lens, meta.max_context_len, sliding_window)
+        mask = step_mask(meta.query_pos, meta.context_lens, meta.max_context_len, sliding_window, meta.tree_mask)
     return torch.ops.hf_plookup.paged_attention(
         query, k_cache, v_cache, meta.kv_slots, meta.query_pos, meta.context_lens, meta.block_tables,
         meta.cache_seqlens, meta.cu_seqlens_q, meta.q_gather, meta.q_scatter, mask, meta.backend,

@@ -9,8 +9,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import time
+
 from ..spec.ngram import NgramProposer
 from ..spec.sampling import process_scores
+from ..spec.suffix import SuffixIndex
+from ..spec.tree import TreeProposer, accept_tree_greedy, accept_tree_sampled, compaction, depths
 from ..spec.verify import accept_greedy, accept_sampling
 from ..stats import SpecStats
 from .scheduler import ScheduledChunk, Scheduler
@@ -47,22 +51,28 @@ def joinable(running: DecodeConfig, cfg: DecodeConfig) -> bool:
         return not (c.do_sample or c.needs_hf_rows or c.streamer is not None or c.output_scores or c.output_logits)
 
     return (plain(running) and plain(cfg) and running.k == cfg.k and running.max_ngram == cfg.max_ngram
-            and running.eos_token_ids == cfg.eos_token_ids)
+            and running.tree_nodes == cfg.tree_nodes and running.eos_token_ids == cfg.eos_token_ids
+            and not (running.cross_rows or cfg.cross_rows or running.corpus or cfg.corpus))
 
 
 class Batch:
     """Token rows of every call in one loop. `history[row, :seq.num_tokens]` is a row's prompt
-    (padding removed) and generated tokens; drafts are written right after them before a step."""
+    (padding removed) and generated tokens; drafts are written right after them before a step
+    (a chain's tokens in order, a candidate tree's nodes in node order; `parents` then holds
+    each node's parent, see spec.tree)."""
 
-    def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | None, sched: Scheduler, ids):
+    def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | TreeProposer | None, sched: Scheduler, ids):
         self.cfg = cfg  # the first call's config: it sets drafting and stopping for every row
         self.proposer = proposer
+        self.tree = isinstance(proposer, TreeProposer)
         self.sched = sched
         self._ids = ids  # itertools.count shared by the engine: unique sequence ids
-        k = max(cfg.k, 1)
+        self.width_drafts = max(cfg.k, proposer.budget if self.tree else 0, 1)  # K: draft slots per row
         self.history = np.zeros((0, 1), dtype=np.int64)  # [B, L]
-        self.drafts = np.full((0, k), -1, dtype=np.int64)  # [B, k]
+        self.drafts = np.full((0, self.width_drafts), -1, dtype=np.int64)  # [B, K]
+        self.parents = np.full((0, self.width_drafts), -1, dtype=np.int64) if self.tree else None  # [B, K]
         self.n_drafts = np.zeros(0, dtype=np.int64)  # [B]
+        self._index: SuffixIndex | None = None  # trees: occurrences of every source (spec.suffix)
         self.calls: list[Call] = []
         self.call_of_row: list[Call] = []
         self.hf_rows: np.ndarray | None = None  # [B, W + extra] rows as HF lays them out (first call only)
@@ -75,12 +85,14 @@ class Batch:
         cfg = call.cfg
         first = len(self.call_of_row)
         b = len(call.prompts)
-        extra = cfg.max_new_tokens + cfg.k + 1
+        extra = cfg.max_new_tokens + self.width_drafts + 1
         width = max(self.history.shape[1], max(len(p) for p in call.prompts) + extra)
         history = np.zeros((first + b, width), dtype=np.int64)
         history[:first, : self.history.shape[1]] = self.history
         self.history = history
         self.drafts = np.concatenate([self.drafts, np.full((b, self.drafts.shape[1]), -1, dtype=np.int64)])
+        if self.tree:
+            self.parents = np.concatenate([self.parents, np.full((b, self.parents.shape[1]), -1, dtype=np.int64)])
         self.n_drafts = np.concatenate([self.n_drafts, np.zeros(b, dtype=np.int64)])
         if not self.calls:
             if cfg.needs_hf_rows:
@@ -91,6 +103,8 @@ class Batch:
             self.rec_logits = [[] for _ in range(b)] if cfg.output_logits else None
         call.stats.num_sequences = b
         call.stats.resize(cfg.k)
+        call.stats.drafter = ("" if self.proposer is None else "ngram" if not self.tree else
+                              "ngram-tree" + "+rows" * cfg.cross_rows + "+corpus" * (cfg.corpus is not None))
         for i, p in enumerate(call.prompts):
             row = first + i
             self.history[row, : len(p)] = p
@@ -100,6 +114,16 @@ class Batch:
             self.sched.add(seq)
         self.calls.append(call)
 
+    def suffix_index(self) -> SuffixIndex:
+        """The loop's occurrence index over its drafting sources (rebuilt when rows join and the
+        history grows; it re-indexes the rows' committed tokens at the next update)."""
+        rows, width = self.history.shape
+        if self._index is None:
+            self._index = SuffixIndex(rows, width, self.cfg.cross_rows, list(self.cfg.corpus or ()))
+        elif (self._index.rows, self._index.width) != (rows, width):
+            self._index = self._index.grow(rows, width)
+        return self._index
+
     def propose(self, running: list[Sequence]) -> np.ndarray:
         """Drafts for the running sequences (written into `history` after their last token)."""
         if self.proposer is None:
@@ -107,8 +131,21 @@ class Batch:
         rows = np.array([s.row for s in running])
         lengths = np.array([s.num_tokens for s in running], dtype=np.int64)
         cap = np.array([s.remaining - 1 for s in running], dtype=np.int64)
-        d, nd = self.proposer.propose(self.history[rows], lengths, cap)
-        self.drafts[rows], self.n_drafts[rows] = d, nd
+        t0 = time.perf_counter()
+        if self.tree:
+            index = self.suffix_index()
+            seqs = [s for call in self.calls for s in call.seqs]
+            if index.cross_rows:  # every row's committed tokens are a source, running or not
+                index.update(self.history, np.array([s.row for s in seqs]), np.array([s.num_tokens for s in seqs]))
+            d, par, nd = self.proposer.propose(self.history, lengths, cap, rows=rows, index=index)
+            self.parents[rows, : par.shape[1]] = par
+        else:
+            d, nd = self.proposer.propose(self.history[rows], lengths, cap)
+        spent = time.perf_counter() - t0
+        self.drafts[rows, : d.shape[1]], self.n_drafts[rows] = d, nd
+        for call in {id(self.call_of_row[r]): self.call_of_row[r] for r in rows}.values():
+            call.stats.propose_time += spent
+            call.stats.propose_calls += 1
         for s in running:  # drafts are fed (and seen by processors) right after the last token
             m = self.n_drafts[s.row]
             self.history[s.row, s.num_tokens : s.num_tokens + m] = self.drafts[s.row, :m]
@@ -139,8 +176,25 @@ class Batch:
             self.rec_logits if call is self.calls[0] else None,
         )
 
-    def verify_and_commit(self, active: list[ScheduledChunk], logits: torch.Tensor) -> None:
-        """Score every verified position (`logits` [N, V]), accept drafts, append tokens up to the first stop."""
+    def tree_parents(self, row: int, num_drafts: int) -> np.ndarray | None:
+        """Parents [num_drafts] (chunk indices) of row `row`'s draft nodes this step; None for chains."""
+        return None if not self.tree else self.parents[row, :num_drafts]
+
+    def _walk(self, picks: np.ndarray, offsets: np.ndarray, num_drafts: np.ndarray, rows: np.ndarray):
+        """Per sequence, the accepted tree path (chunk indices) and next token, from one pick
+        per fed node (`picks` [N]: argmax or one draw)."""
+        paths, final = [], np.empty(len(rows), dtype=np.int64)
+        walk = accept_tree_sampled if self.cfg.do_sample else accept_tree_greedy
+        for i, r in enumerate(rows):
+            m = num_drafts[i]
+            path, final[i] = walk(picks[offsets[i] : offsets[i] + m + 1], self.drafts[r, :m], self.parents[r, :m])
+            paths.append(np.asarray(path, dtype=np.int64))
+        return paths, final
+
+    def verify_and_commit(self, active: list[ScheduledChunk], logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Score every verified position (`logits` [N, V]), accept drafts, append tokens up to the
+        first stop. Returns the cache moves of accepted tree paths (source slots [M], destination
+        slots [M]; empty for chains): the caller copies those keys/values before the next step."""
         cfg, history, hf_rows, width = self.cfg, self.history, self.hf_rows, self.width
         seqs = [c.seq for c in active]
         rows = np.array([s.row for s in seqs], dtype=np.int64)  # [S]
@@ -148,39 +202,67 @@ class Batch:
         offsets = np.cumsum(n_pos) - n_pos  # [S]
         num_drafts = n_pos - 1
         gen = np.array([s.num_generated for s in seqs], dtype=np.int64)  # [S] before this step
-        step_drafts = self.drafts[rows]  # [S, k]
+        step_drafts = self.drafts[rows]  # [S, K]
+        # depth of every fed position below its chunk's first token (a chain: its index)
+        if self.tree:
+            depth = np.concatenate([depths(self.parents[r, : num_drafts[i]]) for i, r in enumerate(rows)])
+        else:
+            depth = np.arange(n_pos.sum()) - np.repeat(offsets, n_pos)
         if cfg.processors:
             pos_rows = np.repeat(rows, n_pos)
-            pos_len = width + np.repeat(gen, n_pos) + (np.arange(n_pos.sum()) - np.repeat(offsets, n_pos))
+            pos_len = width + np.repeat(gen, n_pos) + depth
             scores = process_scores(cfg.processors, logits, pos_rows, pos_len, hf_rows)  # [N, V]
         else:
             scores = logits.float()
-        if cfg.do_sample:
-            accepted, final = accept_sampling(torch.softmax(scores, dim=-1), offsets, num_drafts, step_drafts)
+        if self.tree:
+            if cfg.do_sample:
+                picks = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1).cpu().numpy()  # [N]
+            else:
+                picks = scores.argmax(dim=-1).cpu().numpy()  # [N]
+            paths, final = self._walk(picks, offsets, num_drafts, rows)
+            accepted = np.array([len(p) for p in paths], dtype=np.int64)
         else:
-            accepted, final = accept_greedy(scores, offsets, num_drafts, step_drafts)
+            if cfg.do_sample:
+                accepted, final = accept_sampling(torch.softmax(scores, dim=-1), offsets, num_drafts, step_drafts)
+            else:
+                accepted, final = accept_greedy(scores, offsets, num_drafts, step_drafts)
+            paths = [np.arange(1, a + 1, dtype=np.int64) for a in accepted]
         counts = accepted + 1
-        candidates = [np.append(step_drafts[i, : accepted[i]], final[i]) for i in range(len(seqs))]
+        # the tokens a row may emit and, for each, the fed position that scored it
+        candidates = [np.append(step_drafts[i, paths[i] - 1], final[i]) for i in range(len(seqs))]
+        cand_rows = [offsets[i] + np.concatenate(([0], paths[i])) for i in range(len(seqs))]
         if cfg.stopping:
             starts = width + gen
             for i, s in enumerate(seqs):
                 hf_rows[s.row, starts[i] : starts[i] + counts[i]] = candidates[i]
-            cand_rows = np.concatenate([offsets[i] + np.arange(counts[i]) for i in range(len(seqs))])
             keep, stopped = first_stops(
-                cfg.stopping, rows, starts, counts, hf_rows, scores[torch.from_numpy(cand_rows).to(scores.device)]
+                cfg.stopping, rows, starts, counts, hf_rows,
+                scores[torch.from_numpy(np.concatenate(cand_rows)).to(scores.device)]
             )
         else:
             keep, stopped = counts, np.zeros(len(seqs), dtype=bool)
+        move_src, move_dst = [], []
         for i, (c, seq) in enumerate(zip(active, seqs)):
             stats = self.call_of_row[seq.row].stats
             m = num_drafts[i]
             if not c.is_prefill:
                 a = int(accepted[i])
+                deepest = int(depth[offsets[i] : offsets[i] + m + 1].max())
                 stats.drafted += int(m)
                 stats.accepted += a
-                for j in range(m):
+                stats.verify_steps += 1
+                stats.accepted_hist[min(a, len(stats.accepted_hist) - 1)] += 1
+                for j in range(min(deepest, len(stats.drafted_per_position))):
                     stats.drafted_per_position[j] += 1
                     stats.accepted_per_position[j] += j < a
+                if self.tree and a:
+                    src, dst = compaction(paths[i].tolist())
+                    if len(src):
+                        table = np.asarray(self.sched.blocks.table(seq.seq_id), dtype=np.int64)
+                        bs = self.sched.blocks.block_size
+                        for off, out in ((src, move_src), (dst, move_dst)):
+                            pos = c.start + off
+                            out.append(table[pos // bs] * bs + pos % bs)
                 seq.num_cached += 1 + a
             emitted = seq.append(history, candidates[i][: keep[i]].tolist(), cfg.eos_token_ids)
             if stopped[i] and emitted == keep[i]:
@@ -189,10 +271,13 @@ class Batch:
                 hf_rows[seq.row, width + gen[i] : width + gen[i] + emitted] = candidates[i][:emitted]
             stats.row_steps += 1
             stats.new_tokens += emitted
+            kept = torch.from_numpy(cand_rows[i][:emitted]).to(scores.device)
             if self.rec_scores is not None:
-                self.rec_scores[seq.row].extend(scores[offsets[i] : offsets[i] + emitted])
+                self.rec_scores[seq.row].extend(scores[kept])
             if self.rec_logits is not None:
-                self.rec_logits[seq.row].extend(logits[offsets[i] : offsets[i] + emitted].float())
+                self.rec_logits[seq.row].extend(logits[kept].float())
             if cfg.streamer is not None:
                 for t in candidates[i][:emitted]:
                     cfg.streamer.put(torch.tensor([int(t)]))
+        empty = np.zeros(0, dtype=np.int64)
+        return (np.concatenate(move_src) if move_src else empty, np.concatenate(move_dst) if move_dst else empty)

@@ -11,8 +11,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..attention.registry import BACKEND_CHOICES, resolve_backend, resolve_block_size
+from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS, resolve_backend, resolve_block_size
 from ..spec.ngram import NgramProposer
+from ..spec.sampling import history_free
+from ..spec.tree import TreeProposer
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
 from .cpu_head import head_chooser
@@ -102,7 +104,7 @@ class Engine:
         self._capacity: int | None = None
         self._cache: PagedKVCache | None = None
         self.blocks: BlockManager | None = None  # the cache's blocks; all free between calls
-        self._proposers: dict[tuple[int, int], NgramProposer] = {}
+        self._proposers: dict[tuple[int, int, int], NgramProposer | TreeProposer] = {}
         self._ids = itertools.count()
         self._loop_lock = threading.Lock()  # one engine loop (or delegated HF call) at a time
         self._state_lock = threading.Lock()  # guards _batch and _pending
@@ -144,14 +146,26 @@ class Engine:
                                        capture=self.use_graphs, compiled=self.use_compile)
         return self._graphs
 
-    def pad_to(self, k: int) -> int | None:
-        """Tokens every sequence feeds in a verify step when drafts are padded (k + 1), else None."""
-        return k + 1 if self.options.pad_drafts or self.use_graphs or self.use_compile else None
+    def pad_to(self, drafts: int) -> int | None:
+        """Tokens every sequence feeds in a verify step when drafts are padded (`drafts` + 1: k for
+        a chain, the node budget for trees), else None."""
+        return drafts + 1 if self.options.pad_drafts or self.use_graphs or self.use_compile else None
 
-    def proposer(self, k: int, max_ngram: int) -> NgramProposer:
-        key = (k, max_ngram)
+    def uses_trees(self, cfg: DecodeConfig) -> bool:
+        """Candidate trees run when asked for (`prompt_lookup_tree_nodes`, or sources beyond the
+        row: `draft_cross_rows`, `draft_corpus`), the attention backend takes a tree mask, and no
+        logits processor looks at the tokens (a tree's branches have different histories);
+        otherwise the call drafts one chain of k from its own row."""
+        asked = cfg.tree_nodes > 0 or cfg.cross_rows or cfg.corpus is not None
+        return cfg.k > 0 and asked and self.options.attn_backend in TREE_BACKENDS and history_free(cfg.processors)
+
+    def proposer(self, cfg: DecodeConfig) -> NgramProposer | TreeProposer | None:
+        if cfg.k == 0:
+            return None
+        nodes = (cfg.tree_nodes or cfg.k) if self.uses_trees(cfg) else 0
+        key = (cfg.k, cfg.max_ngram, nodes)
         if key not in self._proposers:
-            self._proposers[key] = NgramProposer(k, max_ngram)
+            self._proposers[key] = TreeProposer(cfg.k, nodes, cfg.max_ngram) if nodes else NgramProposer(cfg.k, cfg.max_ngram)
         return self._proposers[key]
 
     @contextlib.contextmanager
@@ -197,10 +211,11 @@ class Engine:
         blocks = self.blocks
         graphs = self.graph_runner()
         compile_before = graphs.compile_seconds if graphs is not None else 0.0
-        runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(cfg.k), graphs,
-                             self.head)
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs)
-        batch = Batch(cfg, self.proposer(cfg.k, cfg.max_ngram) if cfg.k > 0 else None, sched, self._ids)
+        batch = Batch(cfg, self.proposer(cfg), sched, self._ids)
+        runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(batch.width_drafts),
+                             graphs, self.head)
+        tree_parents = batch.tree_parents if batch.tree else None
         batch.add(own)
         with self._state_lock:
             self._batch = batch
@@ -216,14 +231,14 @@ class Engine:
                         self._batch = None
                         break
                 chunks = sched.schedule(batch.propose)
-                logits = runner.run(chunks, batch.history)  # [N, V]
+                logits = runner.run(chunks, batch.history, tree_parents)  # [N, V]
                 batch.count_forward(chunks)
                 active = [c for c in chunks if not (c.is_prefill and c.seq.num_cached + c.num_tokens < c.seq.prompt_len)]
                 for c in chunks:
                     if c.is_prefill:
                         c.seq.num_cached += c.num_tokens
                 if active:
-                    batch.verify_and_commit(active, logits)
+                    cache.move_slots(*batch.verify_and_commit(active, logits))  # accepted tree paths into place
                 sched.retire_finished()
                 for c in active:
                     if not c.seq.finished:

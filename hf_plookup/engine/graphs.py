@@ -87,10 +87,15 @@ def pad_plan(plan: StepPlan, num_seqs: int, max_context_len: int, block_size: in
     cu_q = np.arange(bb + 1, dtype=np.int64) * q
     cu_k = np.zeros(bb + 1, dtype=np.int64)
     np.cumsum(ctx, out=cu_k[1:])
-    return {
+    arrays = {
         "input_ids": ids, "positions": pos, "slot_mapping": slots, "query_pos": query_pos, "kv_slots": kv_slots,
         "context_lens": ctx, "cache_seqlens": ctx, "block_tables": tables, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
     }
+    if plan.tree_mask is not None:  # dummy rows are causal chains
+        tree = np.broadcast_to(np.tril(np.ones((q, q), dtype=bool)), (bb, q, q)).copy()
+        tree[:b] = plan.tree_mask
+        arrays["tree_mask"] = tree
+    return arrays
 
 
 def raise_recompile_limit(n: int) -> None:
@@ -103,6 +108,7 @@ def raise_recompile_limit(n: int) -> None:
 
 
 _INT32 = ("cache_seqlens", "block_tables", "cu_seqlens_q", "cu_seqlens_k")
+_DTYPES = {**{name: torch.int32 for name in _INT32}, "tree_mask": torch.bool}
 
 
 @dataclass(slots=True)
@@ -129,7 +135,7 @@ class GraphRunner:
         self.capture = capture
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, got {self.device}")
-        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}  # (q, B bucket, Lk bucket, tree)
         self.pool = None  # graph memory pool shared by all captures
         self.num_replays = 0
         self.compiled = compiled
@@ -152,7 +158,7 @@ class GraphRunner:
 
     def _static(self, arrays: dict[str, np.ndarray], bb: int, q: int, lkb: int) -> _Graph:
         inputs = {
-            name: torch.from_numpy(a).to(device=self.device, dtype=torch.int32 if name in _INT32 else torch.int64)
+            name: torch.from_numpy(a).to(device=self.device, dtype=_DTYPES.get(name, torch.int64))
             for name, a in arrays.items()
         }
         meta = AttentionMetadata(
@@ -161,6 +167,7 @@ class GraphRunner:
             num_seqs=bb, max_query_len=q, max_context_len=lkb, backend=self.backend,
             cu_seqlens_q=inputs["cu_seqlens_q"], cu_seqlens_k=inputs["cu_seqlens_k"],
             cache_seqlens=inputs["cache_seqlens"], block_tables=inputs["block_tables"], static_shapes=True,
+            tree_mask=inputs.get("tree_mask"),
         )
         return _Graph(inputs, meta)
 
@@ -198,7 +205,7 @@ class GraphRunner:
         bb = batch_bucket(plan.num_seqs)
         lkb = context_bucket(plan.max_context_len, self.block_size)
         arrays = pad_plan(plan, bb, lkb, self.block_size, self.cache.scratch_block)
-        key = (q, bb, lkb)
+        key = (q, bb, lkb, plan.tree_mask is not None)
         g = self.graphs.get(key)
         if g is None:
             t0 = time.perf_counter()

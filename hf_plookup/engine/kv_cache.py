@@ -6,6 +6,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..attention.probe import probe_key_layouts
@@ -127,6 +128,20 @@ class PagedKVCache:
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[idx], self.values[idx]
+
+    def move_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy every layer's keys/values at flat slots `src` [M] to `dst` [M] (all reads before
+        any write, so the two may overlap): an accepted tree path's KV moved into place."""
+        if len(src) != len(dst):
+            raise ValueError(f"src and dst must have equal length, got {len(src)} and {len(dst)}")
+        if not len(src):
+            return
+        device = self.keys[0].device
+        s = torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)).to(device)
+        d = torch.from_numpy(np.ascontiguousarray(dst, dtype=np.int64)).to(device)
+        for pages in (*self.keys, *self.values):
+            flat = pages.view(-1, *pages.shape[2:])
+            flat.index_copy_(0, d, flat.index_select(0, s))
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ import torch
 
 from ..attention.metadata import AttentionMetadata, attention_context
 from ..attention.registry import engine_attention
+from ..spec.tree import ancestor_mask, depths
 from .cpu_head import HeadChooser, fast_head
 from .kv_cache import BlockManager, PagedKVCache
 from .scheduler import ScheduledChunk
@@ -33,6 +34,7 @@ class StepPlan:
     q_scatter: np.ndarray | None  # [T] int64; None when uniform
     keep: np.ndarray  # [N] int64 packed rows whose logits are returned, in chunk order
     is_decode: bool  # no prompt chunk in this step
+    tree_mask: np.ndarray | None = None  # [B, Tq, Tq] bool: candidate trees (spec.tree); None for chains
 
     @property
     def num_seqs(self) -> int:
@@ -76,8 +78,11 @@ class ModelRunner:
             t = t.to(dtype)
         return t.to(self.device, non_blocking=True)
 
-    def plan(self, chunks: list[ScheduledChunk], history: np.ndarray) -> StepPlan:
-        """Lay out one step. `history`: [B_all, L] int64 token rows (drafts already written)."""
+    def plan(self, chunks: list[ScheduledChunk], history: np.ndarray, tree_parents=None) -> StepPlan:
+        """Lay out one step. `history`: [B_all, L] int64 token rows (drafts already written).
+        `tree_parents(row, num_drafts)`: a candidate tree's parents for a decode chunk (None for
+        chains): its nodes are fed in node order at position start + depth, each seeing only its
+        ancestors within the chunk."""
         bs = self.blocks.block_size
         scratch = self.cache.scratch_block
         n_real = np.array([c.num_tokens for c in chunks], dtype=np.int64)  # [B]
@@ -98,10 +103,18 @@ class ModelRunner:
         pos = np.empty(t, dtype=np.int64)
         tables = np.full((b, -(-lk // bs)), scratch if scratch is not None else 0, dtype=np.int64)  # [B, W]
         keep = []
+        trees = is_decode and tree_parents is not None
+        tree_mask = np.zeros((b, tq, tq), dtype=bool) if trees else None
+        query_pos = np.where(np.arange(tq)[None, :] < n[:, None], start[:, None] + np.arange(tq)[None, :], -1)  # [B, Tq]
         for i, c in enumerate(chunks):
             lo, m = offsets[i], c.num_tokens
             ids[lo : lo + m] = history[c.seq.row, c.start : c.start + m]
             pos[lo : offsets[i + 1]] = np.arange(c.start, c.start + n[i])
+            if trees:
+                parents = tree_parents(c.seq.row, m - 1)
+                pos[lo : lo + m] = c.start + depths(parents)
+                query_pos[i, :m] = pos[lo : lo + m]
+                tree_mask[i] = ancestor_mask(parents, tq)
             table = self.blocks.table(c.seq.seq_id)
             tables[i, : len(table)] = table
             if not c.is_prefill:
@@ -113,10 +126,9 @@ class ModelRunner:
         # positions past a sequence's blocks (padded drafts) land in the scratch page via the table
         kv_slots = tables[:, key_pos // bs] * bs + key_pos % bs  # [B, Lk]
         kv_slots[key_pos[None, :] >= ctx[:, None]] = scratch * bs if scratch is not None else 0
-        grid = np.arange(tq, dtype=np.int64)[None, :]  # [1, Tq]
-        query_pos = np.where(grid < n[:, None], start[:, None] + grid, -1)  # [B, Tq]
         seq_of_token = np.repeat(np.arange(b), n)  # [T]
-        slot_mapping = kv_slots[seq_of_token, pos]  # [T]
+        # token j of a chunk is stored at cache position start + j (for a tree node: not its position)
+        slot_mapping = kv_slots[seq_of_token, start[seq_of_token] + np.arange(t) - offsets[seq_of_token]]  # [T]
         if (n == tq).all():
             q_gather = q_scatter = None
         else:
@@ -126,7 +138,7 @@ class ModelRunner:
         cu_k = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(ctx, out=cu_k[1:])
         return StepPlan(ids, pos, slot_mapping, query_pos, kv_slots, ctx, tables, offsets, cu_k,
-                        q_gather, q_scatter, np.asarray(keep, dtype=np.int64), is_decode)
+                        q_gather, q_scatter, np.asarray(keep, dtype=np.int64), is_decode, tree_mask)
 
     def metadata(self, plan: StepPlan) -> AttentionMetadata:
         i32 = torch.int32
@@ -146,6 +158,7 @@ class ModelRunner:
             cu_seqlens_k=self._tensor(plan.cu_seqlens_k, i32),
             cache_seqlens=self._tensor(plan.context_lens, i32),
             block_tables=self._tensor(plan.block_tables, i32),
+            tree_mask=None if plan.tree_mask is None else self._tensor(plan.tree_mask),
         )
 
     def prepare(
@@ -158,9 +171,9 @@ class ModelRunner:
         return self._tensor(plan.input_ids)[None], self._tensor(plan.positions)[None], self.metadata(plan), plan.keep
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], history: np.ndarray) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk], history: np.ndarray, tree_parents=None) -> torch.Tensor:
         """One forward. Returns the logits at the kept positions, `[N, V]`."""
-        plan = self.plan(chunks, history)
+        plan = self.plan(chunks, history, tree_parents)
         if self.graphs is not None and self.graphs.supports(plan):
             return self.graphs.run(plan)
         keep = plan.keep

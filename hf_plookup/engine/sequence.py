@@ -16,6 +16,9 @@ class DecodeConfig:
     eos_token_ids: frozenset[int]
     k: int = 0  # prompt_lookup_num_tokens (0: no drafts)
     max_ngram: int = 2  # max_matching_ngram_size
+    tree_nodes: int = 0  # prompt_lookup_tree_nodes: draft nodes per candidate tree (0: one chain of k)
+    cross_rows: bool = False  # draft_cross_rows: the call's other rows are drafting sources (trees)
+    corpus: tuple[np.ndarray, ...] | None = None  # draft_corpus as token arrays: sources for every row (trees)
     do_sample: bool = False
     processors: LogitsProcessorList | None = None  # HF processors and warpers, per position
     stopping: StoppingCriteriaList | None = None  # criteria beyond EOS and length
@@ -27,8 +30,8 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.k < 0 or self.max_ngram < 1:
-            raise ValueError("k must be >= 0 and max_ngram >= 1")
+        if self.k < 0 or self.max_ngram < 1 or self.tree_nodes < 0:
+            raise ValueError("k and tree_nodes must be >= 0 and max_ngram >= 1")
         if (self.processors or self.stopping) and self.hf_input_ids is None:
             raise ValueError("processors and stopping criteria need hf_input_ids")
 

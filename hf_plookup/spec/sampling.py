@@ -8,7 +8,26 @@ import copy
 
 import numpy as np
 import torch
-from transformers import LogitsProcessorList
+from transformers import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+# processors whose output depends on the scores alone, never on the tokens before them: a
+# candidate tree's nodes (whose histories differ by branch) can be processed with them
+HISTORY_FREE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+                EpsilonLogitsWarper, EtaLogitsWarper)
+
+
+def history_free(processors: LogitsProcessorList | None) -> bool:
+    """True when no processor looks at the tokens (none given, or only HF's warpers)."""
+    return all(type(p) in HISTORY_FREE for p in processors or ())
 
 # processor attributes that hold one entry per batch row (HF's repetition penalty keeps each
 # row's padding length there); they are sliced to the rows of each call

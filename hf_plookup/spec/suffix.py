@@ -1,0 +1,150 @@
+"""Incremental occurrence index over every drafting source: each row's prompt and generated
+tokens and, opt-in, the other rows of the same engine loop and a user corpus (`draft_corpus`).
+
+What a drafter asks: "where did the row's last token occur before, newest first, and how many
+tokens before it match the row's suffix?". Scanning the history for that costs O(history) per
+row and step; this index answers it by walking only the occurrences of the last token, through
+links set once when each token is appended (amortized O(1) per token, no rescans):
+
+- own row: `prev_own[r, p]` = the previous position of row r holding the same token as
+  position p (-1: none). The walk starts at `prev_own[r, n - 1]` (the last token's previous
+  occurrence) and follows the links.
+- other sources (cross rows, corpus): one entry per indexed token (source, position, previous
+  entry with the same token), newest first from `head_any[token]`.
+
+Tokens are keyed by an open-addressing hash table (numpy arrays, numba kernels), so the index
+needs no vocabulary size. Sources: history rows 0..R-1, then corpus documents R, R+1, ...
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["SuffixIndex"]
+
+_EMPTY = -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _slot(keys, key):
+    """Slot of `key` in the table (where it is, or the empty slot where it would go)."""
+    mask = keys.shape[0] - 1
+    h = (key * 0x9E3779B97F4A7C15) & mask  # Fibonacci hashing (wraps in int64: fine for a hash)
+    while keys[h] != _EMPTY and keys[h] != key:
+        h = (h + 1) & mask
+    return h
+
+
+@numba.njit(cache=True, nogil=True)
+def _index_rows(history, rows, lengths, indexed, prev_own, own_keys, own_vals, cross, e_src, e_pos, e_prev,
+                n_entries, any_keys, any_vals, stride):
+    """Index positions indexed[r] .. lengths[i]-1 of each row r = rows[i] (serial: the tables are
+    shared). Returns the new entry count."""
+    n = n_entries
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for p in range(indexed[r], lengths[i]):
+            tok = history[r, p]
+            h = _slot(own_keys, r * stride + tok)
+            if own_keys[h] == _EMPTY:
+                own_keys[h] = r * stride + tok
+                prev_own[r, p] = -1
+            else:
+                prev_own[r, p] = own_vals[h]
+            own_vals[h] = p
+            if cross:
+                h = _slot(any_keys, tok)
+                e_src[n] = r
+                e_pos[n] = p
+                if any_keys[h] == _EMPTY:
+                    any_keys[h] = tok
+                    e_prev[n] = -1
+                else:
+                    e_prev[n] = any_vals[h]
+                any_vals[h] = n
+                n += 1
+        if lengths[i] > indexed[r]:
+            indexed[r] = lengths[i]
+    return n
+
+
+@numba.njit(cache=True, nogil=True)
+def _index_corpus(tokens, offsets, first_src, e_src, e_pos, e_prev, n_entries, any_keys, any_vals):
+    n = n_entries
+    for d in range(offsets.shape[0] - 1):
+        for p in range(offsets[d], offsets[d + 1]):
+            tok = tokens[p]
+            h = _slot(any_keys, tok)
+            e_src[n] = first_src + d
+            e_pos[n] = p - offsets[d]
+            if any_keys[h] == _EMPTY:
+                any_keys[h] = tok
+                e_prev[n] = -1
+            else:
+                e_prev[n] = any_vals[h]
+            any_vals[h] = n
+            n += 1
+    return n
+
+
+def _table(n: int) -> tuple[np.ndarray, np.ndarray]:
+    cap = 1 << max(int(2 * max(n, 1) - 1).bit_length(), 4)  # power of two >= 2n
+    return np.full(cap, _EMPTY, dtype=np.int64), np.empty(cap, dtype=np.int64)
+
+
+class SuffixIndex:
+    """The index of one engine loop (or of one stateless `TreeProposer.propose` call).
+
+    `rows`/`width`: history rows and their capacity; `cross_rows`: other rows are sources too;
+    `corpus`: token sequences (list of int arrays) that are sources for every row. Rows are
+    indexed up to their current length by `update` before each query."""
+
+    def __init__(self, rows: int, width: int, cross_rows: bool = False, corpus: list[np.ndarray] | None = None):
+        self.rows, self.width = rows, width
+        self.cross_rows = cross_rows
+        docs = [np.asarray(d, dtype=np.int64) for d in (corpus or []) if len(d)]
+        self.corpus_offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+        np.cumsum([len(d) for d in docs], out=self.corpus_offsets[1:])
+        self.corpus_tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
+        self.cross = cross_rows or bool(docs)  # whether the cross-source entries are kept at all
+        self.indexed = np.zeros(rows, dtype=np.int64)  # [R] positions indexed per row
+        self.prev_own = np.full((rows, width), -1, dtype=np.int64)  # [R, W]
+        self.own_keys, self.own_vals = _table(rows * width)
+        n_cross = (rows * width if cross_rows else 0) + len(self.corpus_tokens)
+        self.e_src = np.empty(n_cross, dtype=np.int64)
+        self.e_pos = np.empty(n_cross, dtype=np.int64)
+        self.e_prev = np.empty(n_cross, dtype=np.int64)
+        self.any_keys, self.any_vals = _table(n_cross)
+        self.n_entries = 0
+        # keys of the own-row table: row * stride + token (tokens are ids below 2**40)
+        self.stride = np.int64(1 << 40)
+        if len(self.corpus_tokens):
+            self.n_entries = _index_corpus(self.corpus_tokens, self.corpus_offsets, rows, self.e_src, self.e_pos,
+                                           self.e_prev, 0, self.any_keys, self.any_vals)
+
+    def update(self, history: np.ndarray, rows: np.ndarray, lengths: np.ndarray) -> None:
+        """Index rows `rows` [B] of `history` [R, W] up to `lengths` [B] tokens (their committed
+        tokens; anything past them, drafts included, is never indexed)."""
+        if history.shape[0] > self.rows or history.shape[1] > self.width:
+            raise ValueError(f"history {history.shape} exceeds the index's rows/width ({self.rows}, {self.width})")
+        if self.cross_rows:
+            cap_ok = self.n_entries + int((lengths - self.indexed[rows]).clip(min=0).sum()) <= len(self.e_src)
+            if not cap_ok:
+                raise ValueError("index capacity exceeded")
+        self.n_entries = _index_rows(history, rows.astype(np.int64), lengths.astype(np.int64), self.indexed,
+                                     self.prev_own, self.own_keys, self.own_vals, self.cross_rows, self.e_src,
+                                     self.e_pos, self.e_prev, self.n_entries, self.any_keys, self.any_vals,
+                                     self.stride)
+
+    def grow(self, rows: int, width: int) -> "SuffixIndex":
+        """An index for more rows or a wider history holding the same sources (re-indexed by the
+        next `update`): rows join an engine loop between steps."""
+        corpus = [self.corpus_tokens[a:b] for a, b in zip(self.corpus_offsets[:-1], self.corpus_offsets[1:])]
+        return SuffixIndex(rows, width, self.cross_rows, corpus)
+
+    def arrays(self) -> tuple:
+        """What the tree kernel reads: (prev_own, cross?, any_keys, any_vals, e_src, e_pos, e_prev,
+        corpus_tokens, corpus_offsets, indexed)."""
+        return (self.prev_own, self.cross, self.any_keys, self.any_vals, self.e_src, self.e_pos, self.e_prev,
+                self.corpus_tokens, self.corpus_offsets, self.indexed)

@@ -1,0 +1,308 @@
+"""Candidate trees: several prompt-lookup continuations per sequence, merged into one token tree
+and verified in one forward.
+
+A row's tree has `n` draft nodes (node 0, the root, is the row's last token and is not stored
+here). Node i (1-based) holds `tokens[i-1]` and hangs under `parents[i-1]` (0 = the root); a
+parent always comes before its children, so node order is a topological order. The candidates
+come from every earlier occurrence of the row's suffix (matched over up to max_ngram tokens, as
+the chain proposer matches): their continuations form a trie in which each node counts the
+occurrences passing through it, and the tree keeps the best-scoring nodes (`TreeProposer`).
+Shared prefixes are fed once; each path is at most `k` tokens long (`prompt_lookup_num_tokens`).
+
+Verification feeds node i at position `start + depth(i)` and lets it attend to the cached
+context and to its ancestors only (`ancestor_mask`); the accepted path's keys/values are then
+moved to the positions a chain would have used (`compaction`).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .suffix import SuffixIndex, _slot as _slot_any
+
+__all__ = ["TreeProposer", "accept_tree_greedy", "accept_tree_sampled", "ancestor_mask", "compaction",
+           "depths"]
+
+# candidates (earlier occurrences) kept per row before ranking; more cost time, rarely add nodes
+MAX_CANDIDATES = 64
+
+
+@numba.njit(cache=True, nogil=True)
+def _src_tok(history, corpus_tokens, corpus_offsets, src, pos):
+    """Token `pos` of source `src` (history rows first, then corpus documents)."""
+    if src < history.shape[0]:
+        return history[src, pos]
+    return corpus_tokens[corpus_offsets[src - history.shape[0]] + pos]
+
+
+@numba.njit(cache=True, nogil=True)
+def _src_len(history, corpus_offsets, indexed, src):
+    if src < history.shape[0]:
+        return indexed[src]
+    d = src - history.shape[0]
+    return corpus_offsets[d + 1] - corpus_offsets[d]
+
+
+@numba.njit(cache=True, nogil=True)
+def _match(history, corpus_tokens, corpus_offsets, row, n_len, src, p, max_ngram):
+    """How many tokens ending at source position p equal the row's suffix (>= 1: p holds the
+    row's last token), at most max_ngram."""
+    m = 1
+    while m < max_ngram and p - m >= 0 and n_len - 1 - m >= 0 and \
+            _src_tok(history, corpus_tokens, corpus_offsets, src, p - m) == history[row, n_len - 1 - m]:
+        m += 1
+    return m
+
+
+@numba.njit(cache=True, nogil=True)
+def _tree_row(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram, short_weight, decay, min_score,
+              prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens, corpus_offsets, indexed,
+              tokens, parents, num_nodes, i, cand_s, cand_c, cand_m, t_tok, t_par, t_w, t_dep):
+    for j in range(budget):
+        tokens[i, j] = -1
+        parents[i, j] = -1
+    num_nodes[i] = 0
+    b = rows[i]
+    n_len = lengths[i]
+    cap = min(k, max_depth[i])
+    budget = min(budget, max_depth[i])  # no more nodes than tokens the row may still emit (its cache reservation)
+    if cap <= 0 or budget <= 0 or n_len < 2:
+        return
+    # 1. earlier occurrences of the last token with their match lengths, newest first: the row's
+    #    own (up to MAX_CANDIDATES), then the other sources' (up to as many again)
+    found = 0
+    best_m = 0
+    p = prev_own[b, n_len - 1]
+    while p >= 0 and found < MAX_CANDIDATES:
+        m = _match(history, corpus_tokens, corpus_offsets, b, n_len, b, p, max_ngram)
+        if m >= min_ngram:
+            cand_s[i, found] = b
+            cand_c[i, found] = p + 1
+            cand_m[i, found] = m
+            found += 1
+            best_m = max(best_m, m)
+        p = prev_own[b, p]
+    if cross:
+        last = history[b, n_len - 1]
+        h = _slot_any(any_keys, last)
+        e = any_vals[h] if any_keys[h] == last else -1
+        own = found
+        while e >= 0 and found < own + MAX_CANDIDATES:
+            src, q = e_src[e], e_pos[e]
+            if src != b and q + 1 < _src_len(history, corpus_offsets, indexed, src):
+                m = _match(history, corpus_tokens, corpus_offsets, b, n_len, src, q, max_ngram)
+                if m >= min_ngram:
+                    cand_s[i, found] = src
+                    cand_c[i, found] = q + 1
+                    cand_m[i, found] = m
+                    found += 1
+                    best_m = max(best_m, m)
+            e = e_prev[e]
+    if found == 0:
+        return
+    # 2. a trie of all their continuations; a node's weight sums the weights of the occurrences
+    #    through it (longest-match occurrences 1, shorter ones short_weight)
+    n_trie = 0
+    total = 0.0
+    for j in range(found):
+        src, c = cand_s[i, j], cand_c[i, j]
+        w = 1.0 if cand_m[i, j] == best_m else short_weight
+        if w <= 0.0:
+            continue
+        total += w
+        node = -1  # the root
+        end = n_len if src == b else _src_len(history, corpus_offsets, indexed, src)
+        for d in range(min(cap, end - c)):
+            tok = _src_tok(history, corpus_tokens, corpus_offsets, src, c + d)
+            child = -1
+            for q in range(n_trie):
+                if t_par[i, q] == node and t_tok[i, q] == tok:
+                    child = q
+                    break
+            if child < 0:
+                child = n_trie
+                t_tok[i, child] = tok
+                t_par[i, child] = node
+                t_w[i, child] = 0.0
+                t_dep[i, child] = d + 1
+                n_trie += 1
+            t_w[i, child] += w
+            node = child
+    # 3. score = share of the weight through the node, times decay per level; keep the best
+    #    `budget` nodes scoring >= min_score (a child never outscores its parent, and ties keep
+    #    creation order, so parents are always kept first)
+    score = np.empty(n_trie)
+    for q in range(n_trie):
+        score[q] = t_w[i, q] / total * decay ** (t_dep[i, q] - 1)
+    order = np.argsort(-score, kind="mergesort")
+    out_of = np.full(n_trie, -1, dtype=np.int64)  # trie node -> output node (1-based)
+    n = 0
+    for j in range(n_trie):
+        q = order[j]
+        if n == budget or score[q] < min_score:
+            break
+        tokens[i, n] = t_tok[i, q]
+        parents[i, n] = 0 if t_par[i, q] < 0 else out_of[t_par[i, q]]
+        n += 1
+        out_of[q] = n
+    num_nodes[i] = n
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def propose_tree_batch(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram, short_weight, decay,
+                       min_score, prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens,
+                       corpus_offsets, indexed, tokens, parents, num_nodes, cand_s, cand_c, cand_m, t_tok, t_par, t_w,
+                       t_dep):
+    """Fill tokens/parents [B, budget] (-1 where unused) and num_nodes [B] for history rows
+    `rows` [B], in parallel."""
+    for i in numba.prange(rows.shape[0]):
+        _tree_row(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram, short_weight, decay, min_score,
+                  prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens, corpus_offsets, indexed,
+                  tokens, parents, num_nodes, i, cand_s, cand_c, cand_m, t_tok, t_par, t_w, t_dep)
+
+
+@numba.njit(cache=True, nogil=True)
+def propose_tree_serial(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram, short_weight, decay,
+                        min_score, prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens,
+                        corpus_offsets, indexed, tokens, parents, num_nodes, cand_s, cand_c, cand_m, t_tok, t_par, t_w,
+                        t_dep):
+    """`propose_tree_batch` on one thread (small batches)."""
+    for i in range(rows.shape[0]):
+        _tree_row(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram, short_weight, decay, min_score,
+                  prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens, corpus_offsets, indexed,
+                  tokens, parents, num_nodes, i, cand_s, cand_c, cand_m, t_tok, t_par, t_w, t_dep)
+
+
+class TreeProposer:
+    """Candidate trees for a whole batch: at most `budget` draft nodes per row, paths of at most
+    `k` tokens, matches as `NgramProposer` finds them (HF's `max_matching_ngram_size`).
+
+    Every earlier occurrence of the row's suffix (up to MAX_CANDIDATES, newest first) votes for
+    its continuation: occurrences with the longest match weigh 1, shorter matches
+    `short_weight`. A node's score is the share of the votes that pass through it times
+    `decay` per level below the first (an estimate of the chance that verification reaches
+    it), and the tree keeps the `budget` best-scoring nodes, those scoring at least
+    `min_score` (the per-step budget: see `propose`). With one occurrence per continuation the
+    newest comes first, so the first path is the chain drafter's draft."""
+
+    def __init__(self, k: int, budget: int, max_ngram: int = 2, min_ngram: int = 1, short_weight: float = 0.25,
+                 decay: float = 0.8):
+        from .ngram import PARALLEL_MIN_BATCH, _check_int
+
+        self.k = _check_int("prompt_lookup_num_tokens", k)
+        self.budget = _check_int("prompt_lookup_tree_nodes", budget)
+        self.max_ngram = _check_int("max_matching_ngram_size", max_ngram)
+        self.min_ngram = _check_int("min_ngram", min_ngram)
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_matching_ngram_size ({self.max_ngram})")
+        if not 0.0 <= short_weight <= 1.0:
+            raise ValueError(f"short_weight must be in [0, 1], got {short_weight}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.short_weight, self.decay = float(short_weight), float(decay)
+        self._parallel_min = PARALLEL_MIN_BATCH
+        self._scratch: tuple[np.ndarray, ...] = ()
+        hist = np.array([[1, 2, 1, 2, 1]] * PARALLEL_MIN_BATCH, dtype=np.int64)  # warm both kernels
+        self.propose(hist[:1], np.array([5], dtype=np.int64))
+        self.propose(hist, np.full(PARALLEL_MIN_BATCH, 5, dtype=np.int64))
+
+    def _buffers(self, batch: int) -> tuple[np.ndarray, ...]:
+        """Scratch arrays for `batch` rows (grown, never shrunk): candidates [B, 2C] (source,
+        start, match length) and the trie [B, 2C * k] (token, parent, weight, depth)."""
+        if not self._scratch or self._scratch[0].shape[0] < batch:
+            rows, c = max(batch, 1), 2 * MAX_CANDIDATES
+            t = c * self.k
+            self._scratch = (np.empty((rows, c), np.int64), np.empty((rows, c), np.int64), np.empty((rows, c), np.int64),
+                             np.empty((rows, t), np.int64), np.empty((rows, t), np.int64), np.empty((rows, t)),
+                             np.empty((rows, t), np.int64))
+        return self._scratch
+
+    def propose(self, history: np.ndarray, lengths: np.ndarray, max_depth: np.ndarray | None = None,
+                min_score: float = 0.0, rows: np.ndarray | None = None, index: SuffixIndex | None = None):
+        """Trees for history rows `rows` [B] (default: every row) of `history` [R, W] int64, row
+        r's tokens being history[r, :lengths[i]]. max_depth [B]: the longest path and most nodes
+        allowed per row (the tokens it may still emit; default k). `min_score`: leave out nodes
+        scoring below it (0: fill the budget). `index`: the loop's `SuffixIndex` (brought up to
+        `lengths` here); None indexes these rows afresh. Returns (tokens [B, budget], parents
+        [B, budget], num_nodes [B]), int64, -1 where unused."""
+        history = np.ascontiguousarray(history, dtype=np.int64)
+        lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+        rows = np.arange(history.shape[0], dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+        batch = rows.shape[0]
+        if lengths.shape != (batch,):
+            raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
+        if max_depth is None:
+            max_depth = np.full(batch, self.k, dtype=np.int64)
+        max_depth = np.ascontiguousarray(max_depth, dtype=np.int64)
+        if index is None:
+            index = SuffixIndex(history.shape[0], history.shape[1])
+        index.update(history, rows, lengths)
+        tokens = np.empty((batch, self.budget), dtype=np.int64)
+        parents = np.empty((batch, self.budget), dtype=np.int64)
+        num = np.empty(batch, dtype=np.int64)
+        kernel = propose_tree_batch if batch >= self._parallel_min else propose_tree_serial
+        kernel(history, rows, lengths, max_depth, self.k, self.budget, self.max_ngram, self.min_ngram,
+               self.short_weight, self.decay, float(min_score), *index.arrays(), tokens, parents, num,
+               *self._buffers(batch))
+        return tokens, parents, num
+
+
+def depths(parents: np.ndarray) -> np.ndarray:
+    """Depth of every node of a chunk, root included: parents [n] (0-based chunk indices of the
+    draft nodes' parents) -> [n + 1] int64 (root 0)."""
+    d = np.zeros(len(parents) + 1, dtype=np.int64)
+    for i, p in enumerate(parents):
+        d[i + 1] = d[p] + 1
+    return d
+
+
+def ancestor_mask(parents: np.ndarray, width: int) -> np.ndarray:
+    """[width, width] bool: row i is True at node i and its ancestors (chunk indices; the chunk
+    is the root then the draft nodes). Rows past the tree (padding) see the root and themselves."""
+    m = np.zeros((width, width), dtype=bool)
+    m[np.arange(width), np.arange(width)] = True
+    m[:, 0] = True
+    for i, p in enumerate(parents):
+        m[i + 1] |= m[p]
+    return m
+
+
+def accept_tree_greedy(targets: np.ndarray, tokens: np.ndarray, parents: np.ndarray) -> tuple[list[int], int]:
+    """Walk one row's tree by the argmax: `targets` [n + 1] the argmax at each chunk node. Returns
+    (accepted path as chunk indices of draft nodes, root excluded; the next token)."""
+    return _walk(targets, tokens, parents)
+
+
+def accept_tree_sampled(samples: np.ndarray, tokens: np.ndarray, parents: np.ndarray) -> tuple[list[int], int]:
+    """The same walk with `samples` [n + 1], one independent draw from the target distribution
+    at each chunk node: a node is entered when the draw at its parent is its token, and the
+    first draw that matches no child is the next token. Every emitted token is then a plain
+    draw from the target distribution given the tokens before it (only visited nodes' draws
+    are used, each independent of how the walk got there), so sampling stays exact."""
+    return _walk(samples, tokens, parents)
+
+
+def _walk(picks: np.ndarray, tokens: np.ndarray, parents: np.ndarray) -> tuple[list[int], int]:
+    path: list[int] = []
+    node = 0
+    while True:
+        want = picks[node]
+        nxt = 0
+        for i in range(len(tokens)):
+            if parents[i] == node and tokens[i] == want:
+                nxt = i + 1
+                break
+        if nxt == 0:
+            return path, int(want)
+        path.append(nxt)
+        node = nxt
+
+
+def compaction(path: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(source, destination) chunk offsets that move an accepted path's keys/values to where a
+    chain would hold them: node path[j] -> offset j + 1. Only nodes not already in place."""
+    src = np.asarray(path, dtype=np.int64)
+    dst = np.arange(1, len(path) + 1, dtype=np.int64)
+    moved = src != dst
+    return src[moved], dst[moved]

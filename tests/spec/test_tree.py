@@ -1,0 +1,437 @@
+"""Candidate trees: the numba tree builder, the ancestor mask, the walk and the KV compaction
+against brute-force references, the tree-aware attention mask against a dense one, and engines
+drafting trees token-identical to HF greedy (eager, static-buffer and compiled steps)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hf_plookup
+from hf_plookup.attention.metadata import step_mask
+from hf_plookup.engine.kv_cache import PagedKVCache
+from hf_plookup.spec.tree import (
+    MAX_CANDIDATES,
+    TreeProposer,
+    accept_tree_greedy,
+    ancestor_mask,
+    compaction,
+    depths,
+)
+from tests.conftest import ARCHS, left_padded, tiny_model
+
+# ---------------------------------------------------------------------------------------------
+# brute-force references
+# ---------------------------------------------------------------------------------------------
+
+
+def _match(src: list[int], p: int, row: list[int], max_ngram: int) -> int:
+    """Tokens ending at src[p] that equal the row's suffix (src[p] == row[-1] given)."""
+    m = 1
+    while m < max_ngram and p - m >= 0 and len(row) - 1 - m >= 0 and src[p - m] == row[len(row) - 1 - m]:
+        m += 1
+    return m
+
+
+def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int, max_depth: int,
+             short_weight: float = 0.25, decay: float = 0.8, min_score: float = 0.0,
+             others: list[list[int]] | None = None):
+    """(tokens, parents) of one row's tree, built the plain way: every earlier occurrence of the
+    last token in the row (newest first), then in `others` (sources in the index's insertion
+    order; newest = last inserted first), each with its match length; a dict trie of all their
+    continuations with vote weights; nodes ranked by score (stable); the best `budget` kept."""
+    n = len(row)
+    cap, budget = min(k, max_depth), min(budget, max_depth)
+    if cap <= 0 or budget <= 0 or n < 2:
+        return [], []
+    cands = []  # (source tokens, continuation start, match length)
+    for p in range(n - 2, -1, -1):
+        if row[p] == row[-1] and len(cands) < MAX_CANDIDATES:
+            m = _match(row, p, row, max_ngram)
+            if m >= min_ngram:
+                cands.append((row, p + 1, m))
+    entries = [(src, p) for src in (others or []) for p in range(len(src))]
+    own = len(cands)
+    for src, p in reversed(entries):
+        if len(cands) == own + MAX_CANDIDATES:
+            break
+        if src[p] == row[-1] and p + 1 < len(src):
+            m = _match(src, p, row, max_ngram)
+            if m >= min_ngram:
+                cands.append((src, p + 1, m))
+    if not cands:
+        return [], []
+    best = max(m for _, _, m in cands)
+    nodes = {}  # (parent node, token) -> node id (creation order)
+    info = []  # node id -> [token, parent id or -1, weight, depth]
+    total = 0.0
+    for src, c, m in cands:
+        w = 1.0 if m == best else short_weight
+        if w <= 0:
+            continue
+        total += w
+        node = -1
+        for d in range(min(cap, len(src) - c)):
+            key = (node, src[c + d])
+            if key not in nodes:
+                nodes[key] = len(info)
+                info.append([src[c + d], node, 0.0, d + 1])
+            node = nodes[key]
+            info[node][2] += w
+    score = [w / total * decay ** (d - 1) for _, _, w, d in info]
+    order = sorted(range(len(info)), key=lambda q: -score[q])
+    tokens, parents, out_of = [], [], {}
+    for q in order:
+        if len(tokens) == budget or score[q] < min_score:
+            break
+        tokens.append(info[q][0])
+        parents.append(0 if info[q][1] < 0 else out_of[info[q][1]])
+        out_of[q] = len(tokens)
+    return tokens, parents
+
+
+def ref_ancestors(parents: list[int], i: int) -> set[int]:
+    out = {i}
+    while i > 0:
+        i = parents[i - 1]
+        out.add(i)
+    return out
+
+
+rows_strategy = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=40), min_size=1, max_size=6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=rows_strategy, k=st.integers(1, 6), budget=st.integers(1, 12), max_ngram=st.integers(1, 3),
+       caps=st.lists(st.integers(0, 8), min_size=6, max_size=6), short_weight=st.sampled_from([0.0, 0.25, 1.0]),
+       decay=st.sampled_from([0.5, 0.8, 1.0]), min_score=st.sampled_from([0.0, 0.1, 0.4]))
+def test_tree_builder_matches_reference(rows, k, budget, max_ngram, caps, short_weight, decay, min_score):
+    width = max(len(r) for r in rows) + 1
+    hist = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        hist[i, : len(r)] = r
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    cap = np.array(caps[: len(rows)], dtype=np.int64)
+    prop = TreeProposer(k, budget, max_ngram, short_weight=short_weight, decay=decay)
+    tokens, parents, num = prop.propose(hist, lengths, cap, min_score=min_score)
+    for i, r in enumerate(rows):
+        t_ref, p_ref = ref_tree(r, k, budget, max_ngram, 1, int(cap[i]), short_weight, decay, min_score)
+        n = int(num[i])
+        assert tokens[i, :n].tolist() == t_ref and parents[i, :n].tolist() == p_ref, (r, k, budget, max_ngram, cap[i])
+        assert (tokens[i, n:] == -1).all() and (parents[i, n:] == -1).all()
+        if n:
+            assert depths(parents[i, :n]).max() <= min(k, cap[i])
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1, max_size=4),
+       corpus=st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=20), min_size=0, max_size=3),
+       cross=st.booleans(), k=st.integers(1, 5), budget=st.integers(1, 10), max_ngram=st.integers(1, 3))
+def test_tree_builder_with_other_sources_matches_reference(rows, corpus, cross, k, budget, max_ngram):
+    """Cross-row and corpus sources: the index's walk finds exactly the occurrences a plain scan
+    of every source finds, in the same order."""
+    from hf_plookup.spec.suffix import SuffixIndex
+
+    width = max(len(r) for r in rows) + 2
+    hist = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        hist[i, : len(r)] = r
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    index = SuffixIndex(len(rows), width, cross_rows=cross, corpus=[np.array(d, dtype=np.int64) for d in corpus])
+    tokens, parents, num = TreeProposer(k, budget, max_ngram).propose(hist, lengths, index=index)
+    for i, r in enumerate(rows):
+        others = [d for d in corpus if d] + ([rows[j] for j in range(len(rows))] if cross else [])
+        # the row's own entries are skipped in the cross walk: drop them from the reference's sources
+        others = [o for o in others if o is not r]
+        t_ref, p_ref = ref_tree(r, k, budget, max_ngram, 1, k, others=others)
+        n = int(num[i])
+        assert tokens[i, :n].tolist() == t_ref and parents[i, :n].tolist() == p_ref, (i, rows, corpus, cross)
+
+
+def test_index_grows_incrementally_without_rescans():
+    """Each update indexes only the tokens appended since the last one, and trees proposed from
+    an incrementally built index equal those of an index built in one go."""
+    from hf_plookup.spec.suffix import SuffixIndex
+
+    g = np.random.default_rng(3)
+    hist = g.integers(0, 8, size=(3, 200))
+    prop = TreeProposer(4, 12, 2)
+    own, cross = SuffixIndex(3, 200), SuffixIndex(3, 200, cross_rows=True)
+    rows = np.arange(3)
+    last = 0
+    for n in range(20, 201, 30):
+        lengths = np.full(3, n)
+        before = cross.n_entries
+        got = prop.propose(hist, lengths, rows=rows, index=own)
+        prop.propose(hist, lengths, rows=rows, index=cross)
+        assert cross.n_entries - before == 3 * (n - last)  # one entry per new token, none for old ones
+        assert (own.indexed == n).all()
+        last = n
+        want = prop.propose(hist, lengths, rows=rows, index=SuffixIndex(3, 200))
+        for a, b in zip(got, want):
+            assert (a == b).all()
+
+
+def test_tree_builder_parallel_batch_matches_serial():
+    """Batches of >= 32 rows take numba's parallel kernel: same trees as row by row."""
+    g = np.random.default_rng(0)
+    hist = g.integers(0, 6, size=(40, 300))
+    lengths = g.integers(2, 300, size=40)
+    prop = TreeProposer(4, 16, 2)
+    t, p, n = prop.propose(hist, lengths)
+    for i in range(40):
+        ti, pi, ni = prop.propose(hist[i : i + 1], lengths[i : i + 1])
+        assert ni[0] == n[i] and (ti[0] == t[i]).all() and (pi[0] == p[i]).all()
+
+
+def test_one_occurrence_gives_the_chain():
+    """Where the suffix occurred once before, the tree is the chain drafter's draft."""
+    from hf_plookup.spec.ngram import NgramProposer
+
+    g = np.random.default_rng(1)
+    for _ in range(20):
+        row = g.permutation(50)[:30].tolist()  # distinct tokens
+        row = row + row[:7]  # the suffix row[5:7] occurred once, at positions 5..6
+        hist = np.array([row], dtype=np.int64)
+        d, nd = NgramProposer(5, 2).propose(hist, np.array([len(row)]))
+        t, p, n = TreeProposer(5, 20, 2).propose(hist, np.array([len(row)]))
+        assert nd[0] == n[0] == 5
+        assert t[0, :5].tolist() == d[0, :5].tolist() and p[0, :5].tolist() == [0, 1, 2, 3, 4]
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), n=st.integers(0, 10), extra=st.integers(0, 3))
+def test_ancestor_mask_and_depths(data, n, extra):
+    parents = [data.draw(st.integers(0, i)) for i in range(n)]  # node i+1 hangs under a node < i+1
+    width = n + 1 + extra
+    m = ancestor_mask(np.array(parents, dtype=np.int64), width)
+    d = depths(np.array(parents, dtype=np.int64))
+    for i in range(n + 1):
+        anc = ref_ancestors(parents, i)
+        assert set(np.flatnonzero(m[i]).tolist()) == anc
+        assert d[i] == len(anc) - 1
+    for i in range(n + 1, width):  # padding rows: the root and themselves
+        assert set(np.flatnonzero(m[i]).tolist()) == {0, i}
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), n=st.integers(0, 10))
+def test_walk_and_compaction(data, n):
+    parents = [data.draw(st.integers(0, i)) for i in range(n)]
+    tokens = [data.draw(st.integers(0, 3)) for _ in range(n)]
+    picks = np.array([data.draw(st.integers(0, 3)) for _ in range(n + 1)])
+    path, nxt = accept_tree_greedy(picks, np.array(tokens), np.array(parents))
+    # reference: follow the picks, taking the first child (lowest index) holding the pick
+    node, ref_path = 0, []
+    while True:
+        kids = [i + 1 for i in range(n) if parents[i] == node and tokens[i] == picks[node]]
+        if not kids:
+            break
+        node = kids[0]
+        ref_path.append(node)
+    assert path == ref_path and nxt == picks[node]
+    # compaction: after the moves (all reads before writes) offset j + 1 holds node path[j]'s KV
+    kv = np.arange(n + 1) * 10
+    src, dst = compaction(path)
+    moved = kv.copy()
+    moved[dst] = kv[src]
+    assert moved[1 : len(path) + 1].tolist() == [kv[p] for p in path]
+    assert set(dst.tolist()).isdisjoint(set(range(len(path) + 1, n + 1))) or not len(dst)
+
+
+def test_cache_move_slots_every_layer():
+    from hf_plookup.engine.kv_cache import LayerSpec
+
+    specs = [LayerSpec(num_kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))] * 3
+    cache = PagedKVCache(specs, num_blocks=4, block_size=4)
+    for t in (*cache.keys, *cache.values):
+        t.copy_(torch.randn_like(t))
+    before = [t.clone().view(16, 2, 4) for t in (*cache.keys, *cache.values)]
+    src, dst = np.array([5, 9, 3]), np.array([3, 4, 5])  # overlapping: 3 and 5 are both read and written
+    cache.move_slots(src, dst)
+    for old, new in zip(before, (*cache.keys, *cache.values)):
+        new = new.view(16, 2, 4)
+        assert torch.equal(new[[3, 4, 5]], old[[5, 9, 3]])
+        untouched = [i for i in range(16) if i not in (3, 4, 5)]
+        assert torch.equal(new[untouched], old[untouched])
+    with pytest.raises(ValueError, match="equal length"):
+        cache.move_slots(np.array([1]), np.array([1, 2]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention mask of a tree step
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 3, 6])
+def test_tree_step_mask_matches_dense(window):
+    """step_mask with a tree: every real query row sees exactly the context keys before its chunk
+    (within the window by position) and its chunk's ancestors (within the window by their
+    positions start + depth), as spelled out key by key."""
+    g = np.random.default_rng(2)
+    b, tq = 4, 7
+    starts = np.array([5, 0, 11, 3])
+    n = np.array([7, 4, 1, 6])  # nodes fed per sequence (root included)
+    lk = int((starts + tq).max())
+    tree = np.zeros((b, tq, tq), dtype=bool)
+    query_pos = np.full((b, tq), -1, dtype=np.int64)
+    all_parents = []
+    for i in range(b):
+        parents = [int(g.integers(0, j + 1)) for j in range(n[i] - 1)]
+        all_parents.append(parents)
+        tree[i] = ancestor_mask(np.array(parents, dtype=np.int64), tq)
+        query_pos[i, : n[i]] = starts[i] + depths(np.array(parents, dtype=np.int64))
+    ctx = starts + n
+    m = step_mask(torch.from_numpy(query_pos), torch.from_numpy(ctx), lk, window, torch.from_numpy(tree))[:, 0]
+    for i in range(b):
+        for j in range(n[i]):
+            q = query_pos[i, j]
+            anc = ref_ancestors(all_parents[i], j)
+            want = np.zeros(lk, dtype=bool)
+            for key in range(lk):
+                if key < starts[i]:
+                    want[key] = not window or key > q - window
+                elif key < ctx[i] and key - starts[i] in anc:
+                    want[key] = not window or query_pos[i, key - starts[i]] > q - window
+            assert m[i, j].numpy().tolist() == want.tolist(), (i, j)
+
+
+# ---------------------------------------------------------------------------------------------
+# engines drafting trees
+# ---------------------------------------------------------------------------------------------
+
+
+def _branchy(model, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    """Prompts where the suffix recurs with different continuations: the model's own greedy
+    continuation of a seed, then a copy with some tokens changed, twice (so the changed branch
+    outvotes the model's own), then the seed."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(3, 96, (1, 6), generator=g)
+    cont = model.generate(base, max_new_tokens=30, do_sample=False, eos_token_id=None)
+    changed = cont.clone()
+    for i in range(3):
+        changed[0, 8 + 7 * i] = (changed[0, 8 + 7 * i] + 1) % 96
+    return torch.cat([cont, changed, changed, base], 1).repeat(batch, 1)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_tree_drafts_identical_to_hf_greedy(arch):
+    model = tiny_model(arch)
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=4)
+    for ids, mask in (left_padded(3, seed=11), (_branchy(model), None)):
+        mask = torch.ones_like(ids) if mask is None else mask
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, eos_token_id=None)
+        out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None,
+                               prompt_lookup_num_tokens=5, prompt_lookup_tree_nodes=12)
+        assert torch.equal(ref, out), arch
+        s = wrapped.last_stats
+        assert s.drafter == "ngram-tree"
+        assert sum(s.accepted_hist) == s.verify_steps and s.mean_tree_size <= 12
+        assert wrapped._engine.blocks.num_free == wrapped._engine.blocks.num_blocks
+
+
+def test_tree_paths_off_the_first_candidate_are_moved(monkeypatch):
+    """On the branchy prompts some accepted paths leave the first candidate, so their KV is
+    moved; outputs stay identical to HF and trees score more tokens per forward than the chain."""
+    moves = []
+    orig = PagedKVCache.move_slots
+
+    def spy(self, src, dst):
+        moves.append(len(src))
+        return orig(self, src, dst)
+
+    monkeypatch.setattr(PagedKVCache, "move_slots", spy)
+    model = tiny_model("gemma2")
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=4)
+    ids = _branchy(model)
+    ref = model.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None)
+    chain = wrapped.generate(ids, max_new_tokens=30, eos_token_id=None, prompt_lookup_num_tokens=6)
+    chain_tpf = wrapped.last_stats.tokens_per_forward
+    moves.clear()
+    tree = wrapped.generate(ids, max_new_tokens=30, eos_token_id=None, prompt_lookup_num_tokens=6,
+                            prompt_lookup_tree_nodes=16)
+    assert torch.equal(ref, chain) and torch.equal(ref, tree)
+    assert sum(moves) > 0
+    assert wrapped.last_stats.tokens_per_forward > chain_tpf
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "mistral"])
+def test_tree_static_buffer_and_compiled_steps_identical(arch, monkeypatch):
+    """Tree steps through GraphRunner's padded static buffers (compile=True, traced with
+    aot_eager on CPU) give HF's tokens too."""
+    from hf_plookup.engine import graphs
+
+    monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
+    model = tiny_model(arch)
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=16, compile=True)
+    ids = _branchy(model)
+    ref = model.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None)
+    out = wrapped.generate(ids, max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=4,
+                           prompt_lookup_tree_nodes=8)
+    assert torch.equal(ref, out)
+    assert any(key[3] for key in wrapped._engine._graphs.graphs)  # a tree bucket ran
+    torch._dynamo.reset()
+
+
+def test_trees_fall_back_to_a_chain_where_they_cannot_run(llama):
+    """History-dependent processors (repetition penalty) keep one chain; warpers do not."""
+    wrapped = hf_plookup.wrap(llama, max_cache_tokens=4096)
+    ids, mask = left_padded(2, seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3, prompt_lookup_tree_nodes=6)
+    wrapped.generate(ids, repetition_penalty=1.3, **kw)
+    assert wrapped.last_stats.drafter == "ngram"
+    wrapped.generate(ids, do_sample=True, top_k=5, temperature=0.7, **kw)
+    assert wrapped.last_stats.drafter == "ngram-tree"
+
+
+@pytest.mark.parametrize("bad, err", [(0, ValueError), (-2, ValueError), (2.5, TypeError), ("8", TypeError),
+                                      (True, TypeError)])
+def test_tree_nodes_argument_checked(llama, bad, err):
+    wrapped = hf_plookup.wrap(llama, max_cache_tokens=1024)
+    ids, mask = left_padded(1)
+    with pytest.raises(err, match="prompt_lookup_tree_nodes"):
+        wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, prompt_lookup_num_tokens=2,
+                         prompt_lookup_tree_nodes=bad)
+    with pytest.raises(ValueError, match="prompt_lookup_tree_nodes needs prompt_lookup_num_tokens"):
+        wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, prompt_lookup_tree_nodes=4)
+
+
+def test_corpus_and_cross_row_sources_identical_to_hf(llama):
+    """A corpus holding the continuation drafts it (many tokens per forward); other rows of the
+    batch as sources; outputs stay HF's greedy tokens either way."""
+    wrapped = hf_plookup.wrap(llama, max_cache_tokens=8192)
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, 96, (3, 20), generator=g)  # random prompts: nothing to find in the row itself
+    ref = llama.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=None)
+    kw = dict(max_new_tokens=24, eos_token_id=None, prompt_lookup_num_tokens=4)
+    own = wrapped.generate(ids, **kw)
+    own_tpf = wrapped.last_stats.tokens_per_forward
+    corpus = [ref[i, 16:].tolist() for i in range(3)]  # each row's last 4 prompt tokens and its continuation
+    out = wrapped.generate(ids, draft_corpus=corpus, **kw)
+    s = wrapped.last_stats
+    assert torch.equal(ref, own) and torch.equal(ref, out)
+    assert s.drafter == "ngram-tree+corpus" and s.tokens_per_forward > max(2.5, own_tpf)
+    # rows 1 and 2 repeat row 0: with cross-row sources they draft from row 0's tokens
+    same = ids[:1].repeat(3, 1)
+    ref = llama.generate(same, do_sample=False, max_new_tokens=24, eos_token_id=None)
+    out = wrapped.generate(same, draft_cross_rows=True, prompt_lookup_tree_nodes=6, **kw)
+    assert torch.equal(ref, out) and wrapped.last_stats.drafter == "ngram-tree+rows"
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(draft_cross_rows=1), TypeError, "draft_cross_rows"),
+    (dict(draft_corpus="some text"), TypeError, "draft_corpus"),
+    (dict(draft_corpus=[[1, 2], [[3]]]), TypeError, r"draft_corpus\[1\]"),
+    (dict(draft_corpus=[[1, 10_000]]), ValueError, "outside the vocabulary"),
+    (dict(draft_corpus=["text"]), ValueError, "tokenizer="),
+])
+def test_source_arguments_checked(llama, kwargs, err, match):
+    wrapped = hf_plookup.wrap(llama, max_cache_tokens=1024)
+    ids, mask = left_padded(1)
+    with pytest.raises(err, match=match):
+        wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, prompt_lookup_num_tokens=2, **kwargs)
+    with pytest.raises(ValueError, match="needs prompt_lookup_num_tokens"):
+        wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, draft_cross_rows=True)
