@@ -5,6 +5,7 @@ Variants, each at every `--batch-sizes` value (same prompts, same max_new_tokens
   hf-pl-k{k}       HF's own prompt lookup (HF allows it at batch size 1 only)
   plk-greedy       hf_plookup, plain batched greedy on the paged engine
   plk-k{k}         hf_plookup with prompt lookup, prompt_lookup_num_tokens=k
+  plk-k{k}-t{n}    the same with candidate trees of n nodes (prompt_lookup_tree_nodes=n, --tree-nodes)
 Variants run interleaved (batch by batch, in rotating order) so drift in machine speed hits
 all of them alike. A variant that runs out of memory at a batch size is reported as skipped.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: 1 4 16 64 on GPU, 1 4 on CPU")
     p.add_argument("--k", type=int, nargs="+", default=[4, 10], help="prompt_lookup_num_tokens values")
     p.add_argument("--ngram", type=int, default=2, help="max_matching_ngram_size (HF's default: 2)")
+    p.add_argument("--tree-nodes", type=int, nargs="*", default=[],
+                   help="also run hf_plookup with candidate trees of these many nodes (prompt_lookup_tree_nodes) at every k")
     p.add_argument("--prompt-source", default="builtin", choices=["builtin", "synthetic"],
                    help="builtin: summarization prompts of the builtin documents; synthetic: random token prompts with repeats")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per synthetic prompt")
@@ -126,18 +130,25 @@ def variant_names(args, batch_size: int) -> list[str]:
         names.append("plk-greedy")
     if "plk" in args.variants:
         names += [f"plk-k{k}" for k in args.k]
+        names += [f"plk-k{k}-t{n}" for k in args.k for n in args.tree_nodes]
     return names
 
 
 def _k_of(name: str) -> int | None:
-    return int(name.rsplit("-k", 1)[1]) if "-k" in name else None
+    m = re.search(r"-k(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def _tree_of(name: str) -> int | None:
+    m = re.search(r"-t(\d+)$", name)
+    return int(m.group(1)) if m else None
 
 
 def run_variant(name: str, model, wrapped, batch: list[list[int]], pad: int, device, max_new_tokens: int, ngram: int) -> common.CallResult:
     ids, mask = common.left_pad(batch, pad, device)
     k = _k_of(name)
     if name.startswith("plk"):
-        return common.run_plookup(wrapped, ids, mask, max_new_tokens, k, ngram, pad)
+        return common.run_plookup(wrapped, ids, mask, max_new_tokens, k, ngram, pad, _tree_of(name))
     return common.run_hf(model, ids, mask, max_new_tokens, k, ngram, pad)
 
 

@@ -263,11 +263,15 @@ def run_hf(model, input_ids, attention_mask, max_new_tokens: int, k: int | None 
     return CallResult(tokens, seconds, counter.count, row_steps)
 
 
-def run_plookup(wrapped, input_ids, attention_mask, max_new_tokens: int, k: int | None = None, ngram: int = 2, pad: int | None = None) -> CallResult:
-    """hf_plookup's `generate` (plain batched greedy when `k` is falsy)."""
+def run_plookup(wrapped, input_ids, attention_mask, max_new_tokens: int, k: int | None = None, ngram: int = 2,
+                pad: int | None = None, tree_nodes: int | None = None) -> CallResult:
+    """hf_plookup's `generate` (plain batched greedy when `k` is falsy; candidate trees of
+    `tree_nodes` nodes when given)."""
     kwargs = _greedy_kwargs(max_new_tokens, pad)
     if k:
         kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram)
+    if tree_nodes:
+        kwargs.update(prompt_lookup_tree_nodes=tree_nodes)
     eos = eos_ids(wrapped.model)
     with torch.inference_mode():
         _sync(input_ids.device)

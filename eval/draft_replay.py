@@ -1,0 +1,134 @@
+"""Tokens per forward of each drafter, replayed on greedy outputs (no verify forwards needed).
+
+Greedy decoding is deterministic, so how many drafts a verify step accepts depends only on the
+drafts and on the greedy continuation: this script generates each prompt's greedy continuation
+once (hf_plookup greedy, identical to HF's), then replays it step by step through the drafters
+(the chain of `--k` tokens and candidate trees of `--tree-nodes` nodes), exactly as the engine
+would accept them, and reports tokens per forward and the proposer's time per step. A live run
+of `eval/bench.py` gives the same tokens per forward for the engine's own steps.
+
+    python eval/draft_replay.py --model smollm2-135m --k 4 8 --tree-nodes 8 16 32
+    python eval/draft_replay.py --model gemma3-270m --k 4 8 --tree-nodes 8 16 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eval import common  # noqa: E402
+from eval.bench import builtin_prompts  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="embedded alias (gemma3-270m, smollm2-135m) or HF id/path")
+    p.add_argument("--dtype", default="fp32", choices=sorted(common.DTYPES))
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="prompt_lookup_num_tokens values")
+    p.add_argument("--ngram", type=int, default=2, help="max_matching_ngram_size")
+    p.add_argument("--tree-nodes", type=int, nargs="*", default=[8, 16, 32], help="prompt_lookup_tree_nodes values")
+    p.add_argument("--json", default=None)
+    return p
+
+
+def replay(prompt: list[int], out: list[int], proposer) -> tuple[int, int, float]:
+    """(new tokens, forwards, proposer seconds) of decoding `out` after `prompt` with `proposer`'s
+    drafts, accepted as greedy verification accepts them. The first token comes from the prefill."""
+    from hf_plookup.spec.tree import TreeProposer, accept_tree_greedy
+
+    full = np.array(prompt + out, dtype=np.int64)[None]
+    n0, total = len(prompt), len(out)
+    t, forwards, spent = 1, 1, 0.0  # the prefill forward emits out[0]
+    while t < total:
+        length = np.array([n0 + t], dtype=np.int64)
+        cap = np.array([total - t - 1], dtype=np.int64)
+        t0 = time.perf_counter()
+        if isinstance(proposer, TreeProposer):
+            tokens, parents, num = proposer.propose(full, length, cap)
+        else:
+            drafts, num = proposer.propose(full, length, cap)
+        spent += time.perf_counter() - t0
+        m = int(num[0])
+        if isinstance(proposer, TreeProposer):
+            # the target at each node: the true token after the node's path, if the path is a prefix of it
+            truth = out[t:]
+            picks = np.full(m + 1, -1, dtype=np.int64)
+            depth_ok = {0: 0}
+            picks[0] = truth[0]
+            for i in range(m):
+                p = int(parents[0, i])
+                if p in depth_ok and tokens[0, i] == truth[depth_ok[p]]:
+                    d = depth_ok[p] + 1
+                    depth_ok[i + 1] = d
+                    picks[i + 1] = truth[d] if d < len(truth) else -1
+            path, _ = accept_tree_greedy(picks, tokens[0, :m], parents[0, :m])
+            accepted = len(path)
+        else:
+            accepted = 0
+            while accepted < m and drafts[0, accepted] == out[t + accepted]:
+                accepted += 1
+        t += accepted + 1
+        forwards += 1
+    return total, forwards, spent
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    import hf_plookup
+    from hf_plookup.spec.ngram import NgramProposer
+    from hf_plookup.spec.tree import TreeProposer
+
+    common.set_threads(args.threads)
+    model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
+    wrapped = hf_plookup.wrap(model)
+    common.set_threads(args.threads)
+    pad = common.pad_id(model, tokenizer)
+    prompts = builtin_prompts(tokenizer, args.num_prompts)
+    eos = common.eos_ids(model)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        res = common.run_plookup(wrapped, ids, torch.ones_like(ids), args.max_new_tokens, None, args.ngram, pad)
+        outs.append([int(x) for x in res.tokens[0]])
+    rows = []
+    for k in args.k:
+        drafters = [("chain", NgramProposer(k, args.ngram))]
+        drafters += [(f"tree {n}", TreeProposer(k, n, args.ngram)) for n in args.tree_nodes]
+        for name, proposer in drafters:
+            tok = fw = 0
+            spent = 0.0
+            for p, o in zip(prompts, outs):
+                a, b, s = replay(p, o, proposer)
+                tok, fw, spent = tok + a, fw + b, spent + s
+            rows.append({"k": k, "drafter": name, "tokens": tok, "forwards": fw, "tokens_per_forward": tok / fw,
+                         "propose_ms_per_step": 1000 * spent / max(fw - len(prompts), 1)})
+    chain = {r["k"]: r["tokens_per_forward"] for r in rows if r["drafter"] == "chain"}
+    lens = [len(p) for p in prompts]
+    print(f"model {args.model} ({args.dtype}), {len(prompts)} builtin prompts ({min(lens)}-{max(lens)} tokens), "
+          f"{sum(len(o) for o in outs)} greedy tokens (eos {sorted(eos)} ends a row), ngram {args.ngram}")
+    print("| k | drafter | tokens/forward | x chain | proposer ms/step |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['k']} | {r['drafter']} | {r['tokens_per_forward']:.3f} | {r['tokens_per_forward'] / chain[r['k']]:.3f} "
+              f"| {r['propose_ms_per_step']:.3f} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
