@@ -38,28 +38,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="prompt_lookup_num_tokens values")
     p.add_argument("--ngram", type=int, default=2, help="max_matching_ngram_size")
     p.add_argument("--tree-nodes", type=int, nargs="*", default=[8, 16, 32], help="prompt_lookup_tree_nodes values")
+    p.add_argument("--min-score", type=float, nargs="+", default=[0.0],
+                   help="tree nodes scoring below this are left out (the engine's per-device budget; 0: fill the tree)")
     p.add_argument("--json", default=None)
     return p
 
 
-def replay(prompt: list[int], out: list[int], proposer) -> tuple[int, int, float]:
-    """(new tokens, forwards, proposer seconds) of decoding `out` after `prompt` with `proposer`'s
-    drafts, accepted as greedy verification accepts them. The first token comes from the prefill."""
-    from hf_plookup.spec.tree import TreeProposer, accept_tree_greedy
+def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0) -> tuple[int, int, float, int]:
+    """(new tokens, forwards, proposer seconds, draft tokens fed) of decoding `out` after `prompt`
+    with `proposer`'s drafts, accepted as greedy verification accepts them (trees scored with the
+    row's running acceptance rate, nodes below `min_score` left out, as in the engine). The first
+    token comes from the prefill."""
+    from hf_plookup.spec.suffix import SuffixIndex
+    from hf_plookup.spec.tree import TreeProposer, accept_tree_greedy, acceptance_estimate
 
     full = np.array(prompt + out, dtype=np.int64)[None]
     n0, total = len(prompt), len(out)
     t, forwards, spent = 1, 1, 0.0  # the prefill forward emits out[0]
+    n_acc = n_rej = 0  # the row's acceptance record, which sets its trees' decay as in the engine
+    fed = 0
+    index = SuffixIndex(1, full.shape[1])
     while t < total:
         length = np.array([n0 + t], dtype=np.int64)
         cap = np.array([total - t - 1], dtype=np.int64)
         t0 = time.perf_counter()
         if isinstance(proposer, TreeProposer):
-            tokens, parents, num = proposer.propose(full, length, cap)
+            tokens, parents, num = proposer.propose(full, length, cap, index=index, min_score=min_score,
+                                                    decay=acceptance_estimate(np.array([n_acc]), np.array([n_rej])))
         else:
             drafts, num = proposer.propose(full, length, cap)
         spent += time.perf_counter() - t0
         m = int(num[0])
+        fed += m
         if isinstance(proposer, TreeProposer):
             # the target at each node: the true token after the node's path, if the path is a prefix of it
             truth = out[t:]
@@ -74,13 +84,15 @@ def replay(prompt: list[int], out: list[int], proposer) -> tuple[int, int, float
                     picks[i + 1] = truth[d] if d < len(truth) else -1
             path, _ = accept_tree_greedy(picks, tokens[0, :m], parents[0, :m])
             accepted = len(path)
+            n_rej += bool((parents[0, :m] == (path[-1] if path else 0)).any())
         else:
             accepted = 0
             while accepted < m and drafts[0, accepted] == out[t + accepted]:
                 accepted += 1
+        n_acc += accepted
         t += accepted + 1
         forwards += 1
-    return total, forwards, spent
+    return total, forwards, spent, fed
 
 
 def main(argv=None) -> int:
@@ -105,25 +117,27 @@ def main(argv=None) -> int:
         outs.append([int(x) for x in res.tokens[0]])
     rows = []
     for k in args.k:
-        drafters = [("chain", NgramProposer(k, args.ngram))]
-        drafters += [(f"tree {n}", TreeProposer(k, n, args.ngram)) for n in args.tree_nodes]
-        for name, proposer in drafters:
-            tok = fw = 0
+        drafters = [("chain", NgramProposer(k, args.ngram), 0.0)]
+        drafters += [(f"tree {n} (min score {ms:g})", TreeProposer(k, n, args.ngram), ms)
+                     for n in args.tree_nodes for ms in args.min_score]
+        for name, proposer, ms in drafters:
+            tok = fw = fed = 0
             spent = 0.0
             for p, o in zip(prompts, outs):
-                a, b, s = replay(p, o, proposer)
-                tok, fw, spent = tok + a, fw + b, spent + s
+                a, b, s, f = replay(p, o, proposer, ms)
+                tok, fw, spent, fed = tok + a, fw + b, spent + s, fed + f
+            steps = max(fw - len(prompts), 1)
             rows.append({"k": k, "drafter": name, "tokens": tok, "forwards": fw, "tokens_per_forward": tok / fw,
-                         "propose_ms_per_step": 1000 * spent / max(fw - len(prompts), 1)})
+                         "drafts_per_step": fed / steps, "propose_ms_per_step": 1000 * spent / steps})
     chain = {r["k"]: r["tokens_per_forward"] for r in rows if r["drafter"] == "chain"}
     lens = [len(p) for p in prompts]
     print(f"model {args.model} ({args.dtype}), {len(prompts)} builtin prompts ({min(lens)}-{max(lens)} tokens), "
           f"{sum(len(o) for o in outs)} greedy tokens (eos {sorted(eos)} ends a row), ngram {args.ngram}")
-    print("| k | drafter | tokens/forward | x chain | proposer ms/step |")
-    print("|---|---|---|---|---|")
+    print("| k | drafter | tokens/forward | x chain | drafts fed/step | proposer ms/step |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['k']} | {r['drafter']} | {r['tokens_per_forward']:.3f} | {r['tokens_per_forward'] / chain[r['k']]:.3f} "
-              f"| {r['propose_ms_per_step']:.3f} |")
+              f"| {r['drafts_per_step']:.1f} | {r['propose_ms_per_step']:.3f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1) + "\n")

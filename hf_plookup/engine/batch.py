@@ -14,7 +14,14 @@ import time
 from ..spec.ngram import NgramProposer
 from ..spec.sampling import process_scores
 from ..spec.suffix import SuffixIndex
-from ..spec.tree import TreeProposer, accept_tree_greedy, accept_tree_sampled, compaction, depths
+from ..spec.tree import (
+    TreeProposer,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    acceptance_estimate,
+    compaction,
+    depths,
+)
 from ..spec.verify import accept_greedy, accept_sampling
 from ..stats import SpecStats
 from .scheduler import ScheduledChunk, Scheduler
@@ -61,10 +68,12 @@ class Batch:
     (a chain's tokens in order, a candidate tree's nodes in node order; `parents` then holds
     each node's parent, see spec.tree)."""
 
-    def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | TreeProposer | None, sched: Scheduler, ids):
+    def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | TreeProposer | None, sched: Scheduler, ids,
+                 tree_min_score: float = 0.0):
         self.cfg = cfg  # the first call's config: it sets drafting and stopping for every row
         self.proposer = proposer
         self.tree = isinstance(proposer, TreeProposer)
+        self.tree_min_score = tree_min_score  # trees leave out nodes scoring below it (engine.TREE_MIN_SCORE)
         self.sched = sched
         self._ids = ids  # itertools.count shared by the engine: unique sequence ids
         self.width_drafts = max(cfg.k, proposer.budget if self.tree else 0, 1)  # K: draft slots per row
@@ -73,6 +82,10 @@ class Batch:
         self.parents = np.full((0, self.width_drafts), -1, dtype=np.int64) if self.tree else None  # [B, K]
         self.n_drafts = np.zeros(0, dtype=np.int64)  # [B]
         self._index: SuffixIndex | None = None  # trees: occurrences of every source (spec.suffix)
+        # per row: drafts accepted and verify steps that rejected one (the row's acceptance rate
+        # scores its trees' deeper nodes: see accept_rate)
+        self.n_accepted = np.zeros(0, dtype=np.int64)  # [B]
+        self.n_rejected = np.zeros(0, dtype=np.int64)  # [B]
         self.calls: list[Call] = []
         self.call_of_row: list[Call] = []
         self.hf_rows: np.ndarray | None = None  # [B, W + extra] rows as HF lays them out (first call only)
@@ -94,6 +107,8 @@ class Batch:
         if self.tree:
             self.parents = np.concatenate([self.parents, np.full((b, self.parents.shape[1]), -1, dtype=np.int64)])
         self.n_drafts = np.concatenate([self.n_drafts, np.zeros(b, dtype=np.int64)])
+        self.n_accepted = np.concatenate([self.n_accepted, np.zeros(b, dtype=np.int64)])
+        self.n_rejected = np.concatenate([self.n_rejected, np.zeros(b, dtype=np.int64)])
         if not self.calls:
             if cfg.needs_hf_rows:
                 self.width = cfg.hf_input_ids.shape[1]
@@ -113,6 +128,10 @@ class Batch:
             self.call_of_row.append(call)
             self.sched.add(seq)
         self.calls.append(call)
+
+    def accept_rate(self, rows: np.ndarray) -> np.ndarray:
+        """[B] each row's measured acceptance rate (spec.tree.acceptance_estimate)."""
+        return acceptance_estimate(self.n_accepted[rows], self.n_rejected[rows])
 
     def suffix_index(self) -> SuffixIndex:
         """The loop's occurrence index over its drafting sources (rebuilt when rows join and the
@@ -137,7 +156,8 @@ class Batch:
             seqs = [s for call in self.calls for s in call.seqs]
             if index.cross_rows:  # every row's committed tokens are a source, running or not
                 index.update(self.history, np.array([s.row for s in seqs]), np.array([s.num_tokens for s in seqs]))
-            d, par, nd = self.proposer.propose(self.history, lengths, cap, rows=rows, index=index)
+            d, par, nd = self.proposer.propose(self.history, lengths, cap, min_score=self.tree_min_score, rows=rows,
+                                               index=index, decay=self.accept_rate(rows))
             self.parents[rows, : par.shape[1]] = par
         else:
             d, nd = self.proposer.propose(self.history[rows], lengths, cap)
@@ -248,6 +268,9 @@ class Batch:
             if not c.is_prefill:
                 a = int(accepted[i])
                 deepest = int(depth[offsets[i] : offsets[i] + m + 1].max())
+                end = int(paths[i][-1]) if a else 0  # the last accepted node: a rejection if it has children
+                self.n_accepted[seq.row] += a
+                self.n_rejected[seq.row] += bool((self.parents[seq.row, :m] == end).any()) if self.tree else a < m
                 stats.drafted += int(m)
                 stats.accepted += a
                 stats.verify_steps += 1

@@ -46,6 +46,9 @@ class EngineOptions:
     # CUDA graphs when cuda_graphs is on: True | False | "auto" (on where it measured faster: see
     # COMPILE_AUTO)
     compile: bool | str = "auto"
+    # candidate trees leave out nodes whose score (estimated chance that verification reaches
+    # them) is below this; None: TREE_MIN_SCORE of the device (each fed token costs on CPU)
+    tree_min_score: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_cache_tokens", "num_blocks"):
@@ -61,6 +64,9 @@ class EngineOptions:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compile not in (True, False, "auto") or not isinstance(self.compile, (bool, str)):
             raise ValueError(f"compile must be True, False or 'auto', got {self.compile!r}")
+        if self.tree_min_score is not None and (isinstance(self.tree_min_score, bool) or not isinstance(
+                self.tree_min_score, (int, float)) or not 0.0 <= self.tree_min_score <= 1.0):
+            raise ValueError(f"tree_min_score must be a number in [0, 1] or None, got {self.tree_min_score!r}")
         if not 0.0 < self.cache_memory_fraction <= 1.0:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction!r}")
         if self.attn_backend not in BACKEND_CHOICES:
@@ -69,6 +75,12 @@ class EngineOptions:
 
 # Where compile="auto" turns compiled steps on, by device type (measured: README "Compiled steps").
 COMPILE_AUTO = {"cuda": True, "cpu": False}
+# tree_min_score by device type. A node is worth feeding when its score beats the share of a step
+# one more token costs times the tokens a step yields: on the CPU (SmolLM2 fp32, 2 cores) a token
+# adds about 9% to a 1-token step and a step yields about 2 tokens, so 0.2 (draft replays:
+# README "Candidate trees"); on CUDA a verify step's tokens cost little and graph steps are
+# padded to the whole budget anyway, so every node is fed.
+TREE_MIN_SCORE = {"cpu": 0.2, "cuda": 0.0}
 
 
 def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str) -> bool:
@@ -99,6 +111,8 @@ class Engine:
         self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
         self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda"
         self.use_compile = resolve_compile(options.compile, devices, backend)
+        self.tree_min_score = (options.tree_min_score if options.tree_min_score is not None
+                               else TREE_MIN_SCORE.get(devices[0].type, 0.0))
         self._graphs: GraphRunner | None = None
         self.head = head_chooser(model)  # CPU: the LM head's faster matmul layout for multi-row steps
         self._capacity: int | None = None
@@ -212,7 +226,7 @@ class Engine:
         graphs = self.graph_runner()
         compile_before = graphs.compile_seconds if graphs is not None else 0.0
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs)
-        batch = Batch(cfg, self.proposer(cfg), sched, self._ids)
+        batch = Batch(cfg, self.proposer(cfg), sched, self._ids, self.tree_min_score)
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(batch.width_drafts),
                              graphs, self.head)
         tree_parents = batch.tree_parents if batch.tree else None

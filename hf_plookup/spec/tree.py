@@ -21,8 +21,8 @@ import numpy as np
 
 from .suffix import SuffixIndex, _slot as _slot_any
 
-__all__ = ["TreeProposer", "accept_tree_greedy", "accept_tree_sampled", "ancestor_mask", "compaction",
-           "depths"]
+__all__ = ["TreeProposer", "accept_tree_greedy", "accept_tree_sampled", "acceptance_estimate", "ancestor_mask",
+           "compaction", "depths"]
 
 # candidates (earlier occurrences) kept per row before ranking; more cost time, rarely add nodes
 MAX_CANDIDATES = 64
@@ -134,7 +134,7 @@ def _tree_row(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram
     #    creation order, so parents are always kept first)
     score = np.empty(n_trie)
     for q in range(n_trie):
-        score[q] = t_w[i, q] / total * decay ** (t_dep[i, q] - 1)
+        score[q] = t_w[i, q] / total * decay[i] ** (t_dep[i, q] - 1)
     order = np.argsort(-score, kind="mergesort")
     out_of = np.full(n_trie, -1, dtype=np.int64)  # trie node -> output node (1-based)
     n = 0
@@ -219,17 +219,22 @@ class TreeProposer:
         return self._scratch
 
     def propose(self, history: np.ndarray, lengths: np.ndarray, max_depth: np.ndarray | None = None,
-                min_score: float = 0.0, rows: np.ndarray | None = None, index: SuffixIndex | None = None):
+                min_score: float = 0.0, rows: np.ndarray | None = None, index: SuffixIndex | None = None,
+                decay: np.ndarray | None = None):
         """Trees for history rows `rows` [B] (default: every row) of `history` [R, W] int64, row
         r's tokens being history[r, :lengths[i]]. max_depth [B]: the longest path and most nodes
         allowed per row (the tokens it may still emit; default k). `min_score`: leave out nodes
         scoring below it (0: fill the budget). `index`: the loop's `SuffixIndex` (brought up to
-        `lengths` here); None indexes these rows afresh. Returns (tokens [B, budget], parents
+        `lengths` here); None indexes these rows afresh. `decay` [B]: per-row decay (default: the
+        proposer's), e.g. each row's measured acceptance rate. Returns (tokens [B, budget], parents
         [B, budget], num_nodes [B]), int64, -1 where unused."""
         history = np.ascontiguousarray(history, dtype=np.int64)
         lengths = np.ascontiguousarray(lengths, dtype=np.int64)
         rows = np.arange(history.shape[0], dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
         batch = rows.shape[0]
+        decay = np.full(batch, self.decay) if decay is None else np.ascontiguousarray(decay, dtype=np.float64)
+        if decay.shape != (batch,) or not ((decay > 0) & (decay <= 1)).all():
+            raise ValueError(f"decay must be [{batch}] values in (0, 1]")
         if lengths.shape != (batch,):
             raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
         if max_depth is None:
@@ -243,9 +248,23 @@ class TreeProposer:
         num = np.empty(batch, dtype=np.int64)
         kernel = propose_tree_batch if batch >= self._parallel_min else propose_tree_serial
         kernel(history, rows, lengths, max_depth, self.k, self.budget, self.max_ngram, self.min_ngram,
-               self.short_weight, self.decay, float(min_score), *index.arrays(), tokens, parents, num,
+               self.short_weight, decay, float(min_score), *index.arrays(), tokens, parents, num,
                *self._buffers(batch))
         return tokens, parents, num
+
+
+# prior of a row's acceptance rate (acceptance_estimate): draft replays on the builtin prompts
+PRIOR_RATE, PRIOR_WEIGHT = 0.8, 4.0
+
+
+def acceptance_estimate(accepted: np.ndarray, rejected: np.ndarray) -> np.ndarray:
+    """The chance that a draft is accepted given its parent was, per row, from its `accepted`
+    drafts and `rejected` verify steps (steps whose walk stopped at a node with children), pulled
+    towards PRIOR_RATE by PRIOR_WEIGHT pseudo-drafts and kept in [0.3, 0.97]: the per-level decay
+    of the row's next tree, so a row that copies its source gets deep trees and one that does
+    not gets wide ones."""
+    rate = (np.asarray(accepted) + PRIOR_RATE * PRIOR_WEIGHT) / (np.asarray(accepted) + np.asarray(rejected) + PRIOR_WEIGHT)
+    return np.clip(rate, 0.3, 0.97)
 
 
 def depths(parents: np.ndarray) -> np.ndarray:

@@ -320,7 +320,7 @@ def _branchy(model, batch: int = 2, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_tree_drafts_identical_to_hf_greedy(arch):
     model = tiny_model(arch)
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=4)
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=4, tree_min_score=0.0)
     for ids, mask in (left_padded(3, seed=11), (_branchy(model), None)):
         mask = torch.ones_like(ids) if mask is None else mask
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, eos_token_id=None)
@@ -345,7 +345,7 @@ def test_tree_paths_off_the_first_candidate_are_moved(monkeypatch):
 
     monkeypatch.setattr(PagedKVCache, "move_slots", spy)
     model = tiny_model("gemma2")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=4)
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=4, tree_min_score=0.0)  # whole trees
     ids = _branchy(model)
     ref = model.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None)
     chain = wrapped.generate(ids, max_new_tokens=30, eos_token_id=None, prompt_lookup_num_tokens=6)
@@ -435,3 +435,21 @@ def test_source_arguments_checked(llama, kwargs, err, match):
         wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, prompt_lookup_num_tokens=2, **kwargs)
     with pytest.raises(ValueError, match="needs prompt_lookup_num_tokens"):
         wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, draft_cross_rows=True)
+
+
+def test_tree_min_score_prunes_and_is_checked(llama):
+    """The per-device default prunes unlikely nodes on CPU (smaller trees, same tokens)."""
+    assert hf_plookup.wrap(llama)._engine.tree_min_score == 0.2  # CPU default (engine.TREE_MIN_SCORE)
+    model = tiny_model("gemma2")
+    ids = _branchy(model)
+    sizes = []
+    for ms in (0.0, 0.5):
+        wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, tree_min_score=ms)
+        out = wrapped.generate(ids, max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=6,
+                               prompt_lookup_tree_nodes=16)
+        assert torch.equal(out, model.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None))
+        sizes.append(wrapped.last_stats.mean_tree_size)
+    assert sizes[1] < sizes[0]
+    for bad in (-0.1, 1.5, "0.2", True):
+        with pytest.raises(ValueError, match="tree_min_score"):
+            hf_plookup.wrap(llama, tree_min_score=bad)
