@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-nodes", type=int, nargs="*", default=[8, 16, 32], help="prompt_lookup_tree_nodes values")
     p.add_argument("--min-score", type=float, nargs="+", default=[0.0],
                    help="tree nodes scoring below this are left out (the engine's per-device budget; 0: fill the tree)")
+    p.add_argument("--max-candidates", type=int, nargs="+", default=[None],
+                   help="TreeProposer max_candidates values (default: its own)")
     p.add_argument("--json", default=None)
     return p
 
@@ -118,8 +120,9 @@ def main(argv=None) -> int:
     rows = []
     for k in args.k:
         drafters = [("chain", NgramProposer(k, args.ngram), 0.0)]
-        drafters += [(f"tree {n} (min score {ms:g})", TreeProposer(k, n, args.ngram), ms)
-                     for n in args.tree_nodes for ms in args.min_score]
+        drafters += [(f"tree {n} (min score {ms:g}{'' if mc is None else f', {mc} candidates'})",
+                      TreeProposer(k, n, args.ngram, **({} if mc is None else {"max_candidates": mc})), ms)
+                     for n in args.tree_nodes for ms in args.min_score for mc in args.max_candidates]
         for name, proposer, ms in drafters:
             tok = fw = fed = 0
             spent = 0.0

@@ -12,8 +12,9 @@ links set once when each token is appended (amortized O(1) per token, no rescans
 - other sources (cross rows, corpus): one entry per indexed token (source, position, previous
   entry with the same token), newest first from `head_any[token]`.
 
-Tokens are keyed by an open-addressing hash table (numpy arrays, numba kernels), so the index
-needs no vocabulary size. Sources: history rows 0..R-1, then corpus documents R, R+1, ...
+Tokens are keyed by open-addressing hash tables (numpy arrays, numba kernels; one per row for
+the own-row links, so rows are indexed in parallel, and one shared table for the other
+sources), so the index needs no vocabulary size. Sources: history rows 0..R-1, then corpus documents R, R+1, ...
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 __all__ = ["SuffixIndex"]
 
 _EMPTY = -1
+PARALLEL_MIN_ROWS = 32  # rows from which an update indexes rows in parallel (spec.ngram's threshold)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -37,35 +39,60 @@ def _slot(keys, key):
 
 
 @numba.njit(cache=True, nogil=True)
-def _index_rows(history, rows, lengths, indexed, prev_own, own_keys, own_vals, cross, e_src, e_pos, e_prev,
-                n_entries, any_keys, any_vals, stride):
-    """Index positions indexed[r] .. lengths[i]-1 of each row r = rows[i] (serial: the tables are
-    shared). Returns the new entry count."""
+def _index_own_row(history, r, start, stop, prev_own, own_keys, own_vals):
+    """Link positions start..stop-1 of row r to the previous position holding the same token
+    (the row's own table: token -> its newest position)."""
+    keys, vals = own_keys[r], own_vals[r]
+    for p in range(start, stop):
+        tok = history[r, p]
+        h = _slot(keys, tok)
+        if keys[h] == _EMPTY:
+            keys[h] = tok
+            prev_own[r, p] = -1
+        else:
+            prev_own[r, p] = vals[h]
+        vals[h] = p
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _index_own_batch(history, rows, lengths, indexed, prev_own, own_keys, own_vals):
+    """Own-row links of every row in `rows`, rows in parallel (each row has its own table)."""
+    for i in numba.prange(rows.shape[0]):
+        r = rows[i]
+        _index_own_row(history, r, indexed[r], lengths[i], prev_own, own_keys, own_vals)
+        if lengths[i] > indexed[r]:
+            indexed[r] = lengths[i]
+
+
+@numba.njit(cache=True, nogil=True)
+def _index_own_serial(history, rows, lengths, indexed, prev_own, own_keys, own_vals):
+    """`_index_own_batch` on one thread (small batches)."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        _index_own_row(history, r, indexed[r], lengths[i], prev_own, own_keys, own_vals)
+        if lengths[i] > indexed[r]:
+            indexed[r] = lengths[i]
+
+
+@numba.njit(cache=True, nogil=True)
+def _index_cross(history, rows, lengths, indexed, e_src, e_pos, e_prev, n_entries, any_keys, any_vals):
+    """Entries of the shared table (other-row sources) for positions indexed[r]..lengths[i]-1 of
+    each row r = rows[i], serial (one table for every row). Returns the new entry count."""
     n = n_entries
     for i in range(rows.shape[0]):
         r = rows[i]
         for p in range(indexed[r], lengths[i]):
             tok = history[r, p]
-            h = _slot(own_keys, r * stride + tok)
-            if own_keys[h] == _EMPTY:
-                own_keys[h] = r * stride + tok
-                prev_own[r, p] = -1
+            h = _slot(any_keys, tok)
+            e_src[n] = r
+            e_pos[n] = p
+            if any_keys[h] == _EMPTY:
+                any_keys[h] = tok
+                e_prev[n] = -1
             else:
-                prev_own[r, p] = own_vals[h]
-            own_vals[h] = p
-            if cross:
-                h = _slot(any_keys, tok)
-                e_src[n] = r
-                e_pos[n] = p
-                if any_keys[h] == _EMPTY:
-                    any_keys[h] = tok
-                    e_prev[n] = -1
-                else:
-                    e_prev[n] = any_vals[h]
-                any_vals[h] = n
-                n += 1
-        if lengths[i] > indexed[r]:
-            indexed[r] = lengths[i]
+                e_prev[n] = any_vals[h]
+            any_vals[h] = n
+            n += 1
     return n
 
 
@@ -88,8 +115,12 @@ def _index_corpus(tokens, offsets, first_src, e_src, e_pos, e_prev, n_entries, a
     return n
 
 
+def _capacity(n: int) -> int:
+    return 1 << max(int(2 * max(n, 1) - 1).bit_length(), 4)  # power of two >= 2n
+
+
 def _table(n: int) -> tuple[np.ndarray, np.ndarray]:
-    cap = 1 << max(int(2 * max(n, 1) - 1).bit_length(), 4)  # power of two >= 2n
+    cap = _capacity(n)
     return np.full(cap, _EMPTY, dtype=np.int64), np.empty(cap, dtype=np.int64)
 
 
@@ -109,16 +140,17 @@ class SuffixIndex:
         self.corpus_tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
         self.cross = cross_rows or bool(docs)  # whether the cross-source entries are kept at all
         self.indexed = np.zeros(rows, dtype=np.int64)  # [R] positions indexed per row
-        self.prev_own = np.full((rows, width), -1, dtype=np.int64)  # [R, W]
-        self.own_keys, self.own_vals = _table(rows * width)
+        self.prev_own = np.full((rows, width), -1, dtype=np.int32)  # [R, W]
+        # one table per row (token -> newest position), so rows are indexed in parallel
+        cap = _capacity(width)
+        self.own_keys = np.full((rows, cap), _EMPTY, dtype=np.int64)
+        self.own_vals = np.empty((rows, cap), dtype=np.int32)
         n_cross = (rows * width if cross_rows else 0) + len(self.corpus_tokens)
         self.e_src = np.empty(n_cross, dtype=np.int64)
         self.e_pos = np.empty(n_cross, dtype=np.int64)
         self.e_prev = np.empty(n_cross, dtype=np.int64)
         self.any_keys, self.any_vals = _table(n_cross)
         self.n_entries = 0
-        # keys of the own-row table: row * stride + token (tokens are ids below 2**40)
-        self.stride = np.int64(1 << 40)
         if len(self.corpus_tokens):
             self.n_entries = _index_corpus(self.corpus_tokens, self.corpus_offsets, rows, self.e_src, self.e_pos,
                                            self.e_prev, 0, self.any_keys, self.any_vals)
@@ -132,10 +164,12 @@ class SuffixIndex:
             cap_ok = self.n_entries + int((lengths - self.indexed[rows]).clip(min=0).sum()) <= len(self.e_src)
             if not cap_ok:
                 raise ValueError("index capacity exceeded")
-        self.n_entries = _index_rows(history, rows.astype(np.int64), lengths.astype(np.int64), self.indexed,
-                                     self.prev_own, self.own_keys, self.own_vals, self.cross_rows, self.e_src,
-                                     self.e_pos, self.e_prev, self.n_entries, self.any_keys, self.any_vals,
-                                     self.stride)
+        rows, lengths = rows.astype(np.int64), lengths.astype(np.int64)
+        if self.cross_rows:  # before the own pass, which moves `indexed`
+            self.n_entries = _index_cross(history, rows, lengths, self.indexed, self.e_src, self.e_pos, self.e_prev,
+                                          self.n_entries, self.any_keys, self.any_vals)
+        own = _index_own_batch if rows.shape[0] >= PARALLEL_MIN_ROWS else _index_own_serial
+        own(history, rows, lengths, self.indexed, self.prev_own, self.own_keys, self.own_vals)
 
     def grow(self, rows: int, width: int) -> "SuffixIndex":
         """An index for more rows or a wider history holding the same sources (re-indexed by the

@@ -24,8 +24,18 @@ from .suffix import SuffixIndex, _slot as _slot_any
 __all__ = ["TreeProposer", "accept_tree_greedy", "accept_tree_sampled", "acceptance_estimate", "ancestor_mask",
            "compaction", "depths"]
 
-# candidates (earlier occurrences) kept per row before ranking; more cost time, rarely add nodes
+# candidates (earlier occurrences) per row and kind of source (own row, others) before ranking;
+# each costs a few cache misses (its link and its tokens), so large batches get fewer: at most
+# CANDIDATE_WORK per step over the batch, never under MIN_CANDIDATES (README "Candidate trees":
+# draft replays lose 1-3% of tokens per forward at 24 instead of 64; proposer_bench: 256 rows of
+# 8k tokens take about 2 ms per step on 2 cores at 64, under 1 ms at 24)
 MAX_CANDIDATES = 64
+MIN_CANDIDATES = 8
+CANDIDATE_WORK = 6144
+# the trie's integer fields per node (scratch [B, TRIE_FIELDS, nodes]): token, parent (-1: the
+# root), depth, first child, next sibling (-1: none), output node (1-based, once kept), and the frontier of step 3 (a list of trie nodes, not a per-node field)
+TOK, PAR, DEP, CHILD, NEXT, OUT, FRONT = range(7)
+TRIE_FIELDS = 7
 
 
 @numba.njit(cache=True, nogil=True)
@@ -56,9 +66,10 @@ def _match(history, corpus_tokens, corpus_offsets, row, n_len, src, p, max_ngram
 
 
 @numba.njit(cache=True, nogil=True)
-def _tree_row(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram, short_weight, decay, min_score,
+def _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram, min_ngram, short_weight, decay, min_score,
               prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens, corpus_offsets, indexed,
-              tokens, parents, num_nodes, i, cand_s, cand_c, cand_m, t_tok, t_par, t_w, t_dep):
+              tokens, parents, num_nodes, i, t, cand_s, cand_c, cand_m, trie, t_w, level):
+    """Row i's tree, built in scratch slice t."""
     for j in range(budget):
         tokens[i, j] = -1
         parents[i, j] = -1
@@ -70,16 +81,16 @@ def _tree_row(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram
     if cap <= 0 or budget <= 0 or n_len < 2:
         return
     # 1. earlier occurrences of the last token with their match lengths, newest first: the row's
-    #    own (up to MAX_CANDIDATES), then the other sources' (up to as many again)
+    #    own (up to max_cand), then the other sources' (up to as many again)
     found = 0
     best_m = 0
     p = prev_own[b, n_len - 1]
-    while p >= 0 and found < MAX_CANDIDATES:
+    while p >= 0 and found < max_cand:
         m = _match(history, corpus_tokens, corpus_offsets, b, n_len, b, p, max_ngram)
         if m >= min_ngram:
-            cand_s[i, found] = b
-            cand_c[i, found] = p + 1
-            cand_m[i, found] = m
+            cand_s[t, found] = b
+            cand_c[t, found] = p + 1
+            cand_m[t, found] = m
             found += 1
             best_m = max(best_m, m)
         p = prev_own[b, p]
@@ -88,26 +99,28 @@ def _tree_row(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram
         h = _slot_any(any_keys, last)
         e = any_vals[h] if any_keys[h] == last else -1
         own = found
-        while e >= 0 and found < own + MAX_CANDIDATES:
+        while e >= 0 and found < own + max_cand:
             src, q = e_src[e], e_pos[e]
             if src != b and q + 1 < _src_len(history, corpus_offsets, indexed, src):
                 m = _match(history, corpus_tokens, corpus_offsets, b, n_len, src, q, max_ngram)
                 if m >= min_ngram:
-                    cand_s[i, found] = src
-                    cand_c[i, found] = q + 1
-                    cand_m[i, found] = m
+                    cand_s[t, found] = src
+                    cand_c[t, found] = q + 1
+                    cand_m[t, found] = m
                     found += 1
                     best_m = max(best_m, m)
             e = e_prev[e]
     if found == 0:
         return
     # 2. a trie of all their continuations; a node's weight sums the weights of the occurrences
-    #    through it (longest-match occurrences 1, shorter ones short_weight)
+    #    through it (longest-match occurrences 1, shorter ones short_weight). Children hang off
+    #    first-child / next-sibling links (creation order), so finding a child scans its siblings.
     n_trie = 0
     total = 0.0
+    root_child = -1
     for j in range(found):
-        src, c = cand_s[i, j], cand_c[i, j]
-        w = 1.0 if cand_m[i, j] == best_m else short_weight
+        src, c = cand_s[t, j], cand_c[t, j]
+        w = 1.0 if cand_m[t, j] == best_m else short_weight
         if w <= 0.0:
             continue
         total += w
@@ -115,70 +128,96 @@ def _tree_row(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram
         end = n_len if src == b else _src_len(history, corpus_offsets, indexed, src)
         for d in range(min(cap, end - c)):
             tok = _src_tok(history, corpus_tokens, corpus_offsets, src, c + d)
-            child = -1
-            for q in range(n_trie):
-                if t_par[i, q] == node and t_tok[i, q] == tok:
-                    child = q
-                    break
+            child = root_child if node < 0 else trie[t, CHILD, node]
+            last = -1
+            while child >= 0 and trie[t, TOK, child] != tok:
+                last = child
+                child = trie[t, NEXT, child]
             if child < 0:
                 child = n_trie
-                t_tok[i, child] = tok
-                t_par[i, child] = node
-                t_w[i, child] = 0.0
-                t_dep[i, child] = d + 1
+                trie[t, TOK, child] = tok
+                trie[t, PAR, child] = node
+                trie[t, DEP, child] = d + 1
+                trie[t, CHILD, child] = -1
+                trie[t, NEXT, child] = -1
+                t_w[t, child] = 0.0
+                if last >= 0:
+                    trie[t, NEXT, last] = child
+                elif node < 0:
+                    root_child = child
+                else:
+                    trie[t, CHILD, node] = child
                 n_trie += 1
-            t_w[i, child] += w
+            t_w[t, child] += w
             node = child
     # 3. score = share of the weight through the node, times decay per level; keep the best
-    #    `budget` nodes scoring >= min_score (a child never outscores its parent, and ties keep
-    #    creation order, so parents are always kept first)
-    score = np.empty(n_trie)
-    for q in range(n_trie):
-        score[q] = t_w[i, q] / total * decay[i] ** (t_dep[i, q] - 1)
-    order = np.argsort(-score, kind="mergesort")
-    out_of = np.full(n_trie, -1, dtype=np.int64)  # trie node -> output node (1-based)
+    #    `budget` nodes scoring >= min_score, best first (ties: creation order). A child never
+    #    outscores its parent and is created after it, so the next best node is always a child
+    #    of a kept one: pick it from the frontier of kept nodes' children (parents come first).
+    for d in range(cap):  # level[d]: the decay at depth d + 1 (a power, as the reference computes it)
+        level[t, d] = decay[i] ** d
+    n_front = 0
+    child = root_child
+    while child >= 0:
+        trie[t, FRONT, n_front] = child
+        n_front += 1
+        child = trie[t, NEXT, child]
     n = 0
-    for j in range(n_trie):
-        q = order[j]
-        if n == budget or score[q] < min_score:
+    while n < budget and n_front > 0:
+        best, best_score = -1, -1.0
+        for f in range(n_front):
+            q = trie[t, FRONT, f]
+            sc = t_w[t, q] / total * level[t, trie[t, DEP, q] - 1]
+            if sc > best_score or (sc == best_score and q < trie[t, FRONT, best]):
+                best, best_score = f, sc
+        if best_score < min_score:
             break
-        tokens[i, n] = t_tok[i, q]
-        parents[i, n] = 0 if t_par[i, q] < 0 else out_of[t_par[i, q]]
+        q = trie[t, FRONT, best]
+        n_front -= 1
+        trie[t, FRONT, best] = trie[t, FRONT, n_front]
+        tokens[i, n] = trie[t, TOK, q]
+        parents[i, n] = 0 if trie[t, PAR, q] < 0 else trie[t, OUT, trie[t, PAR, q]]
         n += 1
-        out_of[q] = n
+        trie[t, OUT, q] = n  # trie node -> output node (1-based)
+        child = trie[t, CHILD, q]
+        while child >= 0:
+            trie[t, FRONT, n_front] = child
+            n_front += 1
+            child = trie[t, NEXT, child]
     num_nodes[i] = n
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def propose_tree_batch(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram, short_weight, decay,
+def propose_tree_batch(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram, min_ngram, short_weight, decay,
                        min_score, prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens,
-                       corpus_offsets, indexed, tokens, parents, num_nodes, cand_s, cand_c, cand_m, t_tok, t_par, t_w,
-                       t_dep):
+                       corpus_offsets, indexed, tokens, parents, num_nodes, cand_s, cand_c, cand_m, trie, t_w, level):
     """Fill tokens/parents [B, budget] (-1 where unused) and num_nodes [B] for history rows
-    `rows` [B], in parallel."""
-    for i in numba.prange(rows.shape[0]):
-        _tree_row(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram, short_weight, decay, min_score,
-                  prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens, corpus_offsets, indexed,
-                  tokens, parents, num_nodes, i, cand_s, cand_c, cand_m, t_tok, t_par, t_w, t_dep)
+    `rows` [B], in parallel: task t of the scratch arrays' T takes rows t, t + T, ... in slice t."""
+    tasks = cand_s.shape[0]
+    for t in numba.prange(tasks):
+        for i in range(t, rows.shape[0], tasks):
+            _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram, min_ngram, short_weight, decay,
+                      min_score, prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens, corpus_offsets,
+                      indexed, tokens, parents, num_nodes, i, t, cand_s, cand_c, cand_m, trie, t_w, level)
 
 
 @numba.njit(cache=True, nogil=True)
-def propose_tree_serial(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram, short_weight, decay,
+def propose_tree_serial(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram, min_ngram, short_weight, decay,
                         min_score, prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens,
-                        corpus_offsets, indexed, tokens, parents, num_nodes, cand_s, cand_c, cand_m, t_tok, t_par, t_w,
-                        t_dep):
-    """`propose_tree_batch` on one thread (small batches)."""
+                        corpus_offsets, indexed, tokens, parents, num_nodes, cand_s, cand_c, cand_m, trie, t_w, level):
+    """`propose_tree_batch` on one thread (small batches), in scratch slice 0."""
     for i in range(rows.shape[0]):
-        _tree_row(history, rows, lengths, max_depth, k, budget, max_ngram, min_ngram, short_weight, decay, min_score,
+        _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram, min_ngram, short_weight, decay, min_score,
                   prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens, corpus_offsets, indexed,
-                  tokens, parents, num_nodes, i, cand_s, cand_c, cand_m, t_tok, t_par, t_w, t_dep)
+                  tokens, parents, num_nodes, i, 0, cand_s, cand_c, cand_m, trie, t_w, level)
 
 
 class TreeProposer:
     """Candidate trees for a whole batch: at most `budget` draft nodes per row, paths of at most
     `k` tokens, matches as `NgramProposer` finds them (HF's `max_matching_ngram_size`).
 
-    Every earlier occurrence of the row's suffix (up to MAX_CANDIDATES, newest first) votes for
+    Every earlier occurrence of the row's suffix (up to `candidates(batch)` per kind of source,
+    own row then the others, newest first) votes for
     its continuation: occurrences with the longest match weigh 1, shorter matches
     `short_weight`. A node's score is the share of the votes that pass through it times
     `decay` per level below the first (an estimate of the chance that verification reaches
@@ -187,7 +226,7 @@ class TreeProposer:
     newest comes first, so the first path is the chain drafter's draft."""
 
     def __init__(self, k: int, budget: int, max_ngram: int = 2, min_ngram: int = 1, short_weight: float = 0.25,
-                 decay: float = 0.8):
+                 decay: float = 0.8, max_candidates: int = MAX_CANDIDATES):
         from .ngram import PARALLEL_MIN_BATCH, _check_int
 
         self.k = _check_int("prompt_lookup_num_tokens", k)
@@ -201,22 +240,32 @@ class TreeProposer:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.short_weight, self.decay = float(short_weight), float(decay)
+        self.max_candidates = _check_int("max_candidates", max_candidates)
         self._parallel_min = PARALLEL_MIN_BATCH
         self._scratch: tuple[np.ndarray, ...] = ()
         hist = np.array([[1, 2, 1, 2, 1]] * PARALLEL_MIN_BATCH, dtype=np.int64)  # warm both kernels
         self.propose(hist[:1], np.array([5], dtype=np.int64))
         self.propose(hist, np.full(PARALLEL_MIN_BATCH, 5, dtype=np.int64))
 
-    def _buffers(self, batch: int) -> tuple[np.ndarray, ...]:
-        """Scratch arrays for `batch` rows (grown, never shrunk): candidates [B, 2C] (source,
-        start, match length) and the trie [B, 2C * k] (token, parent, weight, depth)."""
-        if not self._scratch or self._scratch[0].shape[0] < batch:
-            rows, c = max(batch, 1), 2 * MAX_CANDIDATES
+    def _buffers(self) -> tuple[np.ndarray, ...]:
+        """Scratch arrays, one slice per parallel task (numba's thread count; small, so each stays
+        in its core's cache): candidates [T, 2C] (source, start, match length), the trie's integer
+        fields [T, TRIE_FIELDS, 2C * k], its weights [T, 2C * k], the decay per level [T, k]."""
+        threads = numba.get_num_threads()
+        if not self._scratch or self._scratch[0].shape[0] != threads:
+            c = 2 * self.max_candidates
             t = c * self.k
-            self._scratch = (np.empty((rows, c), np.int64), np.empty((rows, c), np.int64), np.empty((rows, c), np.int64),
-                             np.empty((rows, t), np.int64), np.empty((rows, t), np.int64), np.empty((rows, t)),
-                             np.empty((rows, t), np.int64))
+            self._scratch = (np.empty((threads, c), np.int64), np.empty((threads, c), np.int64),
+                             np.empty((threads, c), np.int64), np.empty((threads, TRIE_FIELDS, t), np.int64),
+                             np.empty((threads, t)), np.empty((threads, self.k)))
         return self._scratch
+
+    def candidates(self, batch: int, cross: bool = False) -> int:
+        """Candidates per row and kind of source for a step of `batch` rows: `max_candidates`,
+        fewer when the batch would exceed CANDIDATE_WORK (counting both kinds when other sources
+        are indexed), at least MIN_CANDIDATES."""
+        fair = CANDIDATE_WORK // (max(batch, 1) * (2 if cross else 1))
+        return min(self.max_candidates, max(MIN_CANDIDATES, fair))
 
     def propose(self, history: np.ndarray, lengths: np.ndarray, max_depth: np.ndarray | None = None,
                 min_score: float = 0.0, rows: np.ndarray | None = None, index: SuffixIndex | None = None,
@@ -247,9 +296,10 @@ class TreeProposer:
         parents = np.empty((batch, self.budget), dtype=np.int64)
         num = np.empty(batch, dtype=np.int64)
         kernel = propose_tree_batch if batch >= self._parallel_min else propose_tree_serial
-        kernel(history, rows, lengths, max_depth, self.k, self.budget, self.max_ngram, self.min_ngram,
+        kernel(history, rows, lengths, max_depth, self.k, self.budget, self.candidates(batch, index.cross), self.max_ngram,
+               self.min_ngram,
                self.short_weight, decay, float(min_score), *index.arrays(), tokens, parents, num,
-               *self._buffers(batch))
+               *self._buffers())
         return tokens, parents, num
 
 

@@ -38,7 +38,7 @@ def _match(src: list[int], p: int, row: list[int], max_ngram: int) -> int:
 
 def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int, max_depth: int,
              short_weight: float = 0.25, decay: float = 0.8, min_score: float = 0.0,
-             others: list[list[int]] | None = None):
+             others: list[list[int]] | None = None, max_candidates: int = MAX_CANDIDATES):
     """(tokens, parents) of one row's tree, built the plain way: every earlier occurrence of the
     last token in the row (newest first), then in `others` (sources in the index's insertion
     order; newest = last inserted first), each with its match length; a dict trie of all their
@@ -49,14 +49,14 @@ def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int
         return [], []
     cands = []  # (source tokens, continuation start, match length)
     for p in range(n - 2, -1, -1):
-        if row[p] == row[-1] and len(cands) < MAX_CANDIDATES:
+        if row[p] == row[-1] and len(cands) < max_candidates:
             m = _match(row, p, row, max_ngram)
             if m >= min_ngram:
                 cands.append((row, p + 1, m))
     entries = [(src, p) for src in (others or []) for p in range(len(src))]
     own = len(cands)
     for src, p in reversed(entries):
-        if len(cands) == own + MAX_CANDIDATES:
+        if len(cands) == own + max_candidates:
             break
         if src[p] == row[-1] and p + 1 < len(src):
             m = _match(src, p, row, max_ngram)
@@ -107,18 +107,21 @@ rows_strategy = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=40), m
 @settings(max_examples=80, deadline=None)
 @given(rows=rows_strategy, k=st.integers(1, 6), budget=st.integers(1, 12), max_ngram=st.integers(1, 3),
        caps=st.lists(st.integers(0, 8), min_size=6, max_size=6), short_weight=st.sampled_from([0.0, 0.25, 1.0]),
-       decay=st.sampled_from([0.5, 0.8, 1.0]), min_score=st.sampled_from([0.0, 0.1, 0.4]))
-def test_tree_builder_matches_reference(rows, k, budget, max_ngram, caps, short_weight, decay, min_score):
+       decay=st.sampled_from([0.5, 0.8, 1.0]), min_score=st.sampled_from([0.0, 0.1, 0.4]),
+       max_candidates=st.sampled_from([2, 5, MAX_CANDIDATES]))
+def test_tree_builder_matches_reference(rows, k, budget, max_ngram, caps, short_weight, decay, min_score,
+                                        max_candidates):
     width = max(len(r) for r in rows) + 1
     hist = np.zeros((len(rows), width), dtype=np.int64)
     for i, r in enumerate(rows):
         hist[i, : len(r)] = r
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
     cap = np.array(caps[: len(rows)], dtype=np.int64)
-    prop = TreeProposer(k, budget, max_ngram, short_weight=short_weight, decay=decay)
+    prop = TreeProposer(k, budget, max_ngram, short_weight=short_weight, decay=decay, max_candidates=max_candidates)
     tokens, parents, num = prop.propose(hist, lengths, cap, min_score=min_score)
     for i, r in enumerate(rows):
-        t_ref, p_ref = ref_tree(r, k, budget, max_ngram, 1, int(cap[i]), short_weight, decay, min_score)
+        t_ref, p_ref = ref_tree(r, k, budget, max_ngram, 1, int(cap[i]), short_weight, decay, min_score,
+                                max_candidates=max_candidates)
         n = int(num[i])
         assert tokens[i, :n].tolist() == t_ref and parents[i, :n].tolist() == p_ref, (r, k, budget, max_ngram, cap[i])
         assert (tokens[i, n:] == -1).all() and (parents[i, n:] == -1).all()
@@ -149,6 +152,37 @@ def test_tree_builder_with_other_sources_matches_reference(rows, corpus, cross, 
         t_ref, p_ref = ref_tree(r, k, budget, max_ngram, 1, k, others=others)
         n = int(num[i])
         assert tokens[i, :n].tolist() == t_ref and parents[i, :n].tolist() == p_ref, (i, rows, corpus, cross)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_large_batches_walk_fewer_candidates(cross):
+    """A step over many rows walks at most CANDIDATE_WORK candidates in all (never under
+    MIN_CANDIDATES per row and kind): the trees are the reference's with that cap, and differ
+    from the uncapped ones where rows repeat tokens often."""
+    from hf_plookup.spec.suffix import SuffixIndex
+    from hf_plookup.spec.tree import CANDIDATE_WORK, MIN_CANDIDATES
+
+    rng = np.random.default_rng(0)
+    batch = 400
+    rows = [rng.integers(0, 6, size=int(rng.integers(150, 200))).tolist() for _ in range(batch)]
+    width = max(len(r) for r in rows) + 1
+    hist = np.zeros((batch, width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        hist[i, : len(r)] = r
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    prop = TreeProposer(4, 12, 2)
+    cap = prop.candidates(batch, cross)
+    assert cap == max(MIN_CANDIDATES, CANDIDATE_WORK // (batch * (2 if cross else 1))) < MAX_CANDIDATES
+    assert prop.candidates(1, cross) == MAX_CANDIDATES
+    tokens, parents, num = prop.propose(hist, lengths, index=SuffixIndex(batch, width, cross_rows=cross))
+    differs = 0
+    for i in range(0, batch, 37 if cross else 7):  # the cross reference scans every row: sample rows
+        others = [rows[j] for j in range(batch) if j != i] if cross else None
+        t_ref, p_ref = ref_tree(rows[i], 4, 12, 2, 1, 4, others=others, max_candidates=cap)
+        n = int(num[i])
+        assert tokens[i, :n].tolist() == t_ref and parents[i, :n].tolist() == p_ref, i
+        differs += ref_tree(rows[i], 4, 12, 2, 1, 4, others=others) != (t_ref, p_ref)
+    assert differs > 0
 
 
 def test_index_grows_incrementally_without_rescans():
