@@ -2,7 +2,7 @@
 
 Greedy decoding is deterministic, so how many drafts a verify step accepts depends only on the
 drafts and on the greedy continuation: this script generates each prompt's greedy continuation
-once (hf_plookup greedy, identical to HF's), then replays it step by step through the drafters
+once (hf_plookup with prompt lookup, whose greedy output is HF's), then replays it step by step through the drafters
 (the chain of `--k` tokens and candidate trees of `--tree-nodes` nodes), exactly as the engine
 would accept them, and reports tokens per forward and the proposer's time per step. A live run
 of `eval/bench.py` gives the same tokens per forward for the engine's own steps.
@@ -115,7 +115,8 @@ def main(argv=None) -> int:
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
-        res = common.run_plookup(wrapped, ids, torch.ones_like(ids), args.max_new_tokens, None, args.ngram, pad)
+        # prompt lookup for speed: its greedy output is HF's greedy output (tests/engine)
+        res = common.run_plookup(wrapped, ids, torch.ones_like(ids), args.max_new_tokens, max(args.k), args.ngram, pad)
         outs.append([int(x) for x in res.tokens[0]])
     rows = []
     for k in args.k:

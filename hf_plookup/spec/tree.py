@@ -33,9 +33,13 @@ MAX_CANDIDATES = 64
 MIN_CANDIDATES = 8
 CANDIDATE_WORK = 6144
 # the trie's integer fields per node (scratch [B, TRIE_FIELDS, nodes]): token, parent (-1: the
-# root), depth, first child, next sibling (-1: none), output node (1-based, once kept), and the frontier of step 3 (a list of trie nodes, not a per-node field)
-TOK, PAR, DEP, CHILD, NEXT, OUT, FRONT = range(7)
-TRIE_FIELDS = 7
+# root), depth, first child, next sibling (-1: none), output node (1-based, once kept), on the
+# chain drafter's path (1) or not (0), and the frontier of step 3 (a list of trie nodes, not a
+# per-node field)
+TOK, PAR, DEP, CHILD, NEXT, OUT, PIN, FRONT = range(8)
+TRIE_FIELDS = 8
+# a node on the chain drafter's path scores PINNED + (k - depth): above every voted score (<= 1)
+PINNED = 2.0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -82,8 +86,10 @@ def _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram,
         return
     # 1. earlier occurrences of the last token with their match lengths, newest first: the row's
     #    own (up to max_cand), then the other sources' (up to as many again)
+    #    The newest own occurrence with the longest match is the chain drafter's (`pin`).
     found = 0
     best_m = 0
+    pin = -1
     p = prev_own[b, n_len - 1]
     while p >= 0 and found < max_cand:
         m = _match(history, corpus_tokens, corpus_offsets, b, n_len, b, p, max_ngram)
@@ -91,8 +97,10 @@ def _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram,
             cand_s[t, found] = b
             cand_c[t, found] = p + 1
             cand_m[t, found] = m
+            if m > best_m:
+                best_m = m
+                pin = found
             found += 1
-            best_m = max(best_m, m)
         p = prev_own[b, p]
     if cross:
         last = history[b, n_len - 1]
@@ -115,13 +123,14 @@ def _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram,
     # 2. a trie of all their continuations; a node's weight sums the weights of the occurrences
     #    through it (longest-match occurrences 1, shorter ones short_weight). Children hang off
     #    first-child / next-sibling links (creation order), so finding a child scans its siblings.
+    #    The pinned occurrence's nodes are marked: the tree always holds the chain's draft.
     n_trie = 0
     total = 0.0
     root_child = -1
     for j in range(found):
         src, c = cand_s[t, j], cand_c[t, j]
         w = 1.0 if cand_m[t, j] == best_m else short_weight
-        if w <= 0.0:
+        if w <= 0.0 and j != pin:
             continue
         total += w
         node = -1  # the root
@@ -140,6 +149,7 @@ def _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram,
                 trie[t, DEP, child] = d + 1
                 trie[t, CHILD, child] = -1
                 trie[t, NEXT, child] = -1
+                trie[t, PIN, child] = 0
                 t_w[t, child] = 0.0
                 if last >= 0:
                     trie[t, NEXT, last] = child
@@ -149,11 +159,14 @@ def _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram,
                     trie[t, CHILD, node] = child
                 n_trie += 1
             t_w[t, child] += w
+            if j == pin:
+                trie[t, PIN, child] = 1
             node = child
-    # 3. score = share of the weight through the node, times decay per level; keep the best
-    #    `budget` nodes scoring >= min_score, best first (ties: creation order). A child never
-    #    outscores its parent and is created after it, so the next best node is always a child
-    #    of a kept one: pick it from the frontier of kept nodes' children (parents come first).
+    # 3. score = share of the weight through the node, times decay per level (the chain's path:
+    #    PINNED + k - depth, first); keep the best `budget` nodes scoring >= min_score, best first
+    #    (ties: creation order). A child never outscores its parent and is created after it, so
+    #    the next best node is always a child of a kept one: pick it from the frontier of kept
+    #    nodes' children (parents come first).
     for d in range(cap):  # level[d]: the decay at depth d + 1 (a power, as the reference computes it)
         level[t, d] = decay[i] ** d
     n_front = 0
@@ -167,7 +180,10 @@ def _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram,
         best, best_score = -1, -1.0
         for f in range(n_front):
             q = trie[t, FRONT, f]
-            sc = t_w[t, q] / total * level[t, trie[t, DEP, q] - 1]
+            if trie[t, PIN, q] == 1:
+                sc = PINNED + k - trie[t, DEP, q]
+            else:
+                sc = t_w[t, q] / total * level[t, trie[t, DEP, q] - 1]
             if sc > best_score or (sc == best_score and q < trie[t, FRONT, best]):
                 best, best_score = f, sc
         if best_score < min_score:

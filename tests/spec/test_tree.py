@@ -42,7 +42,8 @@ def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int
     """(tokens, parents) of one row's tree, built the plain way: every earlier occurrence of the
     last token in the row (newest first), then in `others` (sources in the index's insertion
     order; newest = last inserted first), each with its match length; a dict trie of all their
-    continuations with vote weights; nodes ranked by score (stable); the best `budget` kept."""
+    continuations with vote weights; nodes ranked by score (stable), the chain drafter's path
+    first; the best `budget` kept."""
     n = len(row)
     cap, budget = min(k, max_depth), min(budget, max_depth)
     if cap <= 0 or budget <= 0 or n < 2:
@@ -65,12 +66,15 @@ def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int
     if not cands:
         return [], []
     best = max(m for _, _, m in cands)
+    # the chain drafter's pick: the newest own occurrence with the longest own match
+    pin = max(range(own), key=lambda j: (cands[j][2], -j)) if own else -1
     nodes = {}  # (parent node, token) -> node id (creation order)
     info = []  # node id -> [token, parent id or -1, weight, depth]
+    pinned = set()
     total = 0.0
-    for src, c, m in cands:
+    for j, (src, c, m) in enumerate(cands):
         w = 1.0 if m == best else short_weight
-        if w <= 0:
+        if w <= 0 and j != pin:
             continue
         total += w
         node = -1
@@ -81,7 +85,9 @@ def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int
                 info.append([src[c + d], node, 0.0, d + 1])
             node = nodes[key]
             info[node][2] += w
-    score = [w / total * decay ** (d - 1) for _, _, w, d in info]
+            if j == pin:
+                pinned.add(node)
+    score = [2.0 + k - d if q in pinned else w / total * decay ** (d - 1) for q, (_, _, w, d) in enumerate(info)]
     order = sorted(range(len(info)), key=lambda q: -score[q])
     tokens, parents, out_of = [], [], {}
     for q in order:
@@ -234,6 +240,29 @@ def test_one_occurrence_gives_the_chain():
         t, p, n = TreeProposer(5, 20, 2).propose(hist, np.array([len(row)]))
         assert nd[0] == n[0] == 5
         assert t[0, :5].tolist() == d[0, :5].tolist() and p[0, :5].tolist() == [0, 1, 2, 3, 4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=rows_strategy, k=st.integers(1, 6), extra=st.integers(0, 8), max_ngram=st.integers(1, 3),
+       min_score=st.sampled_from([0.0, 0.4, 1.0]), decay=st.sampled_from([0.3, 1.0]))
+def test_tree_holds_the_chain_drafters_draft(rows, k, extra, max_ngram, min_score, decay):
+    """Whatever the votes and the per-step budget, the chain drafter's draft is a path of the tree
+    (so a tree step never accepts fewer tokens than the chain would from the same history)."""
+    from hf_plookup.spec.ngram import NgramProposer
+
+    width = max(len(r) for r in rows) + 1
+    hist = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        hist[i, : len(r)] = r
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    d, nd = NgramProposer(k, max_ngram).propose(hist, lengths)
+    t, p, n = TreeProposer(k, k + extra, max_ngram, decay=decay).propose(hist, lengths, min_score=min_score)
+    for i in range(len(rows)):
+        node = 0
+        for j in range(int(nd[i])):
+            kids = [q + 1 for q in range(int(n[i])) if p[i, q] == node and t[i, q] == d[i, j]]
+            assert len(kids) == 1, (rows[i], k, d[i], t[i], p[i])
+            node = kids[0]
 
 
 @settings(max_examples=100, deadline=None)
