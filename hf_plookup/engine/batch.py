@@ -19,6 +19,7 @@ from ..spec.tree import (
     accept_tree_greedy,
     accept_tree_sampled,
     acceptance_estimate,
+    batch_min_score,
     compaction,
     depths,
 )
@@ -69,11 +70,13 @@ class Batch:
     each node's parent, see spec.tree)."""
 
     def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | TreeProposer | None, sched: Scheduler, ids,
-                 tree_min_score: float = 0.0):
+                 tree_min_score: float = 0.0, step_fixed_tokens: float | None = None):
         self.cfg = cfg  # the first call's config: it sets drafting and stopping for every row
         self.proposer = proposer
         self.tree = isinstance(proposer, TreeProposer)
-        self.tree_min_score = tree_min_score  # trees leave out nodes scoring below it (engine.TREE_MIN_SCORE)
+        # trees leave out nodes scoring below tree_min_score, scaled up with the running batch when
+        # step_fixed_tokens is set (engine.TREE_MIN_SCORE, spec.tree.batch_min_score)
+        self.tree_min_score, self.step_fixed_tokens = tree_min_score, step_fixed_tokens
         self.sched = sched
         self._ids = ids  # itertools.count shared by the engine: unique sequence ids
         self.width_drafts = max(cfg.k, proposer.budget if self.tree else 0, 1)  # K: draft slots per row
@@ -156,7 +159,8 @@ class Batch:
             seqs = [s for call in self.calls for s in call.seqs]
             if index.cross_rows:  # every row's committed tokens are a source, running or not
                 index.update(self.history, np.array([s.row for s in seqs]), np.array([s.num_tokens for s in seqs]))
-            d, par, nd = self.proposer.propose(self.history, lengths, cap, min_score=self.tree_min_score, rows=rows,
+            min_score = batch_min_score(self.tree_min_score, len(rows), self.cfg.k, self.step_fixed_tokens)
+            d, par, nd = self.proposer.propose(self.history, lengths, cap, min_score=min_score, rows=rows,
                                                index=index, decay=self.accept_rate(rows))
             self.parents[rows, : par.shape[1]] = par
         else:

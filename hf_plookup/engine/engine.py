@@ -77,10 +77,13 @@ class EngineOptions:
 COMPILE_AUTO = {"cuda": True, "cpu": False}
 # tree_min_score by device type. A node is worth feeding when its score beats the share of a step
 # one more token costs times the tokens a step yields: on the CPU (SmolLM2 fp32, 2 cores) a token
-# adds about 9% to a 1-token step and a step yields about 2 tokens, so 0.2 (draft replays:
-# README "Candidate trees"); on CUDA a verify step's tokens cost little and graph steps are
-# padded to the whole budget anyway, so every node is fed.
+# adds about 9% to a 1-token step and a step yields about 2 tokens, so 0.2 at batch 1 (draft
+# replays: README "Candidate trees"), raised with the batch by spec.tree.batch_min_score with a
+# step's fixed cost worth STEP_FIXED_TOKENS tokens (step_bench: 5 tokens cost 1.35x one, so about
+# 11); on CUDA a verify step's tokens cost little and graph steps are padded to the whole budget
+# anyway, so every node is fed. A tree_min_score set by the user is used as is.
 TREE_MIN_SCORE = {"cpu": 0.2, "cuda": 0.0}
+STEP_FIXED_TOKENS = {"cpu": 11.0}
 
 
 def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str) -> bool:
@@ -111,8 +114,9 @@ class Engine:
         self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
         self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda"
         self.use_compile = resolve_compile(options.compile, devices, backend)
-        self.tree_min_score = (options.tree_min_score if options.tree_min_score is not None
-                               else TREE_MIN_SCORE.get(devices[0].type, 0.0))
+        auto = options.tree_min_score is None
+        self.tree_min_score = TREE_MIN_SCORE.get(devices[0].type, 0.0) if auto else options.tree_min_score
+        self.step_fixed_tokens = STEP_FIXED_TOKENS.get(devices[0].type) if auto else None  # batch scaling
         self._graphs: GraphRunner | None = None
         self.head = head_chooser(model)  # CPU: the LM head's faster matmul layout for multi-row steps
         self._capacity: int | None = None
@@ -226,7 +230,7 @@ class Engine:
         graphs = self.graph_runner()
         compile_before = graphs.compile_seconds if graphs is not None else 0.0
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs)
-        batch = Batch(cfg, self.proposer(cfg), sched, self._ids, self.tree_min_score)
+        batch = Batch(cfg, self.proposer(cfg), sched, self._ids, self.tree_min_score, self.step_fixed_tokens)
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(batch.width_drafts),
                              graphs, self.head)
         tree_parents = batch.tree_parents if batch.tree else None

@@ -22,7 +22,7 @@ import numpy as np
 from .suffix import SuffixIndex, _slot as _slot_any
 
 __all__ = ["TreeProposer", "accept_tree_greedy", "accept_tree_sampled", "acceptance_estimate", "ancestor_mask",
-           "compaction", "depths"]
+           "batch_min_score", "compaction", "depths"]
 
 # candidates (earlier occurrences) per row and kind of source (own row, others) before ranking;
 # each costs a few cache misses (its link and its tokens), so large batches get fewer: at most
@@ -317,6 +317,17 @@ class TreeProposer:
                self.short_weight, decay, float(min_score), *index.arrays(), tokens, parents, num,
                *self._buffers())
         return tokens, parents, num
+
+
+def batch_min_score(base: float, batch: int, k: int, fixed_tokens: float | None) -> float:
+    """The per-step budget of a batch: `base` (the min score that pays at batch 1) scaled by how
+    much dearer a fed token is in a step of `batch` rows. With a step costing `fixed_tokens` + N
+    tokens' worth for N fed tokens, a node pays when its score beats the step's yield times one
+    token's share of the step; the yield grows with the batch, the share falls more slowly:
+    base * batch * (F + 1 + k) / (F + batch * (1 + k)), at most 1. None: `base` at any batch."""
+    if fixed_tokens is None or batch <= 1:
+        return base
+    return min(1.0, base * batch * (fixed_tokens + 1 + k) / (fixed_tokens + batch * (1 + k)))
 
 
 # prior of a row's acceptance rate (acceptance_estimate): draft replays on the builtin prompts

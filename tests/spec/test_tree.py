@@ -502,7 +502,9 @@ def test_source_arguments_checked(llama, kwargs, err, match):
 
 def test_tree_min_score_prunes_and_is_checked(llama):
     """The per-device default prunes unlikely nodes on CPU (smaller trees, same tokens)."""
-    assert hf_plookup.wrap(llama)._engine.tree_min_score == 0.2  # CPU default (engine.TREE_MIN_SCORE)
+    engine = hf_plookup.wrap(llama)._engine
+    assert (engine.tree_min_score, engine.step_fixed_tokens) == (0.2, 11.0)  # CPU defaults (engine.TREE_MIN_SCORE)
+    assert hf_plookup.wrap(llama, tree_min_score=0.3)._engine.step_fixed_tokens is None  # the user's value as is
     model = tiny_model("gemma2")
     ids = _branchy(model)
     sizes = []
@@ -516,3 +518,17 @@ def test_tree_min_score_prunes_and_is_checked(llama):
     for bad in (-0.1, 1.5, "0.2", True):
         with pytest.raises(ValueError, match="tree_min_score"):
             hf_plookup.wrap(llama, tree_min_score=bad)
+
+
+def test_batch_min_score_rises_with_the_batch():
+    """CPU budget: the batch-1 score at batch 1, rising with the batch (a fed token costs a larger
+    share of what the step yields) towards base * (F + 1 + k) / (1 + k), never above 1; unscaled
+    without a fixed cost (CUDA, or the user's own value)."""
+    from hf_plookup.spec.tree import batch_min_score
+
+    for k in (1, 4, 8):
+        scores = [batch_min_score(0.2, b, k, 11.0) for b in range(1, 65)]
+        assert scores[0] == 0.2 and all(a < b or a == b == 1.0 for a, b in zip(scores, scores[1:]))
+        assert scores[-1] <= min(1.0, 0.2 * (11.0 + 1 + k) / (1 + k))
+        assert batch_min_score(0.2, 8, k, None) == 0.2
+    assert batch_min_score(0.9, 64, 1, 11.0) == 1.0
