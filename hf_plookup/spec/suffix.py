@@ -75,6 +75,21 @@ def _index_own_serial(history, rows, lengths, indexed, prev_own, own_keys, own_v
 
 
 @numba.njit(cache=True, nogil=True)
+def _link(tok, src, pos, n, e_src, e_pos, e_prev, any_keys, any_vals):
+    """Entry n: token `tok` at position `pos` of source `src`, linked to the previous entry of
+    the same token in the shared table."""
+    h = _slot(any_keys, tok)
+    e_src[n] = src
+    e_pos[n] = pos
+    if any_keys[h] == _EMPTY:
+        any_keys[h] = tok
+        e_prev[n] = -1
+    else:
+        e_prev[n] = any_vals[h]
+    any_vals[h] = n
+
+
+@numba.njit(cache=True, nogil=True)
 def _index_cross(history, rows, lengths, indexed, e_src, e_pos, e_prev, n_entries, any_keys, any_vals):
     """Entries of the shared table (other-row sources) for positions indexed[r]..lengths[i]-1 of
     each row r = rows[i], serial (one table for every row). Returns the new entry count."""
@@ -82,16 +97,7 @@ def _index_cross(history, rows, lengths, indexed, e_src, e_pos, e_prev, n_entrie
     for i in range(rows.shape[0]):
         r = rows[i]
         for p in range(indexed[r], lengths[i]):
-            tok = history[r, p]
-            h = _slot(any_keys, tok)
-            e_src[n] = r
-            e_pos[n] = p
-            if any_keys[h] == _EMPTY:
-                any_keys[h] = tok
-                e_prev[n] = -1
-            else:
-                e_prev[n] = any_vals[h]
-            any_vals[h] = n
+            _link(history[r, p], r, p, n, e_src, e_pos, e_prev, any_keys, any_vals)
             n += 1
     return n
 
@@ -101,16 +107,7 @@ def _index_corpus(tokens, offsets, first_src, e_src, e_pos, e_prev, n_entries, a
     n = n_entries
     for d in range(offsets.shape[0] - 1):
         for p in range(offsets[d], offsets[d + 1]):
-            tok = tokens[p]
-            h = _slot(any_keys, tok)
-            e_src[n] = first_src + d
-            e_pos[n] = p - offsets[d]
-            if any_keys[h] == _EMPTY:
-                any_keys[h] = tok
-                e_prev[n] = -1
-            else:
-                e_prev[n] = any_vals[h]
-            any_vals[h] = n
+            _link(tokens[p], first_src + d, p - offsets[d], n, e_src, e_pos, e_prev, any_keys, any_vals)
             n += 1
     return n
 
