@@ -67,9 +67,14 @@ CASES = {  # name: (cached per sequence, new per sequence)
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (9, 20.0)])
-@pytest.mark.parametrize("splits", [1, 3])
+# every case x (window, softcap) x splits, except the long chunk split three ways without both
+# window and softcap (the interpreter's slowest runs; the other cases cover those combinations)
+KERNEL_CASES = [(case, window, softcap, splits) for case in sorted(CASES)
+                for window, softcap in [(None, None), (5, None), (9, 20.0)] for splits in (1, 3)
+                if not (case == "long-chunk" and splits == 3 and softcap is None)]
+
+
+@pytest.mark.parametrize("case, window, softcap, splits", KERNEL_CASES)
 def test_kernel_matches_dense(case, window, softcap, splits):
     cached, new = CASES[case]
     h, h_kv, d, page = 6, 2, 16, 4

@@ -110,7 +110,7 @@ def ref_ancestors(parents: list[int], i: int) -> set[int]:
 rows_strategy = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=40), min_size=1, max_size=6)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(rows=rows_strategy, k=st.integers(1, 6), budget=st.integers(1, 12), max_ngram=st.integers(1, 3),
        caps=st.lists(st.integers(0, 8), min_size=6, max_size=6), short_weight=st.sampled_from([0.0, 0.25, 1.0]),
        decay=st.sampled_from([0.5, 0.8, 1.0]), min_score=st.sampled_from([0.0, 0.1, 0.4]),
@@ -242,7 +242,7 @@ def test_one_occurrence_gives_the_chain():
         assert t[0, :5].tolist() == d[0, :5].tolist() and p[0, :5].tolist() == [0, 1, 2, 3, 4]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(rows=rows_strategy, k=st.integers(1, 6), extra=st.integers(0, 8), max_ngram=st.integers(1, 3),
        min_score=st.sampled_from([0.0, 0.4, 1.0]), decay=st.sampled_from([0.3, 1.0]))
 def test_tree_holds_the_chain_drafters_draft(rows, k, extra, max_ngram, min_score, decay):
