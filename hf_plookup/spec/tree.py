@@ -238,8 +238,9 @@ class TreeProposer:
     `short_weight`. A node's score is the share of the votes that pass through it times
     `decay` per level below the first (an estimate of the chance that verification reaches
     it), and the tree keeps the `budget` best-scoring nodes, those scoring at least
-    `min_score` (the per-step budget: see `propose`). With one occurrence per continuation the
-    newest comes first, so the first path is the chain drafter's draft."""
+    `min_score` (the per-step budget: see `propose`). The chain drafter's draft (the newest own
+    occurrence with the longest match) is pinned ahead of every voted node and kept whatever
+    `min_score` says, so the tree always holds it as its first path."""
 
     def __init__(self, k: int, budget: int, max_ngram: int = 2, min_ngram: int = 1, short_weight: float = 0.25,
                  decay: float = 0.8, max_candidates: int = MAX_CANDIDATES):
