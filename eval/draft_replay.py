@@ -2,10 +2,11 @@
 
 Greedy decoding is deterministic, so how many drafts a verify step accepts depends only on the
 drafts and on the greedy continuation: this script generates each prompt's greedy continuation
-once (hf_plookup with prompt lookup, whose greedy output is HF's), then replays it step by step through the drafters
-(the chain of `--k` tokens and candidate trees of `--tree-nodes` nodes), exactly as the engine
-would accept them, and reports tokens per forward and the proposer's time per step. A live run
-of `eval/bench.py` gives the same tokens per forward for the engine's own steps.
+once (hf_plookup with prompt lookup, whose greedy output is HF's), then replays it step by step
+through the drafters (the chain of `--k` tokens and candidate trees of `--tree-nodes` nodes),
+exactly as the engine would accept them, and reports tokens per forward and the proposer's time
+per step. A live run of `eval/bench.py` gives the same tokens per forward for the engine's own
+steps.
 
     python eval/draft_replay.py --model smollm2-135m --k 4 8 --tree-nodes 8 16 32
     python eval/draft_replay.py --model gemma3-270m --k 4 8 --tree-nodes 8 16 32
@@ -52,7 +53,7 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0) 
     row's running acceptance rate, nodes below `min_score` left out, as in the engine). The first
     token comes from the prefill."""
     from hf_plookup.spec.suffix import SuffixIndex
-    from hf_plookup.spec.tree import TreeProposer, accept_tree_greedy, acceptance_estimate
+    from hf_plookup.spec.tree import TreeProposer, accept_tree_greedy, acceptance_estimate, walk_rejected
 
     full = np.array(prompt + out, dtype=np.int64)[None]
     n0, total = len(prompt), len(out)
@@ -86,7 +87,7 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0) 
                     picks[i + 1] = truth[d] if d < len(truth) else -1
             path, _ = accept_tree_greedy(picks, tokens[0, :m], parents[0, :m])
             accepted = len(path)
-            n_rej += bool((parents[0, :m] == (path[-1] if path else 0)).any())
+            n_rej += walk_rejected(path, parents[0, :m])
         else:
             accepted = 0
             while accepted < m and drafts[0, accepted] == out[t + accepted]:

@@ -22,6 +22,7 @@ from ..spec.tree import (
     batch_min_score,
     compaction,
     depths,
+    walk_rejected,
 )
 from ..spec.verify import accept_greedy, accept_sampling
 from ..stats import SpecStats
@@ -272,9 +273,8 @@ class Batch:
             if not c.is_prefill:
                 a = int(accepted[i])
                 deepest = int(depth[offsets[i] : offsets[i] + m + 1].max())
-                end = int(paths[i][-1]) if a else 0  # the last accepted node: a rejection if it has children
                 self.n_accepted[seq.row] += a
-                self.n_rejected[seq.row] += bool((self.parents[seq.row, :m] == end).any()) if self.tree else a < m
+                self.n_rejected[seq.row] += walk_rejected(paths[i], self.parents[seq.row, :m]) if self.tree else a < m
                 stats.drafted += int(m)
                 stats.accepted += a
                 stats.verify_steps += 1

@@ -22,13 +22,13 @@ import numpy as np
 from .suffix import SuffixIndex, _slot as _slot_any
 
 __all__ = ["TreeProposer", "accept_tree_greedy", "accept_tree_sampled", "acceptance_estimate", "ancestor_mask",
-           "batch_min_score", "compaction", "depths"]
+           "batch_min_score", "compaction", "depths", "walk_rejected"]
 
 # candidates (earlier occurrences) per row and kind of source (own row, others) before ranking;
 # each costs a few cache misses (its link and its tokens), so large batches get fewer: at most
 # CANDIDATE_WORK per step over the batch, never under MIN_CANDIDATES (README "Candidate trees":
-# draft replays lose 1-3% of tokens per forward at 24 instead of 64; proposer_bench: 256 rows of
-# 8k tokens take about 2 ms per step on 2 cores at 64, under 1 ms at 24)
+# draft replays give under 1% fewer tokens per forward at 16-24 candidates than at 64, and
+# proposer_bench's 256 rows of 8k tokens, 24 candidates each, take under 1 ms per step on 2 cores)
 MAX_CANDIDATES = 64
 MIN_CANDIDATES = 8
 CANDIDATE_WORK = 6144
@@ -343,6 +343,13 @@ def acceptance_estimate(accepted: np.ndarray, rejected: np.ndarray) -> np.ndarra
     not gets wide ones."""
     rate = (np.asarray(accepted) + PRIOR_RATE * PRIOR_WEIGHT) / (np.asarray(accepted) + np.asarray(rejected) + PRIOR_WEIGHT)
     return np.clip(rate, 0.3, 0.97)
+
+
+def walk_rejected(path, parents: np.ndarray) -> bool:
+    """Whether a verify step's walk rejected a draft: it stopped at a node with children. `path`:
+    the accepted nodes (1-based, as the walks return them), `parents`: the tree's [n]."""
+    end = int(path[-1]) if len(path) else 0  # the last accepted node (0: the root)
+    return bool((np.asarray(parents) == end).any())
 
 
 def depths(parents: np.ndarray) -> np.ndarray:

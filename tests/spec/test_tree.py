@@ -532,3 +532,17 @@ def test_batch_min_score_rises_with_the_batch():
         assert scores[-1] <= min(1.0, 0.2 * (11.0 + 1 + k) / (1 + k))
         assert batch_min_score(0.2, 8, k, None) == 0.2
     assert batch_min_score(0.9, 64, 1, 11.0) == 1.0
+
+
+def test_walk_rejected_means_the_walk_stopped_above_a_child():
+    """On a chain (parents 0, 1, ..., m-1) the walk rejected a draft exactly when it accepted fewer
+    than m; in a tree, when its last accepted node (or the root) has a child."""
+    from hf_plookup.spec.tree import walk_rejected
+
+    for m in range(5):
+        chain = np.arange(m)
+        for a in range(m + 1):
+            assert walk_rejected(list(range(1, a + 1)), chain) == (a < m)
+    tree = np.array([0, 0, 1, 3])  # root -> 1, 2; 1 -> 3; 3 -> 4
+    assert walk_rejected([2], tree) is False and walk_rejected([1, 3], tree) is True
+    assert walk_rejected([1, 3, 4], tree) is False and walk_rejected([], tree) is True
