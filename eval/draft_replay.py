@@ -52,8 +52,8 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0) 
     with `proposer`'s drafts, accepted as greedy verification accepts them (trees scored with the
     row's running acceptance rate, nodes below `min_score` left out, as in the engine). The first
     token comes from the prefill."""
-    from hf_plookup.spec.suffix import SuffixIndex
-    from hf_plookup.spec.tree import TreeProposer, accept_tree_greedy, acceptance_estimate, walk_rejected
+    from hf_plookup.drafting.suffix import SuffixIndex
+    from hf_plookup.drafting.tree import TreeProposer, accept_tree_greedy, acceptance_estimate, walk_rejected
 
     full = np.array(prompt + out, dtype=np.int64)[None]
     n0, total = len(prompt), len(out)
@@ -103,8 +103,8 @@ def main(argv=None) -> int:
     import torch
 
     import hf_plookup
-    from hf_plookup.spec.ngram import NgramProposer
-    from hf_plookup.spec.tree import TreeProposer
+    from hf_plookup.drafting.ngram import NgramProposer
+    from hf_plookup.drafting.tree import TreeProposer
 
     common.set_threads(args.threads)
     model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)

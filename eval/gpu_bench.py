@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # run as a script: make hf_plookup importable fro
 
 import hf_plookup  # noqa: E402
 from hf_plookup.engine.runner import ModelRunner  # noqa: E402
-from hf_plookup.spec.ngram import NgramProposer  # noqa: E402
+from hf_plookup.drafting.ngram import NgramProposer  # noqa: E402
 from eval.common import show_defaults  # noqa: E402
 
 _QWEN3_COMMON = dict(num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,

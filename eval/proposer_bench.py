@@ -58,9 +58,9 @@ def text_like(rng: np.random.Generator, rows: int, length: int, vocab: int) -> n
 
 
 def run(args) -> list[dict]:
-    from hf_plookup.spec.ngram import NgramProposer
-    from hf_plookup.spec.suffix import SuffixIndex
-    from hf_plookup.spec.tree import TreeProposer
+    from hf_plookup.drafting.ngram import NgramProposer
+    from hf_plookup.drafting.suffix import SuffixIndex
+    from hf_plookup.drafting.tree import TreeProposer
 
     rng = np.random.default_rng(args.seed)
     width = args.history + args.steps * (args.k + 1) + 1

@@ -13,7 +13,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .attention.registry import register
 from .engine.engine import Engine, EngineOptions
 from .generation import GENERATE_ARGS, OWN_ARGS, resolve
-from .spec.ngram import NgramProposer
+from .drafting.ngram import NgramProposer
 from .stats import SpecStats
 
 logger = logging.getLogger("hf_plookup")

@@ -29,7 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import hf_plookup
-from hf_plookup.spec.ngram import NgramProposer
+from hf_plookup.drafting.ngram import NgramProposer
 from tests.conftest import EOS, PAD, VOCAB, left_padded, tiny_model
 
 PL = dict(prompt_lookup_num_tokens=4)

@@ -34,7 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 import hf_plookup
-from hf_plookup.spec.ngram import NgramProposer
+from hf_plookup.drafting.ngram import NgramProposer
 from tests.conftest import tiny_model
 
 V = 8  # vocabulary size of the model under test (PAD, EOS, BOS = 0, 1, 2 are ordinary tokens here)

@@ -44,7 +44,7 @@ class AttentionMetadata:
     # CUDA-graph steps: B and Lk are buckets (Lk longer than the contexts), so masks must come
     # from the tensors above, never from shape shortcuts decided on the host at capture time.
     static_shapes: bool = False
-    # Candidate-tree steps (spec.tree): chunk node j of sequence b may see chunk node i when
+    # Candidate-tree steps (drafting.tree): chunk node j of sequence b may see chunk node i when
     # tree_mask[b, j, i]; each chunk starts at query_pos[b, 0] (its root). None: causal chunks.
     tree_mask: torch.Tensor | None = None  # [B, Tq, Tq] bool
     _masks: dict = field(default_factory=dict)  # sliding window (or None) -> [B, 1, Tq, Lk] bool

@@ -11,10 +11,10 @@ import torch
 
 import time
 
-from ..spec.ngram import NgramProposer
-from ..spec.sampling import process_scores
-from ..spec.suffix import SuffixIndex
-from ..spec.tree import (
+from ..drafting.ngram import NgramProposer
+from ..drafting.sampling import process_scores
+from ..drafting.suffix import SuffixIndex
+from ..drafting.tree import (
     TreeProposer,
     accept_tree_greedy,
     accept_tree_sampled,
@@ -24,7 +24,7 @@ from ..spec.tree import (
     depths,
     walk_rejected,
 )
-from ..spec.verify import accept_greedy, accept_sampling
+from ..drafting.verify import accept_greedy, accept_sampling
 from ..stats import SpecStats
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import DecodeConfig, Sequence
@@ -68,7 +68,7 @@ class Batch:
     """Token rows of every call in one loop. `history[row, :seq.num_tokens]` is a row's prompt
     (padding removed) and generated tokens; drafts are written right after them before a step
     (a chain's tokens in order, a candidate tree's nodes in node order; `parents` then holds
-    each node's parent, see spec.tree)."""
+    each node's parent, see drafting.tree)."""
 
     def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | TreeProposer | None, sched: Scheduler, ids,
                  tree_min_score: float = 0.0, step_fixed_tokens: float | None = None):
@@ -76,7 +76,7 @@ class Batch:
         self.proposer = proposer
         self.tree = isinstance(proposer, TreeProposer)
         # trees leave out nodes scoring below tree_min_score, scaled up with the running batch when
-        # step_fixed_tokens is set (engine.TREE_MIN_SCORE, spec.tree.batch_min_score)
+        # step_fixed_tokens is set (engine.TREE_MIN_SCORE, drafting.tree.batch_min_score)
         self.tree_min_score, self.step_fixed_tokens = tree_min_score, step_fixed_tokens
         self.sched = sched
         self._ids = ids  # itertools.count shared by the engine: unique sequence ids
@@ -85,7 +85,7 @@ class Batch:
         self.drafts = np.full((0, self.width_drafts), -1, dtype=np.int64)  # [B, K]
         self.parents = np.full((0, self.width_drafts), -1, dtype=np.int64) if self.tree else None  # [B, K]
         self.n_drafts = np.zeros(0, dtype=np.int64)  # [B]
-        self._index: SuffixIndex | None = None  # trees: occurrences of every source (spec.suffix)
+        self._index: SuffixIndex | None = None  # trees: occurrences of every source (drafting.suffix)
         # per row: drafts accepted and verify steps that rejected one (the row's acceptance rate
         # scores its trees' deeper nodes: see accept_rate)
         self.n_accepted = np.zeros(0, dtype=np.int64)  # [B]
@@ -134,7 +134,7 @@ class Batch:
         self.calls.append(call)
 
     def accept_rate(self, rows: np.ndarray) -> np.ndarray:
-        """[B] each row's measured acceptance rate (spec.tree.acceptance_estimate)."""
+        """[B] each row's measured acceptance rate (drafting.tree.acceptance_estimate)."""
         return acceptance_estimate(self.n_accepted[rows], self.n_rejected[rows])
 
     def suffix_index(self) -> SuffixIndex:

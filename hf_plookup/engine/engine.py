@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS, resolve_backend, resolve_block_size
-from ..spec.ngram import NgramProposer
-from ..spec.sampling import history_free
-from ..spec.tree import TreeProposer
+from ..drafting.ngram import NgramProposer
+from ..drafting.sampling import history_free
+from ..drafting.tree import TreeProposer
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
 from .cpu_head import head_chooser
@@ -78,7 +78,7 @@ COMPILE_AUTO = {"cuda": True, "cpu": False}
 # tree_min_score by device type. A node is worth feeding when its score beats the share of a step
 # one more token costs times the tokens a step yields: on the CPU (SmolLM2 fp32, 2 cores) a token
 # adds about 9% to a 1-token step and a step yields about 2 tokens, so 0.2 at batch 1 (draft
-# replays: README "Candidate trees"), raised with the batch by spec.tree.batch_min_score with a
+# replays: README "Candidate trees"), raised with the batch by drafting.tree.batch_min_score with a
 # step's fixed cost worth STEP_FIXED_TOKENS tokens (step_bench: 5 tokens cost 1.35x one, so about
 # 11); on CUDA a verify step's tokens cost little and graph steps are padded to the whole budget
 # anyway, so every node is fed. A tree_min_score set by the user is used as is.

@@ -9,7 +9,7 @@ import torch
 
 from ..attention.metadata import AttentionMetadata, attention_context
 from ..attention.registry import engine_attention
-from ..spec.tree import ancestor_mask, depths
+from ..drafting.tree import ancestor_mask, depths
 from .cpu_head import HeadChooser, fast_head
 from .kv_cache import BlockManager, PagedKVCache
 from .scheduler import ScheduledChunk
@@ -34,7 +34,7 @@ class StepPlan:
     q_scatter: np.ndarray | None  # [T] int64; None when uniform
     keep: np.ndarray  # [N] int64 packed rows whose logits are returned, in chunk order
     is_decode: bool  # no prompt chunk in this step
-    tree_mask: np.ndarray | None = None  # [B, Tq, Tq] bool: candidate trees (spec.tree); None for chains
+    tree_mask: np.ndarray | None = None  # [B, Tq, Tq] bool: candidate trees (drafting.tree); None for chains
 
     @property
     def num_seqs(self) -> int:

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from transformers import StoppingCriteriaList
 
-from ..spec.sampling import rows_by_length
+from ..drafting.sampling import rows_by_length
 
 
 def first_stops(

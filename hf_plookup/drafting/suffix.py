@@ -25,7 +25,7 @@ import numpy as np
 __all__ = ["SuffixIndex"]
 
 _EMPTY = -1
-PARALLEL_MIN_ROWS = 32  # rows from which an update indexes rows in parallel (spec.ngram's threshold)
+PARALLEL_MIN_ROWS = 32  # rows from which an update indexes rows in parallel (drafting.ngram's threshold)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import hf_plookup
 from hf_plookup.attention.metadata import step_mask
 from hf_plookup.engine.kv_cache import PagedKVCache
-from hf_plookup.spec.tree import (
+from hf_plookup.drafting.tree import (
     MAX_CANDIDATES,
     TreeProposer,
     accept_tree_greedy,
@@ -142,7 +142,7 @@ def test_tree_builder_matches_reference(rows, k, budget, max_ngram, caps, short_
 def test_tree_builder_with_other_sources_matches_reference(rows, corpus, cross, k, budget, max_ngram):
     """Cross-row and corpus sources: the index's walk finds exactly the occurrences a plain scan
     of every source finds, in the same order."""
-    from hf_plookup.spec.suffix import SuffixIndex
+    from hf_plookup.drafting.suffix import SuffixIndex
 
     width = max(len(r) for r in rows) + 2
     hist = np.zeros((len(rows), width), dtype=np.int64)
@@ -165,8 +165,8 @@ def test_large_batches_walk_fewer_candidates(cross):
     """A step over many rows walks at most CANDIDATE_WORK candidates in all (never under
     MIN_CANDIDATES per row and kind): the trees are the reference's with that cap, and differ
     from the uncapped ones where rows repeat tokens often."""
-    from hf_plookup.spec.suffix import SuffixIndex
-    from hf_plookup.spec.tree import CANDIDATE_WORK, MIN_CANDIDATES
+    from hf_plookup.drafting.suffix import SuffixIndex
+    from hf_plookup.drafting.tree import CANDIDATE_WORK, MIN_CANDIDATES
 
     rng = np.random.default_rng(0)
     batch = 400
@@ -194,7 +194,7 @@ def test_large_batches_walk_fewer_candidates(cross):
 def test_index_grows_incrementally_without_rescans():
     """Each update indexes only the tokens appended since the last one, and trees proposed from
     an incrementally built index equal those of an index built in one go."""
-    from hf_plookup.spec.suffix import SuffixIndex
+    from hf_plookup.drafting.suffix import SuffixIndex
 
     g = np.random.default_rng(3)
     hist = g.integers(0, 8, size=(3, 200))
@@ -229,7 +229,7 @@ def test_tree_builder_parallel_batch_matches_serial():
 
 def test_one_occurrence_gives_the_chain():
     """Where the suffix occurred once before, the tree is the chain drafter's draft."""
-    from hf_plookup.spec.ngram import NgramProposer
+    from hf_plookup.drafting.ngram import NgramProposer
 
     g = np.random.default_rng(1)
     for _ in range(20):
@@ -248,7 +248,7 @@ def test_one_occurrence_gives_the_chain():
 def test_tree_holds_the_chain_drafters_draft(rows, k, extra, max_ngram, min_score, decay):
     """Whatever the votes and the per-step budget, the chain drafter's draft is a path of the tree
     (so a tree step never accepts fewer tokens than the chain would from the same history)."""
-    from hf_plookup.spec.ngram import NgramProposer
+    from hf_plookup.drafting.ngram import NgramProposer
 
     width = max(len(r) for r in rows) + 1
     hist = np.zeros((len(rows), width), dtype=np.int64)
@@ -524,7 +524,7 @@ def test_batch_min_score_rises_with_the_batch():
     """CPU budget: the batch-1 score at batch 1, rising with the batch (a fed token costs a larger
     share of what the step yields) towards base * (F + 1 + k) / (1 + k), never above 1; unscaled
     without a fixed cost (CUDA, or the user's own value)."""
-    from hf_plookup.spec.tree import batch_min_score
+    from hf_plookup.drafting.tree import batch_min_score
 
     for k in (1, 4, 8):
         scores = [batch_min_score(0.2, b, k, 11.0) for b in range(1, 65)]
@@ -537,7 +537,7 @@ def test_batch_min_score_rises_with_the_batch():
 def test_walk_rejected_means_the_walk_stopped_above_a_child():
     """On a chain (parents 0, 1, ..., m-1) the walk rejected a draft exactly when it accepted fewer
     than m; in a tree, when its last accepted node (or the root) has a child."""
-    from hf_plookup.spec.tree import walk_rejected
+    from hf_plookup.drafting.tree import walk_rejected
 
     for m in range(5):
         chain = np.arange(m)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_plookup.spec.ngram import NgramProposer, propose_batch
+from hf_plookup.drafting.ngram import NgramProposer, propose_batch
 
 
 def reference_row(tokens, k, max_ngram, min_ngram, max_draft):
@@ -189,7 +189,7 @@ def test_compiled_parallel_and_cached():
 @pytest.mark.parametrize("batch", [31, 32, 70])
 def test_parallel_and_serial_kernels_agree_with_reference(batch):
     """Batches from PARALLEL_MIN_BATCH rows on take the parallel kernel; both match the reference."""
-    from hf_plookup.spec.ngram import PARALLEL_MIN_BATCH
+    from hf_plookup.drafting.ngram import PARALLEL_MIN_BATCH
 
     rng = np.random.default_rng(batch)
     history = rng.integers(0, 5, size=(batch, 60)).astype(np.int64)
