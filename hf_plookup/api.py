@@ -1,7 +1,9 @@
-"""`wrap(model, **options)` and `PlookupModel`: the HF model, with `generate` run by the engine."""
+"""`wrap(model, **options)`: the HF model itself, its class swapped to a subclass whose
+`generate` runs on the engine (`PlookupModel`, the mixin); `unwrap(model)` swaps it back."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,81 +30,101 @@ class PlookupGenerateOutput(GenerateDecoderOnlyOutput):
     stats: SpecStats | None = None
 
 
+_STATE = "_hf_plookup"  # the instance __dict__ key of a wrapped model's `_State`
+_BASE = "_hf_plookup_base"  # the class attribute naming the plain HF class of a swapped class
+
+
+class _State:
+    """What hf_plookup keeps on a wrapped model: never a module attribute (so never in
+    `state_dict`), never copied or pickled (a copy gets a fresh one with the same options)."""
+
+    def __init__(self, options: EngineOptions, engine: Engine | None = None):
+        self.options = options  # as given to wrap
+        self.engine = engine  # built lazily; rebuilt when the parameters' devices/dtypes change
+        self.signature = None if engine is None else _signature(engine.model)
+        self.lock = threading.Lock()  # building the engine
+        self.local = threading.local()  # per thread: .stats (last call), .inside (this thread runs the engine)
+
+
 class PlookupModel:
-    """Behaves as the wrapped HF model (attributes, calls, saving) except for `generate`.
+    """The mixin of a wrapped model's class: `class LlamaForCausalLM(PlookupModel, LlamaForCausalLM)`.
+
+    Everything but `generate`, `options`, `last_stats` is the HF model's own.
+    `isinstance(model, hf_plookup.PlookupModel)` tells a wrapped model.
 
     `generate` may be called from several threads: a call that arrives while another runs joins
     its engine loop at the next step when their settings allow (greedy, same drafting and stop
     tokens, no processors/criteria/streamer; option `join_calls`), else it waits for that loop
     to end. `last_stats` is per thread: the stats of the calling thread's last call (also on the
-    output with `return_dict_in_generate`)."""
-
-    def __init__(self, model: torch.nn.Module, options: EngineOptions):
-        object.__setattr__(self, "_model", model)
-        object.__setattr__(self, "_options", options)
-        object.__setattr__(self, "_engine", Engine(model, options))
-        object.__setattr__(self, "_local", threading.local())  # per thread: .stats
-
-    # -- passthrough --------------------------------------------------------------------
-    def __getattr__(self, name):
-        return getattr(object.__getattribute__(self, "_model"), name)
-
-    def __setattr__(self, name, value):
-        if name in type(self).__dict__:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._model, name, value)
+    output with `return_dict_in_generate`). A call of the model itself waits while an engine loop
+    runs (the loop switches the model's attention)."""
 
     def __call__(self, *args, **kwargs):
-        with self._engine.exclusive():  # not while an engine loop has the attention switched
-            return self._model(*args, **kwargs)
+        if torch.compiler.is_compiling():  # the engine's compiled steps: plain module call
+            return super().__call__(*args, **kwargs)
+        state = self.__dict__.get(_STATE)
+        while state is not None and not getattr(state.local, "inside", False):
+            engine = state.engine
+            if engine is None:
+                break
+            with engine.exclusive():  # not while an engine loop has the attention switched
+                if state.engine is engine:  # else rebuilt meanwhile: wait on the new one
+                    return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)  # engine forwards, HF's delegated generate, no engine yet
 
-    def __repr__(self) -> str:
-        return f"PlookupModel({self._model!r})"
-
-    def __dir__(self):
-        return sorted(set(dir(self._model)) | set(super().__dir__()))
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The wrapped HF model."""
-        return self._model
+    def __reduce_ex__(self, protocol):
+        """Pickle and deepcopy: the plain class (importable) and the options; the engine is left out."""
+        state = self.__getstate__()
+        own = state.pop(_STATE, None)
+        options = own.options if own is not None else EngineOptions()
+        return _restore, (getattr(type(self), _BASE), options), state
 
     @property
     def options(self) -> EngineOptions:
-        return self._options
+        """The options given to `wrap`."""
+        return _state(self).options
 
     @property
     def last_stats(self) -> SpecStats | None:
         """`SpecStats` of this thread's last `generate` call (None before the first)."""
-        return getattr(self._local, "stats", None)
+        return getattr(_state(self).local, "stats", None)
+
+    @property
+    def _engine(self) -> Engine:
+        """The engine for the model as it is now (built, or rebuilt after a device/dtype change)."""
+        return _current_engine(self, _state(self))
 
     # -- generate -----------------------------------------------------------------------
     def generate(self, inputs=None, generation_config=None, **kwargs):
         """Same arguments and result as HF's `generate`; greedy (with `prompt_lookup_num_tokens`
         for n-gram drafts) runs on the paged engine, any batch size; the rest goes to HF."""
+        state = _state(self)
+        with _inside(state):
+            return self._plookup_generate(state, inputs, generation_config, kwargs)
+
+    def _plookup_generate(self, state: _State, inputs, generation_config, kwargs: dict):
         start = time.perf_counter()
         args = {name: kwargs.pop(name) for name in list(kwargs) if name in GENERATE_ARGS}
         own = {name: kwargs.pop(name) for name in OWN_ARGS if name in kwargs}  # HF's generate does not know them
-        request = resolve(self._model, inputs, generation_config, args, kwargs, own)
+        request = resolve(self, inputs, generation_config, args, kwargs, own)
+        engine = _current_engine(self, state)
         stats = SpecStats()
         if isinstance(request, str):
             logger.warning(f"hf_plookup: delegating to transformers' generate ({request})")
             stats.delegated, stats.delegated_reason = True, request
             try:
-                with self._engine.exclusive():  # HF's forwards must not see the engine's attention switched on
-                    return self._model.generate(inputs, generation_config=generation_config, **args, **kwargs)
+                with engine.exclusive():  # HF's forwards must not see the engine's attention switched on
+                    return super().generate(inputs, generation_config=generation_config, **args, **kwargs)
             finally:
                 stats.wall_time = time.perf_counter() - start
-                self._local.stats = stats
+                state.local.stats = stats
 
-        engine = self._engine
         engine.check_fits(max(len(p) for p in request.prompts) + request.decode.max_new_tokens)
         try:
             result = engine.generate(request.prompts, request.decode, stats)
         finally:
             stats.wall_time = time.perf_counter() - start
-            self._local.stats = stats
+            state.local.stats = stats
         sequences = _layout(request.input_ids, result.new_tokens, request.pad_token_id)
         if request.return_dict:
             return PlookupGenerateOutput(
@@ -112,6 +134,81 @@ class PlookupModel:
                 stats=stats,
             )
         return sequences
+
+
+PlookupMixin = PlookupModel
+
+_CLASSES: dict[type, type] = {}  # plain HF class -> its swapped class (one per class)
+_CLASSES_LOCK = threading.Lock()
+
+
+def plookup_class(base: type) -> type:
+    """The wrapped class of `base`, made once: same name, qualname and module (so
+    `save_pretrained` writes `architectures: [base name]` and pipelines see a known model)."""
+    with _CLASSES_LOCK:
+        cls = _CLASSES.get(base)
+        if cls is None:
+            namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__,
+                         "__doc__": base.__doc__, _BASE: base}
+            cls = _CLASSES[base] = type(base)(base.__name__, (PlookupModel, base), namespace)
+        return cls
+
+
+def _restore(base: type, options: EngineOptions):
+    """Unpickling / deepcopy: an empty instance of the wrapped class with a fresh state; the
+    module's attributes are set next by `__setstate__`."""
+    obj = base.__new__(base)
+    obj.__class__ = plookup_class(base)
+    obj.__dict__[_STATE] = _State(options)
+    return obj
+
+
+def _state(model) -> _State:
+    state = model.__dict__.get(_STATE)
+    if state is None:  # e.g. a wrapped class instantiated by hand
+        state = model.__dict__.setdefault(_STATE, _State(EngineOptions()))
+    return state
+
+
+@contextlib.contextmanager
+def _inside(state: _State):
+    """This thread runs the engine (or HF's delegated generate): its model calls go straight through."""
+    before = getattr(state.local, "inside", False)
+    state.local.inside = True
+    try:
+        yield
+    finally:
+        state.local.inside = before
+
+
+def _signature(model: torch.nn.Module) -> tuple:
+    """Devices and dtypes of the parameters: the engine (cache pages, probe, backend) is built for these."""
+    return tuple((p.device, p.dtype) for p in model.parameters())
+
+
+def _build(model: torch.nn.Module, options: EngineOptions) -> Engine:
+    """A new engine for `model`: registers the attention, warms the proposer, runs the probe."""
+    threads = torch.get_num_threads()
+    try:
+        register()
+        NgramProposer(1)  # compile (or load from numba's disk cache) before the first generate
+        return Engine(model, options)
+    finally:
+        torch.set_num_threads(threads)  # numba's threading layer start-up resets OpenMP's count
+
+
+def _current_engine(model: torch.nn.Module, state: _State) -> Engine:
+    """The state's engine, (re)built when missing (after a copy or unpickling) or when the
+    parameters moved or changed dtype since it was built."""
+    signature = _signature(model)
+    with state.lock:
+        old = state.engine
+        if old is not None and state.signature == signature:
+            return old
+        with old.exclusive() if old is not None else contextlib.nullcontext(), _inside(state):
+            state.engine = _build(model, state.options)  # the probe calls the model
+            state.signature = signature
+        return state.engine
 
 
 def _per_step(per_row: list[list[torch.Tensor]] | None, device) -> tuple[torch.Tensor, ...] | None:
@@ -140,13 +237,18 @@ def _layout(input_ids: torch.Tensor, new_tokens, pad_token_id: int | None) -> to
     return torch.cat([input_ids, out.to(input_ids.device)], dim=1)
 
 
-def wrap(model, **options) -> PlookupModel:
-    """Wrap an HF causal LM so its `generate` runs on hf_plookup's engine.
+def wrap(model, **options):
+    """Make an HF causal LM's `generate` run on hf_plookup's engine; returns the same object.
+
+    The model's class is swapped to a subclass of it (`PlookupModel` first), so the result is
+    still the model: `isinstance` checks, `.to(...)`/`.eval()`/... chaining, `state_dict`,
+    `save_pretrained`, deepcopy and pickle all behave as for the plain model.
 
     Options (see `EngineOptions`): max_cache_tokens, num_blocks, block_size, max_batch_tokens,
     max_num_seqs, cache_memory_fraction, attn_backend ("auto" | "sdpa" | "flash_attn" | "triton"),
-    compile ("auto" | True | False), cuda_graphs, pad_drafts, join_calls. Wrapping a
-    `PlookupModel` again rewraps the same HF model with the options merged.
+    compile ("auto" | True | False), cuda_graphs, pad_drafts, join_calls, tree_min_score.
+    Wrapping a wrapped model again returns it; with options, its engine is rebuilt with the
+    options merged.
     """
     unknown = set(options) - _OPTION_NAMES
     if unknown:
@@ -154,19 +256,35 @@ def wrap(model, **options) -> PlookupModel:
     if isinstance(model, PlookupModel):
         if not options:
             return model
-        merged = {f.name: getattr(model.options, f.name) for f in fields(EngineOptions)}
+        state = _state(model)
+        merged = {f.name: getattr(state.options, f.name) for f in fields(EngineOptions)}
         merged.update(options)
-        return PlookupModel(model.model, EngineOptions(**merged))
+        opts = EngineOptions(**merged)
+        with _inside(state):
+            engine = _build(model, opts)
+        model.__dict__[_STATE] = _State(opts, engine)
+        return model
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate"):
         raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"model: encoder-decoder architecture '{model.config.model_type}' is not supported")
     opts = EngineOptions(**options)
-    threads = torch.get_num_threads()
-    try:
-        register()
-        NgramProposer(1)  # compile (or load from numba's disk cache) before the first generate
-        wrapped = PlookupModel(model, opts)
-    finally:
-        torch.set_num_threads(threads)  # numba's threading layer start-up resets OpenMP's count
-    return wrapped
+    engine = _build(model, opts)  # refuses a model the engine cannot run, its class unchanged
+    model.__class__ = plookup_class(type(model))
+    model.__dict__[_STATE] = _State(opts, engine)
+    return model
+
+
+def unwrap(model):
+    """The plain HF model again (same object, its own class); hf_plookup's state is dropped.
+    A model that is not wrapped is returned as is."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(model, PlookupModel):
+        return model
+    state = model.__dict__.get(_STATE)
+    engine = state.engine if state is not None else None
+    with engine.exclusive() if engine is not None else contextlib.nullcontext():
+        model.__class__ = getattr(type(model), _BASE)
+        model.__dict__.pop(_STATE, None)
+    return model

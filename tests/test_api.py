@@ -1,10 +1,16 @@
-"""wrap(): passthrough, options, restoration of the model, bad input, block accounting on errors."""
+"""wrap(): the wrapped model is the model (class swap: isinstance, chaining, copies, pickling,
+device/dtype changes, saving, unwrap), options, restoration of the model, bad input, block
+accounting on errors."""
 
 from __future__ import annotations
 
+import copy
+import json
+import pickle
+
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaForCausalLM, PreTrainedModel
 
 import hf_plookup
 from tests.conftest import PAD, REFUSED_ARCHS, left_padded, tiny_model
@@ -12,42 +18,156 @@ from tests.conftest import PAD, REFUSED_ARCHS, left_padded, tiny_model
 
 @pytest.fixture()
 def pair():
+    """(plain reference model, wrapped model): the same weights, two objects."""
+    return tiny_model("llama"), hf_plookup.wrap(tiny_model("llama"), max_cache_tokens=2048)
+
+
+def greedy(model, n=20, batch=2):
+    ids, mask = left_padded(batch)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+
+
+def plookup(model, n=20, batch=2):
+    ids, mask = left_padded(batch)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, prompt_lookup_num_tokens=3)
+
+
+def test_wrap_returns_the_same_model_with_its_class_swapped():
     model = tiny_model("llama")
-    return model, hf_plookup.wrap(model, max_cache_tokens=2048)
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=2048)
+    assert wrapped is model
+    for cls in (LlamaForCausalLM, PreTrainedModel, GenerationMixin, torch.nn.Module, hf_plookup.PlookupModel):
+        assert isinstance(wrapped, cls), cls
+    assert type(wrapped).__name__ == type(wrapped).__qualname__ == "LlamaForCausalLM"
+    assert type(wrapped) is type(hf_plookup.wrap(tiny_model("llama")))  # one swapped class per model class
+    assert type(wrapped).can_generate()
+    assert not any("plookup" in name for name in wrapped.state_dict())
+    assert not any("plookup" in name for name, _ in wrapped.named_modules())
 
 
-def test_passthrough(pair, tmp_path):
+def test_calls_and_attributes_are_the_models(pair):
     model, wrapped = pair
-    assert wrapped.config is model.config and wrapped.device == model.device
-    assert wrapped.model is model and wrapped.generation_config is model.generation_config
     ids, mask = left_padded(2)
     torch.testing.assert_close(wrapped(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+    assert wrapped.model is wrapped.get_decoder()  # HF's own attribute (the decoder), not hf_plookup's
+    assert "LlamaForCausalLM(" in repr(wrapped) and "Plookup" not in repr(wrapped)
+
+
+@pytest.mark.parametrize("chain", ["eval", "train", "to", "cpu", "float", "requires_grad_", "half_then_float"])
+def test_chained_methods_return_the_wrapped_model(pair, chain):
+    """Each returns the same object and prompt lookup still runs after it (drafts in last_stats)."""
+    model, wrapped = pair
+    calls = {"eval": lambda m: m.eval(), "train": lambda m: m.train().eval(), "to": lambda m: m.to("cpu", torch.float32),
+             "cpu": lambda m: m.cpu(), "float": lambda m: m.float(), "requires_grad_": lambda m: m.requires_grad_(False),
+             "half_then_float": lambda m: m.half().float()}
+    out = calls[chain](wrapped)
+    assert out is wrapped and isinstance(out, hf_plookup.PlookupModel)
+    assert torch.equal(plookup(out), greedy(calls[chain](model)))  # the reference gets the same call
+    assert out.last_stats.drafted > 0 and not out.last_stats.delegated
+
+
+def test_train_mode_returns_the_wrapped_model(pair):
+    _, wrapped = pair
+    assert wrapped.train() is wrapped and wrapped.training
+    assert wrapped.train(False) is wrapped and not wrapped.training
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "copy"])
+def test_copies_and_pickling_round_trip(pair, how):
+    model, wrapped = pair
+    first = plookup(wrapped)
+    clone = {"deepcopy": copy.deepcopy, "copy": copy.copy,
+             "pickle": lambda m: pickle.loads(pickle.dumps(m))}[how](wrapped)
+    assert clone is not wrapped and type(clone) is type(wrapped)
+    assert clone.options == wrapped.options
+    assert clone.__dict__["_hf_plookup"].engine is None  # rebuilt on first use
+    assert torch.equal(plookup(clone), first) and torch.equal(first, greedy(model))
+    assert clone.last_stats.drafted > 0
+    if how != "copy":
+        assert clone.lm_head.weight is not wrapped.lm_head.weight
+        torch.testing.assert_close(clone.lm_head.weight, wrapped.lm_head.weight)
+    assert torch.equal(plookup(wrapped), first)  # the original is untouched
+
+
+def test_dtype_changes_rebuild_the_engine(pair):
+    """fp32 -> bf16 -> fp32: each change rebuilds the cache pages (and probe) at the next
+    generate, which then matches the plain model's greedy in that dtype."""
+    model, wrapped = pair
+    ref32 = greedy(model)
+    assert torch.equal(plookup(wrapped), ref32)
+    first = wrapped._engine
+    assert wrapped.bfloat16() is wrapped
+    out16 = plookup(wrapped)
+    assert wrapped._engine is not first and {s.dtype for s in wrapped._engine.specs} == {torch.bfloat16}
+    assert torch.equal(out16, greedy(model.bfloat16()))
+    assert wrapped.float() is wrapped
+    assert torch.equal(plookup(wrapped), greedy(model.float()))  # (bf16-rounded weights: not ref32)
+    assert {s.dtype for s in wrapped._engine.specs} == {torch.float32}
+    same = wrapped._engine
+    plookup(wrapped)
+    assert wrapped._engine is same  # nothing changed: kept
+
+
+def test_save_pretrained_writes_a_plain_checkpoint(pair, tmp_path):
+    _, wrapped = pair
     wrapped.save_pretrained(tmp_path)
-    assert (tmp_path / "config.json").exists()
-    wrapped.some_flag = 3  # attributes set on the wrapper land on the model
-    assert model.some_flag == 3
-    assert "PlookupModel" in repr(wrapped)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "plookup" not in (tmp_path / "config.json").read_text()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is LlamaForCausalLM and not isinstance(loaded, hf_plookup.PlookupModel)
+    theirs, ours = loaded.state_dict(), wrapped.state_dict()
+    assert theirs.keys() == ours.keys()
+    for name in ours:
+        assert torch.equal(theirs[name], ours[name]), name
+
+
+def test_unwrap_restores_the_plain_model(pair):
+    model, wrapped = pair
+    plookup(wrapped)
+    plain = hf_plookup.unwrap(wrapped)
+    assert plain is wrapped and type(plain) is LlamaForCausalLM
+    assert not isinstance(plain, hf_plookup.PlookupModel) and "_hf_plookup" not in plain.__dict__
+    assert torch.equal(greedy(plain), greedy(model))
+    assert hf_plookup.unwrap(plain) is plain  # not wrapped: as is
+    with pytest.raises(TypeError, match="model"):
+        hf_plookup.unwrap("not a model")
+    again = hf_plookup.wrap(plain)  # and it wraps again
+    assert torch.equal(plookup(again), greedy(model)) and again.last_stats.drafted > 0
 
 
 def test_wrap_twice_is_harmless(pair):
-    model, wrapped = pair
-    assert hf_plookup.wrap(wrapped) is wrapped
+    _, wrapped = pair
+    engine = wrapped._engine
+    assert hf_plookup.wrap(wrapped) is wrapped and wrapped._engine is engine
     again = hf_plookup.wrap(wrapped, block_size=8)
-    assert again.model is model and again.options.block_size == 8 and again.options.max_cache_tokens == 2048
+    assert again is wrapped and again.options.block_size == 8 and again.options.max_cache_tokens == 2048
+    assert again._engine is not engine and again._engine.options.block_size == 8
+    assert type(again).__mro__.count(hf_plookup.PlookupModel) == 1  # not swapped twice
     ids, mask = left_padded(2)
-    assert torch.equal(again.generate(ids, attention_mask=mask, max_new_tokens=5), wrapped.generate(ids, attention_mask=mask, max_new_tokens=5))
+    assert torch.equal(again.generate(ids, attention_mask=mask, max_new_tokens=5),
+                       hf_plookup.unwrap(again).generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False))
+
+
+def test_refused_model_keeps_its_class():
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn.layer_idx = 0
+    with pytest.raises(ValueError):
+        hf_plookup.wrap(model)
+    assert type(model) is LlamaForCausalLM and "_hf_plookup" not in model.__dict__
 
 
 def test_model_unchanged_outside_generate(pair):
-    model, wrapped = pair
+    ref, model = pair  # model: the wrapped one; ref: a plain copy of its weights
+    wrapped = model
     impl = model.config._attn_implementation
     ids, mask = left_padded(2)
     before = model(ids, attention_mask=mask).logits
     wrapped.generate(ids, attention_mask=mask, max_new_tokens=6, prompt_lookup_num_tokens=3)
     assert model.config._attn_implementation == impl
     torch.testing.assert_close(model(ids, attention_mask=mask).logits, before)
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    assert ref.shape[1] == ids.shape[1] + 6
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
+                       ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
 
 
 @pytest.mark.parametrize("arch", sorted(REFUSED_ARCHS))
@@ -77,7 +197,7 @@ def test_cache_layout_from_real_keys_not_config_fields():
     assert {s.num_kv_heads for s in wrapped._engine.specs} == {4}
     ids, mask = left_padded(2)
     assert torch.equal(wrapped.generate(ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3),
-                       model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+                       tiny_model("gpt_neox_kv_field").generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
 
 
 def test_bad_wrap_options():
@@ -173,7 +293,7 @@ def test_blocks_all_free_after_an_error_mid_generation():
     assert model.config._attn_implementation != "hf_plookup"
     assert wrapped.last_stats is not None and wrapped.last_stats.forwards == 3
     # and the engine still works afterwards
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    ref = tiny_model("llama").generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     assert torch.equal(wrapped.generate(ids, attention_mask=mask, max_new_tokens=10, prompt_lookup_num_tokens=4), ref)
 
 
