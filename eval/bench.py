@@ -16,6 +16,7 @@ all of them alike. A variant that runs out of memory at a batch size is reported
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import re
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
     load_seconds = time.perf_counter() - t0
-    wrapped = hf_plookup.wrap(model)
+    wrapped = hf_plookup.wrap(copy.copy(model))
     common.set_threads(args.threads)  # again: wrap() starts numba's OpenMP pool, which resets torch's count
     pad = common.pad_id(model, tokenizer)
     if args.prompt_source == "builtin":

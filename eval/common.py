@@ -272,7 +272,7 @@ def run_plookup(wrapped, input_ids, attention_mask, max_new_tokens: int, k: int 
         kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram)
     if tree_nodes:
         kwargs.update(prompt_lookup_tree_nodes=tree_nodes)
-    eos = eos_ids(wrapped.model)
+    eos = eos_ids(wrapped)
     with torch.inference_mode():
         _sync(input_ids.device)
         t0 = time.perf_counter()

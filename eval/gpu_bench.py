@@ -31,6 +31,7 @@ verify step pays off when tokens/forward exceeds its time over a 1-token step's)
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -293,14 +294,14 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
     bw = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
     vocab = model.config.vocab_size
     eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else None
-    wrapped = {"graphs": hf_plookup.wrap(model, attn_backend=args.attn_backend, cuda_graphs=True)}
+    wrapped = {"graphs": hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, cuda_graphs=True)}
     if args.eager_variants:
         need = max(args.batch_sizes) * (args.prompt_len + args.max_new_tokens + max(args.k) + 1)
-        wrapped["eager"] = hf_plookup.wrap(model, attn_backend=args.attn_backend, cuda_graphs=False, compile=False,
+        wrapped["eager"] = hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, cuda_graphs=False, compile=False,
                                            max_cache_tokens=need + need // 4)
     if args.compile_variants:
         need = max(args.batch_sizes) * (args.prompt_len + args.max_new_tokens + max(args.k) + 1)
-        wrapped["nocompile"] = hf_plookup.wrap(model, attn_backend=args.attn_backend, compile=False,
+        wrapped["nocompile"] = hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, compile=False,
                                                max_cache_tokens=need + need // 4)
     engine = wrapped["graphs"]._engine
     info = {

@@ -27,6 +27,7 @@ writes the one report; tok/s is then per process.)
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -489,7 +490,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
     load_seconds = time.perf_counter() - t0
-    wrapped = hf_plookup.wrap(model)
+    wrapped = hf_plookup.wrap(copy.copy(model))
     common.set_threads(args.threads)  # again: wrap() starts numba's OpenMP pool, which resets torch's count
     chat = common.has_chat_template(tokenizer)
 

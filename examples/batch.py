@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
     tokenizer.padding_side = "left"  # generation continues from the right edge of every row
-    wrapped = hf_plookup.wrap(model)
+    wrapped = hf_plookup.wrap(model)  # the same object, its generate now on hf_plookup's engine
 
     inputs = encode_prompts(tokenizer, REQUESTS, BASE_PROMPTS, is_instruct(args.model, tokenizer))
 
@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     print("acceptance per draft position:", " ".join(f"{a:.2f}" for a in s.acceptance_per_position))
 
     if args.check:
-        reference = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
+        plain = hf_plookup.unwrap(wrapped)  # the plain HF model again (same object)
+        reference = plain.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
         same = reference.shape == out.shape and bool(torch.equal(reference, out))
         print("identical to HF greedy:", same)
         return 0 if same else 1

@@ -97,3 +97,14 @@ def left_padded(batch: int, seed: int = 1, period: int = 12, repeats: float = 2.
 @pytest.fixture(scope="session")
 def llama():
     return tiny_model("llama")
+
+
+def wrap_copy(model: torch.nn.Module, **options) -> torch.nn.Module:
+    """`hf_plookup.wrap` on a shallow copy of `model`: the same weights and submodules (hooks and
+    config shared), while `model` itself stays the plain HF model that tests compare against
+    (`wrap` swaps the class of the object it is given)."""
+    import copy
+
+    import hf_plookup
+
+    return hf_plookup.wrap(copy.copy(model), **options)

@@ -12,7 +12,7 @@ import hf_plookup
 from hf_plookup.attention.ops import compiled_paged_attention, paged_attention, write_kv
 from hf_plookup.attention.sdpa import sdpa_paged_attention
 from hf_plookup.engine import graphs
-from tests.conftest import ARCHS, left_padded, tiny_model
+from tests.conftest import ARCHS, left_padded, tiny_model, wrap_copy
 from tests.gpu.test_gpu import _paged_step
 
 
@@ -89,7 +89,7 @@ def test_every_arch_traces_fullgraph(arch, monkeypatch):
     test pays for); fp32 greedy identical to HF."""
     monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
     model = tiny_model(arch)
-    w = hf_plookup.wrap(model, max_cache_tokens=2048, compile=True)
+    w = wrap_copy(model, max_cache_tokens=2048, compile=True)
     assert _equal_to_hf(model, w, 2, 4, seed=3), arch
     gr = w._engine._graphs
     assert gr.compiled and gr.graphs and gr.num_replays > 0
@@ -100,8 +100,8 @@ def test_inductor_compiled_identical_to_hf_and_eager(arch):
     """Inductor-compiled steps (gemma2: attention and final-logit softcap, sliding windows):
     identical to HF greedy and to the uncompiled engine; compile time reported once per bucket."""
     model = tiny_model(arch)
-    w = hf_plookup.wrap(model, max_cache_tokens=2048, compile=True)
-    plain = hf_plookup.wrap(model, max_cache_tokens=2048, compile=False, pad_drafts=True)
+    w = wrap_copy(model, max_cache_tokens=2048, compile=True)
+    plain = wrap_copy(model, max_cache_tokens=2048, compile=False, pad_drafts=True)
     ids, mask = left_padded(2, seed=5)
     kw = dict(attention_mask=mask, max_new_tokens=10, prompt_lookup_num_tokens=4)
     out = w.generate(ids, **kw)
@@ -114,6 +114,6 @@ def test_inductor_compiled_identical_to_hf_and_eager(arch):
 
 def test_compile_option_checks(llama):
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
-        hf_plookup.wrap(llama, compile="yes")
-    assert hf_plookup.wrap(llama)._engine.use_compile is False  # auto: off on CPU (measured slower)
-    assert hf_plookup.wrap(llama, compile=True)._engine.use_compile is True
+        wrap_copy(llama, compile="yes")
+    assert wrap_copy(llama)._engine.use_compile is False  # auto: off on CPU (measured slower)
+    assert wrap_copy(llama, compile=True)._engine.use_compile is True

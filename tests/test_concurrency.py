@@ -9,12 +9,12 @@ import time
 import torch
 
 import hf_plookup
-from tests.conftest import left_padded, tiny_model
+from tests.conftest import left_padded, tiny_model, wrap_copy
 
 
 def test_threads_get_hf_greedy_tokens_and_their_own_stats():
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=512, block_size=8)  # small: rows of a call wait for blocks
+    wrapped = wrap_copy(model, max_cache_tokens=512, block_size=8)  # small: rows of a call wait for blocks
     calls = []  # (thread, call) -> (input_ids, mask, max_new_tokens)
     for t in range(3):
         for c in range(5):
@@ -55,7 +55,7 @@ def _joined_pair(join_calls: bool, fail_after_join: bool = False):
     """Call A starts; its first forward waits until call B (another thread) has arrived, so B
     arrives while A's loop runs. Returns (model, wrapped, results, stats, errors, forwards)."""
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=1024, block_size=8, join_calls=join_calls)
+    wrapped = wrap_copy(model, max_cache_tokens=1024, block_size=8, join_calls=join_calls)
     engine = wrapped._engine
     started = threading.Event()
     forwards = []

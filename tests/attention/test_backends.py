@@ -19,7 +19,7 @@ from hf_plookup.attention.flash import flash_paged_attention, window_size
 from hf_plookup.attention.metadata import AttentionMetadata
 from hf_plookup.engine.graphs import BATCH_BUCKETS, GraphRunner, batch_bucket, context_bucket, pad_plan
 from tests.attention.test_sdpa import _Cache, _dense_reference, _Layer
-from tests.conftest import left_padded, tiny_model
+from tests.conftest import left_padded, tiny_model, wrap_copy
 
 
 # -- a plain-torch stand-in for flash_attn, written from flash-attn's docstrings ------------------
@@ -108,7 +108,7 @@ def test_stand_in_matches_dense_reference():
 
 # -- selection ---------------------------------------------------------------------------------
 def test_auto_is_sdpa_on_cpu(llama):
-    w = hf_plookup.wrap(llama, max_cache_tokens=512)
+    w = wrap_copy(llama, max_cache_tokens=512)
     assert w.options.attn_backend == "auto" and w._engine.options.attn_backend == "sdpa"
     assert w._engine.options.block_size == 16 and not w._engine.use_graphs
     ids, mask = left_padded(2)
@@ -118,13 +118,13 @@ def test_auto_is_sdpa_on_cpu(llama):
 
 def test_flash_attn_where_it_cannot_run(llama):
     with pytest.raises(ValueError, match="attn_backend='flash_attn' cannot run"):
-        hf_plookup.wrap(llama, attn_backend="flash_attn")
+        wrap_copy(llama, attn_backend="flash_attn")
     reason = registry.flash_unavailable_reason([torch.device("cpu")], [torch.float32])
     assert reason is not None
     with pytest.raises(ValueError, match="attn_backend must be one of"):
-        hf_plookup.wrap(llama, attn_backend="flash")
+        wrap_copy(llama, attn_backend="flash")
     with pytest.raises(ValueError, match="cuda_graphs"):
-        hf_plookup.wrap(llama, cuda_graphs="yes")
+        wrap_copy(llama, cuda_graphs="yes")
 
 
 def test_unavailable_reasons(monkeypatch):
@@ -140,11 +140,11 @@ def test_unavailable_reasons(monkeypatch):
 
 def test_flash_block_size(fake_flash, llama):
     assert registry.resolve_backend("auto", [torch.device("cpu")], [torch.float32]) == "flash_attn"
-    w = hf_plookup.wrap(llama, attn_backend="flash_attn", max_cache_tokens=1024)
+    w = wrap_copy(llama, attn_backend="flash_attn", max_cache_tokens=1024)
     assert w._engine.options.block_size == 256
     with pytest.raises(ValueError, match="block_size must be a multiple of 256"):
-        hf_plookup.wrap(llama, attn_backend="flash_attn", block_size=16)
-    assert hf_plookup.wrap(llama, attn_backend="sdpa", block_size=16)._engine.options.block_size == 16
+        wrap_copy(llama, attn_backend="flash_attn", block_size=16)
+    assert wrap_copy(llama, attn_backend="sdpa", block_size=16)._engine.options.block_size == 16
 
 
 # -- flash backend plumbing against the dense reference --------------------------------------------
@@ -215,7 +215,7 @@ def test_flash_backend_engine_identical_to_hf(fake_flash, arch):
     """The whole engine on the flash backend (varlen prefill, kvcache verify steps) in fp32."""
     model = tiny_model(arch)
     for pad in (False, True):
-        w = hf_plookup.wrap(model, attn_backend="flash_attn", max_cache_tokens=2048, pad_drafts=pad)
+        w = wrap_copy(model, attn_backend="flash_attn", max_cache_tokens=2048, pad_drafts=pad)
         for batch, k in ((1, 4), (3, 4), (2, None)):
             assert _hf_equal(model, w, batch, k), (arch, pad, batch, k)
         assert w.last_stats.attn_backend == "flash_attn"
@@ -227,16 +227,16 @@ def test_pad_drafts_identical_to_hf(arch):
     model = tiny_model(arch)
     # block_size 4 < k + 1: padded positions past a sequence's pages go to the scratch page
     for bs in (4, 16):
-        w = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=bs, pad_drafts=True)
+        w = wrap_copy(model, max_cache_tokens=4096, block_size=bs, pad_drafts=True)
         for batch, k in ((1, 4), (4, 10), (3, None)):
             assert _hf_equal(model, w, batch, k, seed=batch + 7), (arch, bs, batch, k)
         assert w._engine.blocks.num_free == w._engine.blocks.num_blocks
 
 
 def test_padded_plan_layout(llama):
-    w = hf_plookup.wrap(llama, max_cache_tokens=512, block_size=4, pad_drafts=True)
+    w = wrap_copy(llama, max_cache_tokens=512, block_size=4, pad_drafts=True)
     eng = w._engine
-    assert eng.pad_to(4) == 5 and hf_plookup.wrap(llama, max_cache_tokens=512)._engine.pad_to(4) is None
+    assert eng.pad_to(4) == 5 and wrap_copy(llama, max_cache_tokens=512)._engine.pad_to(4) is None
 
 
 # -- graph runner (static buffers, bucket padding) without CUDA ------------------------------------
@@ -250,7 +250,7 @@ def test_buckets():
 def _eager_graph_runner(wrapped, backend="sdpa"):
     eng = wrapped._engine
     eng.use_graphs = True
-    eng._graphs = GraphRunner(wrapped.model, eng.cache(), backend, eng.options.max_num_seqs, capture=False)
+    eng._graphs = GraphRunner(wrapped, eng.cache(), backend, eng.options.max_num_seqs, capture=False)
     return eng._graphs
 
 
@@ -259,7 +259,7 @@ def test_graph_runner_static_buffers_identical_to_hf(arch):
     """Verify steps through GraphRunner's padded static buffers (dummy rows, bucketed Lk), run
     eagerly: the path a captured graph replays, minus the capture."""
     model = tiny_model(arch)
-    w = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=16)
+    w = wrap_copy(model, max_cache_tokens=4096, block_size=16)
     gr = _eager_graph_runner(w)
     for batch, k in ((1, 4), (3, 4), (5, 10), (3, None)):
         assert _hf_equal(model, w, batch, k, seed=batch + 3), (arch, batch, k)
@@ -269,7 +269,7 @@ def test_graph_runner_static_buffers_identical_to_hf(arch):
 
 def test_graph_runner_flash_static_buffers(fake_flash):
     model = tiny_model("mistral")
-    w = hf_plookup.wrap(model, attn_backend="flash_attn", max_cache_tokens=2048)
+    w = wrap_copy(model, attn_backend="flash_attn", max_cache_tokens=2048)
     gr = _eager_graph_runner(w, "flash_attn")
     for batch, k in ((3, 4), (2, None)):
         assert _hf_equal(model, w, batch, k), (batch, k)
@@ -277,7 +277,7 @@ def test_graph_runner_flash_static_buffers(fake_flash):
 
 
 def test_pad_plan_rejects_bad_buckets(llama):
-    w = hf_plookup.wrap(llama, max_cache_tokens=512, block_size=8, pad_drafts=True)
+    w = wrap_copy(llama, max_cache_tokens=512, block_size=8, pad_drafts=True)
     eng = w._engine
     cache = eng.cache()
     from hf_plookup.engine.runner import StepPlan

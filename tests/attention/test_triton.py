@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # tests/conftest.py sets it before triton is 
 import hf_plookup  # noqa: E402
 from hf_plookup.attention.triton import paged_attention  # noqa: E402
 from tests.attention.test_sdpa import _dense_reference  # noqa: E402
-from tests.conftest import left_padded, tiny_model  # noqa: E402
+from tests.conftest import left_padded, tiny_model, wrap_copy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -117,7 +117,7 @@ def test_engine_on_triton_backend_identical_to_hf(arch, pad_drafts):
     """Packed prefill chunks, verify steps (padded to k + 1 with pad_drafts, as CUDA graphs run
     them), sliding windows and Gemma's scaling, through the HF model's own modules."""
     model = tiny_model(arch).to(DEVICE)
-    wrapped = hf_plookup.wrap(model, attn_backend="triton", max_cache_tokens=1024, block_size=8, pad_drafts=pad_drafts)
+    wrapped = wrap_copy(model, attn_backend="triton", max_cache_tokens=1024, block_size=8, pad_drafts=pad_drafts)
     ids, mask = left_padded(2, seed=4)
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
     out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3)
@@ -128,7 +128,7 @@ def test_engine_on_triton_backend_identical_to_hf(arch, pad_drafts):
 def test_triton_backend_checks():
     model = tiny_model("llama").to(DEVICE)
     with pytest.raises(ValueError, match="block_size must be a power of two"):
-        hf_plookup.wrap(model, attn_backend="triton", block_size=12)
+        wrap_copy(model, attn_backend="triton", block_size=12)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

@@ -21,7 +21,7 @@ from hf_plookup.drafting.tree import (
     compaction,
     depths,
 )
-from tests.conftest import ARCHS, left_padded, tiny_model
+from tests.conftest import ARCHS, left_padded, tiny_model, wrap_copy
 
 # ---------------------------------------------------------------------------------------------
 # brute-force references
@@ -383,7 +383,7 @@ def _branchy(model, batch: int = 2, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_tree_drafts_identical_to_hf_greedy(arch):
     model = tiny_model(arch)
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=4, tree_min_score=0.0)
+    wrapped = wrap_copy(model, max_cache_tokens=4096, block_size=4, tree_min_score=0.0)
     for ids, mask in (left_padded(3, seed=11), (_branchy(model), None)):
         mask = torch.ones_like(ids) if mask is None else mask
         ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, eos_token_id=None)
@@ -408,7 +408,7 @@ def test_tree_paths_off_the_first_candidate_are_moved(monkeypatch):
 
     monkeypatch.setattr(PagedKVCache, "move_slots", spy)
     model = tiny_model("gemma2")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=4, tree_min_score=0.0)  # whole trees
+    wrapped = wrap_copy(model, max_cache_tokens=4096, block_size=4, tree_min_score=0.0)  # whole trees
     ids = _branchy(model)
     ref = model.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=None)
     chain = wrapped.generate(ids, max_new_tokens=30, eos_token_id=None, prompt_lookup_num_tokens=6)
@@ -429,7 +429,7 @@ def test_tree_static_buffer_and_compiled_steps_identical(arch, monkeypatch):
 
     monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
     model = tiny_model(arch)
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=16, compile=True)
+    wrapped = wrap_copy(model, max_cache_tokens=4096, block_size=16, compile=True)
     ids = _branchy(model)
     ref = model.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None)
     out = wrapped.generate(ids, max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=4,
@@ -441,7 +441,7 @@ def test_tree_static_buffer_and_compiled_steps_identical(arch, monkeypatch):
 
 def test_trees_fall_back_to_a_chain_where_they_cannot_run(llama):
     """History-dependent processors (repetition penalty) keep one chain; warpers do not."""
-    wrapped = hf_plookup.wrap(llama, max_cache_tokens=4096)
+    wrapped = wrap_copy(llama, max_cache_tokens=4096)
     ids, mask = left_padded(2, seed=3)
     kw = dict(attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3, prompt_lookup_tree_nodes=6)
     wrapped.generate(ids, repetition_penalty=1.3, **kw)
@@ -453,7 +453,7 @@ def test_trees_fall_back_to_a_chain_where_they_cannot_run(llama):
 @pytest.mark.parametrize("bad, err", [(0, ValueError), (-2, ValueError), (2.5, TypeError), ("8", TypeError),
                                       (True, TypeError)])
 def test_tree_nodes_argument_checked(llama, bad, err):
-    wrapped = hf_plookup.wrap(llama, max_cache_tokens=1024)
+    wrapped = wrap_copy(llama, max_cache_tokens=1024)
     ids, mask = left_padded(1)
     with pytest.raises(err, match="prompt_lookup_tree_nodes"):
         wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, prompt_lookup_num_tokens=2,
@@ -465,7 +465,7 @@ def test_tree_nodes_argument_checked(llama, bad, err):
 def test_corpus_and_cross_row_sources_identical_to_hf(llama):
     """A corpus holding the continuation drafts it (many tokens per forward); other rows of the
     batch as sources; outputs stay HF's greedy tokens either way."""
-    wrapped = hf_plookup.wrap(llama, max_cache_tokens=8192)
+    wrapped = wrap_copy(llama, max_cache_tokens=8192)
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(3, 96, (3, 20), generator=g)  # random prompts: nothing to find in the row itself
     ref = llama.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=None)
@@ -492,7 +492,7 @@ def test_corpus_and_cross_row_sources_identical_to_hf(llama):
     (dict(draft_corpus=["text"]), ValueError, "tokenizer="),
 ])
 def test_source_arguments_checked(llama, kwargs, err, match):
-    wrapped = hf_plookup.wrap(llama, max_cache_tokens=1024)
+    wrapped = wrap_copy(llama, max_cache_tokens=1024)
     ids, mask = left_padded(1)
     with pytest.raises(err, match=match):
         wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, prompt_lookup_num_tokens=2, **kwargs)
@@ -502,14 +502,14 @@ def test_source_arguments_checked(llama, kwargs, err, match):
 
 def test_tree_min_score_prunes_and_is_checked(llama):
     """The per-device default prunes unlikely nodes on CPU (smaller trees, same tokens)."""
-    engine = hf_plookup.wrap(llama)._engine
+    engine = wrap_copy(llama)._engine
     assert (engine.tree_min_score, engine.step_fixed_tokens) == (0.2, 11.0)  # CPU defaults (engine.TREE_MIN_SCORE)
-    assert hf_plookup.wrap(llama, tree_min_score=0.3)._engine.step_fixed_tokens is None  # the user's value as is
+    assert wrap_copy(llama, tree_min_score=0.3)._engine.step_fixed_tokens is None  # the user's value as is
     model = tiny_model("gemma2")
     ids = _branchy(model)
     sizes = []
     for ms in (0.0, 0.5):
-        wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, tree_min_score=ms)
+        wrapped = wrap_copy(model, max_cache_tokens=4096, tree_min_score=ms)
         out = wrapped.generate(ids, max_new_tokens=20, eos_token_id=None, prompt_lookup_num_tokens=6,
                                prompt_lookup_tree_nodes=16)
         assert torch.equal(out, model.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None))
@@ -517,7 +517,7 @@ def test_tree_min_score_prunes_and_is_checked(llama):
     assert sizes[1] < sizes[0]
     for bad in (-0.1, 1.5, "0.2", True):
         with pytest.raises(ValueError, match="tree_min_score"):
-            hf_plookup.wrap(llama, tree_min_score=bad)
+            wrap_copy(llama, tree_min_score=bad)
 
 
 def test_batch_min_score_rises_with_the_batch():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import hf_plookup
 from hf_plookup.engine.cpu_head import HeadChooser, fast_head, head_chooser
-from tests.conftest import left_padded, tiny_model
+from tests.conftest import left_padded, tiny_model, wrap_copy
 
 
 def test_both_layouts_give_the_plain_logits():
@@ -55,7 +55,7 @@ def test_not_for_replaced_or_non_linear_heads():
 def test_engine_outputs_unchanged_with_the_transposed_head():
     """Force the transposed layout for every row count: greedy outputs stay identical to HF."""
     model = tiny_model("llama")
-    w = hf_plookup.wrap(model, max_cache_tokens=2048)
+    w = wrap_copy(model, max_cache_tokens=2048)
     chooser = w._engine.head
     chooser.transposed = True
     ids, mask = left_padded(3, seed=2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_plookup
-from tests.conftest import ARCHS, EOS, PAD, left_padded, tiny_model
+from tests.conftest import ARCHS, EOS, PAD, left_padded, tiny_model, wrap_copy
 
 
 def _both(model, wrapped, ids, mask, **kw):
@@ -21,7 +21,7 @@ def _both(model, wrapped, ids, mask, **kw):
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def arch_pair(request):
     model = tiny_model(request.param)
-    return request.param, model, hf_plookup.wrap(model, max_cache_tokens=4096, block_size=8)
+    return request.param, model, wrap_copy(model, max_cache_tokens=4096, block_size=8)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -52,7 +52,7 @@ def _copy_setup(window: int = 4, k: int = 4):
 
 def test_drafts_accepted_on_repeats():
     model, prompt, _ = _copy_setup()
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=2048, block_size=4)
+    wrapped = wrap_copy(model, max_cache_tokens=2048, block_size=4)
     ids = prompt.repeat(3, 1)
     mask = torch.ones_like(ids)
     ids[1, :2], mask[1, :2] = PAD, 0  # unequal lengths
@@ -67,7 +67,7 @@ def test_drafts_accepted_on_repeats():
 def test_eos_inside_accepted_drafts():
     model, prompt, cont = _copy_setup()
     eos = int(cont[0, 6])  # a token the drafts will carry a few positions in
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=2048, block_size=4)
+    wrapped = wrap_copy(model, max_cache_tokens=2048, block_size=4)
     ref, out = _both(model, wrapped, prompt, None, max_new_tokens=20, eos_token_id=eos, prompt_lookup_num_tokens=10)
     assert torch.equal(ref, out)
     assert out[0, -1].item() == eos and out.shape[1] < prompt.shape[1] + 20
@@ -75,7 +75,7 @@ def test_eos_inside_accepted_drafts():
 
 def test_rows_finish_at_different_steps_padded_like_hf():
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = left_padded(6, seed=11)
     # an EOS list: two frequent tokens of the tiny model's outputs, so rows stop at different steps
     free = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=None)
@@ -89,7 +89,7 @@ def test_rows_finish_at_different_steps_padded_like_hf():
 
 def test_long_prompts_span_blocks_and_prefill_chunks():
     model = tiny_model("qwen2")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096, block_size=4, max_batch_tokens=24)
+    wrapped = wrap_copy(model, max_cache_tokens=4096, block_size=4, max_batch_tokens=24)
     ids, mask = left_padded(3, seed=5, period=17, repeats=5.3, pad_step=7)  # ~90 tokens, 23 blocks
     ref, out = _both(model, wrapped, ids, mask, max_new_tokens=25, prompt_lookup_num_tokens=4)
     assert torch.equal(ref, out)
@@ -100,7 +100,7 @@ def test_cache_smaller_than_batch_admits_as_rows_finish():
     model = tiny_model("llama")
     ids, mask = left_padded(5, seed=2)
     need = ids.shape[1] + 20
-    wrapped = hf_plookup.wrap(model, num_blocks=2 * (-(-need // 8)) + 1, block_size=8)  # room for 2 rows
+    wrapped = wrap_copy(model, num_blocks=2 * (-(-need // 8)) + 1, block_size=8)  # room for 2 rows
     ref, out = _both(model, wrapped, ids, mask, max_new_tokens=20, prompt_lookup_num_tokens=3)
     assert torch.equal(ref, out)
     assert wrapped._engine.blocks.num_free == wrapped._engine.blocks.num_blocks
@@ -110,7 +110,7 @@ def test_right_padding_warns_and_generates(caplog):
     """HF warns on right padding and generates; so do we. (HF then predicts the first token from
     the pad column's logits; we generate from the attended tokens, i.e. what left padding gives.)"""
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = left_padded(3, seed=4)
     right_ids = torch.stack([torch.cat([r[m.bool()], r[~m.bool()]]) for r, m in zip(ids, mask)])
     right_mask = mask.flip(1)
@@ -124,7 +124,7 @@ def test_right_padding_warns_and_generates(caplog):
 
 def test_length_and_eos_from_generation_config():
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = left_padded(2, seed=9)
     for kw in ({"max_length": ids.shape[1] + 7}, {}, {"max_new_tokens": 12, "eos_token_id": [EOS, 5]}):
         ref, out = _both(model, wrapped, ids, mask, prompt_lookup_num_tokens=2, **kw)
@@ -133,7 +133,7 @@ def test_length_and_eos_from_generation_config():
 
 def test_no_attention_mask_infers_it_like_hf():
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, _ = left_padded(3, seed=6)
     ref = model.generate(ids, max_new_tokens=10, do_sample=False)
     out = wrapped.generate(ids, max_new_tokens=10, prompt_lookup_num_tokens=4)
@@ -142,7 +142,7 @@ def test_no_attention_mask_infers_it_like_hf():
 
 def test_return_dict_carries_stats():
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = left_padded(2)
     out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=4, return_dict_in_generate=True)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
@@ -155,7 +155,7 @@ def test_return_dict_carries_stats():
 def test_batch_prompt_lookup_beyond_hf():
     """HF refuses prompt lookup for batch > 1; we run it, and equal HF greedy row by row."""
     model = tiny_model("qwen3")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = left_padded(4, seed=12)
     with pytest.raises(ValueError):
         model.generate(ids, attention_mask=mask, max_new_tokens=5, prompt_lookup_num_tokens=4)
@@ -169,7 +169,7 @@ def test_batch_prompt_lookup_beyond_hf():
 
 def test_numpy_history_unaffected_by_int32_inputs():
     model = tiny_model("llama")
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    wrapped = wrap_copy(model, max_cache_tokens=4096)
     ids, mask = left_padded(2)
     out = wrapped.generate(ids.to(torch.int32), attention_mask=mask, max_new_tokens=6)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)

@@ -11,7 +11,7 @@ from hf_plookup.attention.flash import flash_paged_attention
 from hf_plookup.attention.metadata import AttentionMetadata
 from hf_plookup.attention.sdpa import sdpa_paged_attention
 from tests.attention.test_sdpa import _dense_reference, _Layer
-from tests.conftest import left_padded, tiny_model
+from tests.conftest import left_padded, tiny_model, wrap_copy
 
 from .conftest import HAS_CUDA
 
@@ -36,7 +36,7 @@ def test_graphs_fp32_identical_to_hf_greedy(arch):
     """sdpa backend, CUDA graphs of the eager forward (padded verify steps), fp32: token-identical
     to HF greedy."""
     model = tiny_model(arch).cuda()
-    w = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa", compile=False)
+    w = wrap_copy(model, max_cache_tokens=8192, attn_backend="sdpa", compile=False)
     assert w._engine.use_graphs
     for batch, k in ((1, 4), (5, 4), (3, 10), (4, None)):
         assert torch.equal(_hf(model, batch, batch + 7), _generate(w, batch, k, batch + 7)), (arch, batch, k)
@@ -51,8 +51,8 @@ def test_compiled_graphs_fp32_identical_to_hf_greedy(arch, backend):
     """compile=True: inductor-compiled steps with the attention as custom ops, captured in CUDA
     graphs; fp32 greedy token-identical to HF and to the uncompiled graphs."""
     model = tiny_model(arch).cuda()
-    w = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend=backend, compile=True)
-    plain = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend=backend, compile=False)
+    w = wrap_copy(model, max_cache_tokens=8192, attn_backend=backend, compile=True)
+    plain = wrap_copy(model, max_cache_tokens=8192, attn_backend=backend, compile=False)
     for batch, k in ((1, 4), (3, 4), (2, None)):
         out = _generate(w, batch, k, batch + 7)
         assert torch.equal(_hf(model, batch, batch + 7), out), (arch, backend, batch, k)
@@ -67,8 +67,8 @@ def test_compiled_graphs_fp32_identical_to_hf_greedy(arch, backend):
 def test_graph_replay_identical_to_eager_fp32():
     """sdpa in fp32: captured and eager padded steps give the same tokens."""
     model = tiny_model("mistral").cuda()
-    graphs = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa", cuda_graphs=True, compile=False)
-    eager = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa", cuda_graphs=False, pad_drafts=True,
+    graphs = wrap_copy(model, max_cache_tokens=8192, attn_backend="sdpa", cuda_graphs=True, compile=False)
+    eager = wrap_copy(model, max_cache_tokens=8192, attn_backend="sdpa", cuda_graphs=False, pad_drafts=True,
                             compile=False)
     for batch, k in ((1, 4), (6, 4), (2, None)):
         assert torch.equal(_generate(graphs, batch, k, 11), _generate(eager, batch, k, 11)), (batch, k)
@@ -79,8 +79,8 @@ def test_graph_replay_close_to_eager_flash_bf16(needs_flash):
     """flash_attn in bf16: a graph's block table is a bucket wide, which can change flash-attn's
     split-KV choice and so the rounding; the first tokens must agree on most rows."""
     model = tiny_model("mistral").to(device="cuda", dtype=torch.bfloat16)
-    graphs = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="flash_attn", cuda_graphs=True)
-    eager = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="flash_attn", cuda_graphs=False)
+    graphs = wrap_copy(model, max_cache_tokens=8192, attn_backend="flash_attn", cuda_graphs=True)
+    eager = wrap_copy(model, max_cache_tokens=8192, attn_backend="flash_attn", cuda_graphs=False)
     a, b = _generate(graphs, 8, 4, 11, 16), _generate(eager, 8, 4, 11, 16)
     width = a.shape[1] - 16
     assert (a[:, width : width + 4] == b[:, width : width + 4]).all(dim=1).float().mean() >= 0.75
@@ -90,16 +90,16 @@ def test_graph_replay_close_to_eager_flash_bf16(needs_flash):
 def test_flash_fp32_refused_and_auto_falls_back():
     model = tiny_model("llama").cuda()
     with pytest.raises(ValueError, match="attn_backend='flash_attn' cannot run"):
-        hf_plookup.wrap(model, attn_backend="flash_attn")
-    assert hf_plookup.wrap(model)._engine.options.attn_backend == "sdpa"  # fp32: auto -> sdpa
+        wrap_copy(model, attn_backend="flash_attn")
+    assert wrap_copy(model)._engine.options.attn_backend == "sdpa"  # fp32: auto -> sdpa
 
 
 def test_flash_bf16_close_to_sdpa(needs_flash):
     """bf16 greedy on flash_attn vs sdpa: the same model, two kernels; outputs may part after a
     near-tie, so only the first tokens are required to agree on most rows."""
     model = tiny_model("qwen3").to(device="cuda", dtype=torch.bfloat16)
-    flash = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="flash_attn")
-    sdpa = hf_plookup.wrap(model, max_cache_tokens=8192, attn_backend="sdpa")
+    flash = wrap_copy(model, max_cache_tokens=8192, attn_backend="flash_attn")
+    sdpa = wrap_copy(model, max_cache_tokens=8192, attn_backend="sdpa")
     a, b = _generate(flash, 8, 4, 5, 16), _generate(sdpa, 8, 4, 5, 16)
     assert flash.last_stats.attn_backend == "flash_attn"
     width = a.shape[1] - 16
@@ -186,7 +186,7 @@ def test_paged_backends_match_dense_on_gpu(backend, uniform, window, softcap, re
 
 def test_cache_sized_from_free_memory_after_warmup():
     model = tiny_model("llama").cuda()
-    w = hf_plookup.wrap(model, cache_memory_fraction=0.05)
+    w = wrap_copy(model, cache_memory_fraction=0.05)
     free, _ = torch.cuda.mem_get_info()
     cap_tokens = w._engine.capacity_blocks * w._engine.options.block_size
     per_token = sum(s.bytes_per_token() for s in w._engine.specs)
