@@ -325,6 +325,7 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
         output_scores=bool(config.return_dict_in_generate and config.output_scores),
         output_logits=bool(config.return_dict_in_generate and config.output_logits),
         hf_input_ids=input_ids.cpu().numpy().astype(np.int64),
+        pad_token_id=pad,
     )
     return Request(
         input_ids=input_ids,

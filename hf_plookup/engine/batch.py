@@ -28,7 +28,7 @@ from ..drafting.verify import accept_greedy, accept_sampling
 from ..stats import SpecStats
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import DecodeConfig, Sequence
-from .stopping import first_stops
+from .stopping import BatchCriteria
 
 
 @dataclass(slots=True)
@@ -96,6 +96,7 @@ class Batch:
         self.width = 0  # W
         self.rec_scores: list[list[torch.Tensor]] | None = None
         self.rec_logits: list[list[torch.Tensor]] | None = None
+        self.criteria: BatchCriteria | None = None  # HF's stopping-criteria calls (first call only)
 
     def add(self, call: Call) -> None:
         """Give `call`'s prompts rows (growing the buffers) and queue them in the scheduler."""
@@ -120,6 +121,9 @@ class Batch:
                 self.hf_rows[:, : self.width] = cfg.hf_input_ids
             self.rec_scores = [[] for _ in range(b)] if cfg.output_scores else None
             self.rec_logits = [[] for _ in range(b)] if cfg.output_logits else None
+            if cfg.stopping:
+                self.criteria = BatchCriteria(cfg.stopping, self.width, b, cfg.pad_token_id,
+                                              pad_finished=bool(cfg.eos_token_ids))
         call.stats.num_sequences = b
         call.stats.resize(cfg.k)
         call.stats.drafter = ("" if self.proposer is None else "ngram" if not self.tree else
@@ -216,6 +220,31 @@ class Batch:
             paths.append(np.asarray(path, dtype=np.int64))
         return paths, final
 
+    def _check_criteria(self) -> None:
+        """Run HF's stopping-criteria calls that every row has reached (engine.stopping), and cut
+        the rows a criterion stops: their tokens after that length are dropped, they finish."""
+        call = self.calls[0]
+        seqs = call.seqs
+        lengths = np.array([self.width + s.num_generated for s in seqs], dtype=np.int64)  # [B]
+        ended = np.array([s.finished for s in seqs], dtype=bool)  # [B]
+        scores_of = None
+        if self.rec_scores is not None:
+            def scores_of(t: int) -> torch.Tensor:  # [B, V] HF's scores of step t (rows done by then: zeros)
+                rec = self.rec_scores
+                like = next(r[t] for r in rec if len(r) > t)
+                return torch.stack([r[t] if len(r) > t else torch.zeros_like(like) for r in rec])
+        for row, length in self.criteria.advance(self.hf_rows, lengths, ended, scores_of).items():
+            seq = seqs[row]
+            keep = length - self.width  # tokens generated up to the cut
+            drop = seq.num_generated - keep
+            seq.num_tokens = seq.prompt_len + keep
+            seq.num_cached = min(seq.num_cached, seq.num_tokens)
+            seq.finished = True
+            call.stats.new_tokens -= drop
+            for rec in (self.rec_scores, self.rec_logits):
+                if rec is not None:
+                    del rec[row][keep:]
+
     def verify_and_commit(self, active: list[ScheduledChunk], logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Score every verified position (`logits` [N, V]), accept drafts, append tokens up to the
         first stop. Returns the cache moves of accepted tree paths (source slots [M], destination
@@ -256,16 +285,6 @@ class Batch:
         # the tokens a row may emit and, for each, the fed position that scored it
         candidates = [np.append(step_drafts[i, paths[i] - 1], final[i]) for i in range(len(seqs))]
         cand_rows = [offsets[i] + np.concatenate(([0], paths[i])) for i in range(len(seqs))]
-        if cfg.stopping:
-            starts = width + gen
-            for i, s in enumerate(seqs):
-                hf_rows[s.row, starts[i] : starts[i] + counts[i]] = candidates[i]
-            keep, stopped = first_stops(
-                cfg.stopping, rows, starts, counts, hf_rows,
-                scores[torch.from_numpy(np.concatenate(cand_rows)).to(scores.device)]
-            )
-        else:
-            keep, stopped = counts, np.zeros(len(seqs), dtype=bool)
         move_src, move_dst = [], []
         for i, (c, seq) in enumerate(zip(active, seqs)):
             stats = self.call_of_row[seq.row].stats
@@ -291,9 +310,7 @@ class Batch:
                             pos = c.start + off
                             out.append(table[pos // bs] * bs + pos % bs)
                 seq.num_cached += 1 + a
-            emitted = seq.append(history, candidates[i][: keep[i]].tolist(), cfg.eos_token_ids)
-            if stopped[i] and emitted == keep[i]:
-                seq.finished = True  # a stopping criterion fired on the last kept token
+            emitted = seq.append(history, candidates[i].tolist(), cfg.eos_token_ids)
             if hf_rows is not None:
                 hf_rows[seq.row, width + gen[i] : width + gen[i] + emitted] = candidates[i][:emitted]
             stats.row_steps += 1
@@ -303,8 +320,11 @@ class Batch:
                 self.rec_scores[seq.row].extend(scores[kept])
             if self.rec_logits is not None:
                 self.rec_logits[seq.row].extend(logits[kept].float())
-            if cfg.streamer is not None:
-                for t in candidates[i][:emitted]:
-                    cfg.streamer.put(torch.tensor([int(t)]))
+        if self.criteria is not None:
+            self._check_criteria()
+        if cfg.streamer is not None:  # batch 1: its every token was checked above
+            seq = seqs[0]
+            for t in history[seq.row, seq.prompt_len + gen[0] : seq.num_tokens]:
+                cfg.streamer.put(torch.tensor([int(t)]))
         empty = np.zeros(0, dtype=np.int64)
         return (np.concatenate(move_src) if move_src else empty, np.concatenate(move_dst) if move_dst else empty)

