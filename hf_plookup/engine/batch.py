@@ -36,6 +36,8 @@ class GenerationResult:
     new_tokens: list[np.ndarray]  # B arrays of generated tokens (EOS included, no padding)
     scores: list[list[torch.Tensor]] | None  # per row, processed scores [V] of each new token
     logits: list[list[torch.Tensor]] | None  # per row, raw logits [V] of each new token
+    # per row, per layer (K, V) [H_kv, n, D] of its cached tokens (DecodeConfig.keep_kv), else None
+    kv: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
 
 @dataclass(slots=True)
@@ -57,7 +59,8 @@ def joinable(running: DecodeConfig, cfg: DecodeConfig) -> bool:
     tokens, greedy, and nothing that needs rows laid out as HF lays them out (processors,
     criteria, streamers, recorded scores) on either side."""
     def plain(c: DecodeConfig) -> bool:
-        return not (c.do_sample or c.needs_hf_rows or c.streamer is not None or c.output_scores or c.output_logits)
+        return not (c.do_sample or c.needs_hf_rows or c.streamer is not None or c.output_scores or c.output_logits
+                    or c.keep_kv)
 
     return (plain(running) and plain(cfg) and running.k == cfg.k and running.max_ngram == cfg.max_ngram
             and running.tree_nodes == cfg.tree_nodes and running.eos_token_ids == cfg.eos_token_ids
@@ -97,6 +100,7 @@ class Batch:
         self.rec_scores: list[list[torch.Tensor]] | None = None
         self.rec_logits: list[list[torch.Tensor]] | None = None
         self.criteria: BatchCriteria | None = None  # HF's stopping-criteria calls (first call only)
+        self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # row -> per layer (K, V) (keep_kv)
 
     def add(self, call: Call) -> None:
         """Give `call`'s prompts rows (growing the buffers) and queue them in the scheduler."""
@@ -203,7 +207,25 @@ class Batch:
             [self.history[s.row, s.prompt_len : s.num_tokens].copy() for s in call.seqs],
             self.rec_scores if call is self.calls[0] else None,
             self.rec_logits if call is self.calls[0] else None,
+            [self.kv[s.row] for s in call.seqs] if call.cfg.keep_kv else None,
         )
+
+    def save_kv(self, seqs: list[Sequence], cache) -> None:
+        """Copy the keys/values of finished `seqs` out of the pages before their blocks are freed
+        (only for calls that return `past_key_values`): per layer [H_kv, num_cached, D]."""
+        bs = self.sched.blocks.block_size
+        for seq in seqs:
+            if seq.row in self.kv or not self.call_of_row[seq.row].cfg.keep_kv:
+                continue
+            table = np.asarray(self.sched.blocks.table(seq.seq_id), dtype=np.int64)
+            pos = np.arange(seq.num_cached)
+            slots = torch.from_numpy(table[pos // bs] * bs + pos % bs)
+            layers = []
+            for k, v in zip(cache.keys, cache.values):
+                sl = slots.to(k.device)
+                layers.append(tuple(p.view(-1, *p.shape[2:]).index_select(0, sl).transpose(0, 1).contiguous()
+                                    for p in (k, v)))
+            self.kv[seq.row] = layers
 
     def tree_parents(self, row: int, num_drafts: int) -> np.ndarray | None:
         """Parents [num_drafts] (chunk indices) of row `row`'s draft nodes this step; None for chains."""
