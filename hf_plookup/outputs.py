@@ -56,10 +56,12 @@ def tail_logits(
     ids = sequences[idx, :-1]  # [R, W + T - 1]
     mask = torch.cat([attention_mask[idx], attention_mask.new_ones(len(rows), total - 1)], dim=1)
     pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    first = width + min(steps[b] for b in rows) - 1  # the first column whose logits are needed
     with exclusive(), torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
+                       logits_to_keep=ids.shape[1] - first).logits  # [R, W + T - 1 - first, V]
     # step t is predicted at column W + t - 1
-    return {b: logits[i, width + steps[b] - 1 : width + total - 1].float() for i, b in enumerate(rows)}
+    return {b: logits[i, width + steps[b] - 1 - first :].float() for i, b in enumerate(rows)}
 
 
 def per_step(

@@ -59,8 +59,7 @@ def joinable(running: DecodeConfig, cfg: DecodeConfig) -> bool:
     tokens, greedy, and nothing that needs rows laid out as HF lays them out (processors,
     criteria, streamers, recorded scores) on either side."""
     def plain(c: DecodeConfig) -> bool:
-        return not (c.do_sample or c.needs_hf_rows or c.streamer is not None or c.output_scores or c.output_logits
-                    or c.keep_kv)
+        return not (c.do_sample or c.needs_hf_rows or c.streamer is not None or c.output_scores or c.output_logits)
 
     return (plain(running) and plain(cfg) and running.k == cfg.k and running.max_ngram == cfg.max_ngram
             and running.tree_nodes == cfg.tree_nodes and running.eos_token_ids == cfg.eos_token_ids
@@ -210,6 +209,11 @@ class Batch:
             [self.kv[s.row] for s in call.seqs] if call.cfg.keep_kv else None,
         )
 
+    @property
+    def keeps_kv(self) -> bool:
+        """Whether a call of this loop returns past_key_values (its rows' KV is saved at finish)."""
+        return any(c.cfg.keep_kv for c in self.calls)
+
     def save_kv(self, seqs: list[Sequence], cache) -> None:
         """Copy the keys/values of finished `seqs` out of the pages before their blocks are freed
         (only for calls that return `past_key_values`): per layer [H_kv, num_cached, D]."""
@@ -343,6 +347,7 @@ class Batch:
             if self.rec_logits is not None:
                 self.rec_logits[seq.row].extend(logits[kept].float())
         if self.criteria is not None:
+            self.criteria.device = logits.device  # HF's input_ids live on the model's device
             self._check_criteria()
         if cfg.streamer is not None:  # batch 1: its every token was checked above
             seq = seqs[0]

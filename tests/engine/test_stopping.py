@@ -170,3 +170,18 @@ def test_lm_eval_generate_until_equals_plain_model(smol, batch):
     ours = _generate_until(wrapped, tok, batch, LMEVAL_CONTEXTS)
     assert ours == ref
     assert any(r != "" for r in ref)
+
+
+@pytest.mark.slow
+def test_stop_strings_batch_of_five_equal_hf(smol):
+    model, tok = smol
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=4096)
+    enc = tok(LMEVAL_CONTEXTS, return_tensors="pt", padding=True)
+    w = enc["input_ids"].shape[1]
+    kw = dict(max_new_tokens=20, do_sample=False, stop_strings=["Friday", "17,", "The cat sat", "Madrid"], tokenizer=tok)
+    ref = model.generate(**enc, **kw)
+    out = wrapped.generate(**enc, prompt_lookup_num_tokens=4, **kw)
+    texts = tok.batch_decode(ref[:, w:], skip_special_tokens=True)
+    assert sum(any(t.endswith(s) for s in kw["stop_strings"]) for t in texts) >= 2, texts  # setup: rows stop
+    assert torch.equal(out, ref), (tok.batch_decode(out[:, w:]), texts)
+    assert wrapped.last_stats.accepted > 0
