@@ -42,13 +42,14 @@ def setup():
     return model, hf_plookup.wrap(model, max_cache_tokens=8192, block_size=8)
 
 
-def _run_both(model, wrapped, batch, make, k, **kw):
+def _run_both(model, wrapped, batch, make, k, tree=None, **kw):
     ids, mask, conts = _copy_batch(model, batch)
     ref_crit, our_crit = make(conts), make(conts)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                          stopping_criteria=StoppingCriteriaList([ref_crit]), **kw)
     out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                           stopping_criteria=StoppingCriteriaList([our_crit]), prompt_lookup_num_tokens=k or None, **kw)
+                           stopping_criteria=StoppingCriteriaList([our_crit]), prompt_lookup_num_tokens=k or None,
+                           **({"prompt_lookup_tree_nodes": tree} if tree else {}), **kw)
     assert not wrapped.last_stats.delegated
     return ids, ref, out, ref_crit, our_crit
 
@@ -80,14 +81,16 @@ def test_per_row_criterion_sees_hf_calls(setup, batch, k, eos):
 
 
 @pytest.mark.parametrize("batch", [3, 5])
-def test_one_bool_criterion_broadcast(setup, batch):
+@pytest.mark.parametrize("tree", [None, 8])
+def test_one_bool_criterion_broadcast(setup, batch, tree):
     model, wrapped = setup
 
     def make(conts):
         return PerRow([conts[i][2 + 2 * i] for i in range(len(conts))], one_bool=True)
 
-    ids, ref, out, ref_crit, our_crit = _run_both(model, wrapped, batch, make, 4)
+    ids, ref, out, ref_crit, our_crit = _run_both(model, wrapped, batch, make, 4, tree)
     w = ids.shape[1]
+    assert wrapped.last_stats.drafter == ("ngram-tree" if tree else "ngram")
     assert ref.shape[1] < w + NEW, "setup: the batch stops before max_new_tokens"
     assert torch.equal(out, ref), f"\n{out[:, w:]}\n{ref[:, w:]}"
     _same_calls(ref_crit, our_crit, batch, w)
