@@ -72,7 +72,8 @@ class BatchCriteria:
                     cuts[r] = nxt
             else:
                 self.stopped |= fired & ~gone
-                if (self.stopped | ended).all():  # HF's loop ends: every row is cut at this length
+                # HF's loop ends when every row is stopped or at its length limit: all cut here
+                if (self.stopped | (ended & (lengths <= nxt))).all():
                     for r in np.flatnonzero(~ended | (lengths > nxt)):
                         lengths[r], ended[r] = nxt, True
                         cuts[r] = nxt

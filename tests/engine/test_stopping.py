@@ -117,14 +117,18 @@ def test_criteria_get_recorded_scores_tuple(setup):
             torch.testing.assert_close(a[t][live], b[t][live], atol=1e-4, rtol=1e-4)
 
 
-def test_max_new_tokens_respected_by_rows_ahead(setup):
+@pytest.mark.parametrize("eos", ["default", None])
+def test_max_new_tokens_respected_by_rows_ahead(setup, eos):
+    """Without EOS tokens HF keeps generating a stopped row until every row is stopped or at
+    max_new_tokens: a row that stopped while others reached the limit is not cut."""
     model, wrapped = setup
     ids, mask, conts = _copy_batch(model, 4)
+    extra = {} if eos == "default" else dict(eos_token_id=None, pad_token_id=0)
     crit = PerRow([conts[0][1], 99, 99, 99])  # row 0 stops at once; the others run ahead to the limit
     out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=7, stopping_criteria=StoppingCriteriaList([crit]),
-                           prompt_lookup_num_tokens=4)
+                           prompt_lookup_num_tokens=4, **extra)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False,
-                         stopping_criteria=StoppingCriteriaList([PerRow([conts[0][1], 99, 99, 99])]))
+                         stopping_criteria=StoppingCriteriaList([PerRow([conts[0][1], 99, 99, 99])]), **extra)
     assert torch.equal(out, ref)
     assert [c.shape[1] for c in crit.calls] == list(range(ids.shape[1] + 1, ids.shape[1] + 8))
 
@@ -188,3 +192,72 @@ def test_stop_strings_batch_of_five_equal_hf(smol):
     assert sum(any(t.endswith(s) for s in kw["stop_strings"]) for t in texts) >= 2, texts  # setup: rows stop
     assert torch.equal(out, ref), (tok.batch_decode(out[:, w:]), texts)
     assert wrapped.last_stats.accepted > 0
+
+
+# ------------------------------------------------------------------------------------------
+# BatchCriteria on its own (no model): which calls run, what they see, where rows are cut
+# ------------------------------------------------------------------------------------------
+
+
+class Scripted(StoppingCriteria):
+    """Says stop for row r at length n when (r, n) is in `stops`; records each call's input_ids."""
+
+    def __init__(self, stops):
+        self.stops, self.calls = set(stops), []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls.append(input_ids.clone())
+        n = input_ids.shape[1]
+        return torch.tensor([(r, n) in self.stops for r in range(input_ids.shape[0])])
+
+
+def _criteria(stops, pad_finished):
+    from hf_plookup.engine.stopping import BatchCriteria
+
+    crit = Scripted(stops)
+    return crit, BatchCriteria(StoppingCriteriaList([crit]), width=2, batch=2, pad_token_id=0, pad_finished=pad_finished)
+
+
+def test_batch_criteria_waits_for_the_slowest_row_and_cuts_rows_ahead():
+    import numpy as np
+
+    rows = np.array([[5, 6, 11, 12, 13, 14, 15], [5, 6, 21, 22, 23, 24, 25]])
+    crit, bc = _criteria({(1, 4)}, pad_finished=True)
+    lengths, ended = np.array([3, 7]), np.array([False, False])
+    assert bc.advance(rows, lengths, ended) == {} and bc.checked == 3  # row 0 has no token at length 4 yet
+    lengths[0] = 5
+    assert bc.advance(rows, lengths, ended) == {1: 4}  # row 1's tokens after length 4 are dropped
+    assert lengths.tolist() == [5, 4] and ended.tolist() == [False, True] and bc.checked == 5
+    assert [c.shape[1] for c in crit.calls] == [3, 4, 5]
+    assert crit.calls[-1][1].tolist() == [5, 6, 21, 22, 0]  # a row that stopped is padded
+    ended[0] = True  # row 0 ends (EOS) at length 5: nothing left to check
+    assert bc.advance(rows, lengths, ended) == {} and len(crit.calls) == 3
+
+
+def test_batch_criteria_cuts_a_row_before_its_own_eos():
+    import numpy as np
+
+    rows = np.array([[5, 6, 11, 12, 13], [5, 6, 21, 22, 23]])
+    crit, bc = _criteria({(0, 3)}, pad_finished=True)
+    lengths, ended = np.array([5, 3]), np.array([True, False])  # row 0 reached EOS at 5, ahead
+    assert bc.advance(rows, lengths, ended) == {0: 3}
+    assert lengths.tolist() == [3, 3]
+
+
+def test_batch_criteria_without_eos_keeps_a_stopped_row_going():
+    """HF without EOS tokens: a stopped row keeps generating until every row is stopped or at
+    its length limit; a row ahead that reached max_new_tokens does not end the loop early."""
+    import numpy as np
+
+    rows = np.array([[5, 6, 11, 12, 13, 14], [5, 6, 21, 22, 23, 24]])
+    crit, bc = _criteria({(0, 3)}, pad_finished=False)
+    lengths, ended = np.array([3, 6]), np.array([False, True])  # row 1 is at max_new_tokens
+    assert bc.advance(rows, lengths, ended) == {} and bc.checked == 3
+    lengths[0] = 6
+    ended[0] = True
+    assert bc.advance(rows, lengths, ended) == {} and bc.checked == 6
+    assert lengths.tolist() == [6, 6]
+    crit, bc = _criteria({(0, 3), (1, 4)}, pad_finished=False)
+    lengths, ended = np.array([5, 6]), np.array([False, True])
+    assert bc.advance(rows, lengths, ended) == {0: 4, 1: 4}  # both stopped by length 4: HF ends there
+    assert crit.calls[-1].tolist() == [[5, 6, 11, 12], [5, 6, 21, 22]]  # no padding without EOS
