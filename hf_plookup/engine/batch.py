@@ -272,8 +272,9 @@ class Batch:
                     del rec[row][keep:]
 
     def verify_and_commit(self, active: list[ScheduledChunk], logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """Score every verified position (`logits` [N, V]), accept drafts, append tokens up to the
-        first stop. Returns the cache moves of accepted tree paths (source slots [M], destination
+        """Score every verified position (`logits` [N, V]), accept drafts, append tokens up to EOS
+        or the length limit, then run the stopping-criteria checks every row has reached (which
+        may cut rows back). Returns the cache moves of accepted tree paths (source slots [M], destination
         slots [M]; empty for chains): the caller copies those keys/values before the next step."""
         cfg, history, hf_rows, width = self.cfg, self.history, self.hf_rows, self.width
         seqs = [c.seq for c in active]
@@ -307,7 +308,6 @@ class Batch:
             else:
                 accepted, final = accept_greedy(scores, offsets, num_drafts, step_drafts)
             paths = [np.arange(1, a + 1, dtype=np.int64) for a in accepted]
-        counts = accepted + 1
         # the tokens a row may emit and, for each, the fed position that scored it
         candidates = [np.append(step_drafts[i, paths[i] - 1], final[i]) for i in range(len(seqs))]
         cand_rows = [offsets[i] + np.concatenate(([0], paths[i])) for i in range(len(seqs))]
