@@ -7,27 +7,20 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention.registry import register
 from .engine.engine import Engine, EngineOptions
 from .generation import GENERATE_ARGS, OWN_ARGS, resolve
+from .outputs import PlookupGenerateOutput, assemble  # noqa: F401  (PlookupGenerateOutput: public name)
 from .drafting.ngram import NgramProposer
 from .stats import SpecStats
 
 logger = logging.getLogger("hf_plookup")
 
 _OPTION_NAMES = {f.name for f in fields(EngineOptions)}
-
-
-@dataclass
-class PlookupGenerateOutput(GenerateDecoderOnlyOutput):
-    """HF's decoder-only output plus the call's `SpecStats`."""
-
-    stats: SpecStats | None = None
 
 
 _STATE = "_hf_plookup"  # the instance __dict__ key of a wrapped model's `_State`
@@ -125,15 +118,7 @@ class PlookupModel:
         finally:
             stats.wall_time = time.perf_counter() - start
             state.local.stats = stats
-        sequences = _layout(request.input_ids, result.new_tokens, request.pad_token_id)
-        if request.return_dict:
-            return PlookupGenerateOutput(
-                sequences=sequences,
-                scores=_per_step(result.scores, sequences.device),
-                logits=_per_step(result.logits, sequences.device),
-                stats=stats,
-            )
-        return sequences
+        return assemble(self, request, result, stats, engine.exclusive)
 
 
 PlookupMixin = PlookupModel
@@ -211,30 +196,6 @@ def _current_engine(model: torch.nn.Module, state: _State) -> Engine:
         return state.engine
 
 
-def _per_step(per_row: list[list[torch.Tensor]] | None, device) -> tuple[torch.Tensor, ...] | None:
-    """Per-row lists of [V] vectors -> HF's tuple over steps of [B, V]. A row that finished
-    earlier gets zeros in later steps (HF fills those with scores computed on pad tokens)."""
-    if per_row is None:
-        return None
-    steps = max(len(r) for r in per_row)
-    vocab = next(v.shape[-1] for r in per_row for v in r)
-    out = []
-    for t in range(steps):
-        rows = [r[t] if t < len(r) else torch.zeros(vocab, device=r[0].device) for r in per_row]
-        out.append(torch.stack(rows).to(device))
-    return tuple(out)
-
-
-def _layout(input_ids: torch.Tensor, new_tokens, pad_token_id: int | None) -> torch.Tensor:
-    """HF's output: input rows as given, then generated tokens, shorter rows padded."""
-    b = input_ids.shape[0]
-    width = max(len(t) for t in new_tokens)
-    if pad_token_id is None and any(len(t) != width for t in new_tokens):
-        raise RuntimeError("rows finished at different lengths but there is no pad_token_id")
-    out = torch.full((b, width), pad_token_id if pad_token_id is not None else 0, dtype=input_ids.dtype)
-    for i, t in enumerate(new_tokens):
-        out[i, : len(t)] = torch.from_numpy(t).to(input_ids.dtype)
-    return torch.cat([input_ids, out.to(input_ids.device)], dim=1)
 
 
 def wrap(model, **options):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .engine.sequence import DecodeConfig
@@ -67,6 +67,10 @@ class Request:
     decode: DecodeConfig
     pad_token_id: int | None
     return_dict: bool
+    attention_mask: torch.Tensor | None = None  # [B', L] the mask of input_ids (given or inferred)
+    # the caller's cache (HF extends it in place; see outputs.assemble); its content is not read:
+    # the engine prefills the whole input_ids
+    past_key_values: DynamicCache | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompts) != self.input_ids.shape[0]:
@@ -134,9 +138,24 @@ def delegation_reason(config: GenerationConfig, args: dict, model_kwargs: dict) 
         if value is not None and value != default:
             return f"`{name}={value!r}`"
     extra = set(model_kwargs) - _HARMLESS_MODEL_KWARGS
+    if type(model_kwargs.get("past_key_values")) is DynamicCache:  # other caches: HF's generate
+        extra.discard("past_key_values")
     if extra:
         return f"model inputs {sorted(extra)}"
     return ""
+
+
+def _check_past(past: DynamicCache, input_ids: torch.Tensor, config: GenerationConfig) -> None:
+    """A `DynamicCache` given to continue from: it must cover a prefix of `input_ids`."""
+    if getattr(config, "cache_implementation", None) is not None:
+        raise ValueError("Passing both `cache_implementation` and `past_key_values` (a Cache object) is unsupported")
+    cached = past.get_seq_length()
+    if cached >= input_ids.shape[1]:
+        raise ValueError(f"past_key_values holds {cached} tokens: input_ids ({input_ids.shape[1]} tokens) must "
+                         "hold those and at least one more")
+    if cached and past.layers[0].keys.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"past_key_values has batch size {past.layers[0].keys.shape[0]}, input_ids has "
+                         f"{input_ids.shape[0]} rows")
 
 
 def attended_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[np.ndarray]:
@@ -258,6 +277,9 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
     reason = delegation_reason(config, args, model_kwargs)
     if reason:
         return reason
+    past = model_kwargs.pop("past_key_values", None)
+    if past is not None:
+        _check_past(past, input_ids, config)
     config.validate()
     _check_sampling(config)
     streamer = args.get("streamer")
@@ -325,6 +347,9 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
         output_scores=bool(config.return_dict_in_generate and config.output_scores),
         output_logits=bool(config.return_dict_in_generate and config.output_logits),
         hf_input_ids=input_ids.cpu().numpy().astype(np.int64),
+        pad_token_id=pad,
+        # HF returns its cache with return_dict_in_generate (unless use_cache=False) and extends a given one
+        keep_kv=past is not None or bool(config.return_dict_in_generate and model_kwargs.get("use_cache", config.use_cache)),
     )
     return Request(
         input_ids=input_ids,
@@ -332,4 +357,6 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
         decode=decode,
         pad_token_id=pad,
         return_dict=bool(config.return_dict_in_generate),
+        attention_mask=mask,
+        past_key_values=past,
     )

@@ -28,7 +28,7 @@ from ..drafting.verify import accept_greedy, accept_sampling
 from ..stats import SpecStats
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import DecodeConfig, Sequence
-from .stopping import first_stops
+from .stopping import BatchCriteria
 
 
 @dataclass(slots=True)
@@ -36,6 +36,8 @@ class GenerationResult:
     new_tokens: list[np.ndarray]  # B arrays of generated tokens (EOS included, no padding)
     scores: list[list[torch.Tensor]] | None  # per row, processed scores [V] of each new token
     logits: list[list[torch.Tensor]] | None  # per row, raw logits [V] of each new token
+    # per row, per layer (K, V) [H_kv, n, D] of its cached tokens (DecodeConfig.keep_kv), else None
+    kv: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +98,8 @@ class Batch:
         self.width = 0  # W
         self.rec_scores: list[list[torch.Tensor]] | None = None
         self.rec_logits: list[list[torch.Tensor]] | None = None
+        self.criteria: BatchCriteria | None = None  # HF's stopping-criteria calls (first call only)
+        self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # row -> per layer (K, V) (keep_kv)
 
     def add(self, call: Call) -> None:
         """Give `call`'s prompts rows (growing the buffers) and queue them in the scheduler."""
@@ -120,6 +124,9 @@ class Batch:
                 self.hf_rows[:, : self.width] = cfg.hf_input_ids
             self.rec_scores = [[] for _ in range(b)] if cfg.output_scores else None
             self.rec_logits = [[] for _ in range(b)] if cfg.output_logits else None
+            if cfg.stopping:
+                self.criteria = BatchCriteria(cfg.stopping, self.width, b, cfg.pad_token_id,
+                                              pad_finished=bool(cfg.eos_token_ids))
         call.stats.num_sequences = b
         call.stats.resize(cfg.k)
         call.stats.drafter = ("" if self.proposer is None else "ngram" if not self.tree else
@@ -199,7 +206,30 @@ class Batch:
             [self.history[s.row, s.prompt_len : s.num_tokens].copy() for s in call.seqs],
             self.rec_scores if call is self.calls[0] else None,
             self.rec_logits if call is self.calls[0] else None,
+            [self.kv[s.row] for s in call.seqs] if call.cfg.keep_kv else None,
         )
+
+    @property
+    def keeps_kv(self) -> bool:
+        """Whether a call of this loop returns past_key_values (its rows' KV is saved at finish)."""
+        return any(c.cfg.keep_kv for c in self.calls)
+
+    def save_kv(self, seqs: list[Sequence], cache) -> None:
+        """Copy the keys/values of finished `seqs` out of the pages before their blocks are freed
+        (only for calls that return `past_key_values`): per layer [H_kv, num_cached, D]."""
+        bs = self.sched.blocks.block_size
+        for seq in seqs:
+            if seq.row in self.kv or not self.call_of_row[seq.row].cfg.keep_kv:
+                continue
+            table = np.asarray(self.sched.blocks.table(seq.seq_id), dtype=np.int64)
+            pos = np.arange(seq.num_cached)
+            slots = torch.from_numpy(table[pos // bs] * bs + pos % bs)
+            layers = []
+            for k, v in zip(cache.keys, cache.values):
+                sl = slots.to(k.device)
+                layers.append(tuple(p.view(-1, *p.shape[2:]).index_select(0, sl).transpose(0, 1).contiguous()
+                                    for p in (k, v)))
+            self.kv[seq.row] = layers
 
     def tree_parents(self, row: int, num_drafts: int) -> np.ndarray | None:
         """Parents [num_drafts] (chunk indices) of row `row`'s draft nodes this step; None for chains."""
@@ -216,9 +246,35 @@ class Batch:
             paths.append(np.asarray(path, dtype=np.int64))
         return paths, final
 
+    def _check_criteria(self) -> None:
+        """Run HF's stopping-criteria calls that every row has reached (engine.stopping), and cut
+        the rows a criterion stops: their tokens after that length are dropped, they finish."""
+        call = self.calls[0]
+        seqs = call.seqs
+        lengths = np.array([self.width + s.num_generated for s in seqs], dtype=np.int64)  # [B]
+        ended = np.array([s.finished for s in seqs], dtype=bool)  # [B]
+        scores_of = None
+        if self.rec_scores is not None:
+            def scores_of(t: int) -> torch.Tensor:  # [B, V] HF's scores of step t (rows done by then: zeros)
+                rec = self.rec_scores
+                like = next(r[t] for r in rec if len(r) > t)
+                return torch.stack([r[t] if len(r) > t else torch.zeros_like(like) for r in rec])
+        for row, length in self.criteria.advance(self.hf_rows, lengths, ended, scores_of).items():
+            seq = seqs[row]
+            keep = length - self.width  # tokens generated up to the cut
+            drop = seq.num_generated - keep
+            seq.num_tokens = seq.prompt_len + keep
+            seq.num_cached = min(seq.num_cached, seq.num_tokens)
+            seq.finished = True
+            call.stats.new_tokens -= drop
+            for rec in (self.rec_scores, self.rec_logits):
+                if rec is not None:
+                    del rec[row][keep:]
+
     def verify_and_commit(self, active: list[ScheduledChunk], logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """Score every verified position (`logits` [N, V]), accept drafts, append tokens up to the
-        first stop. Returns the cache moves of accepted tree paths (source slots [M], destination
+        """Score every verified position (`logits` [N, V]), accept drafts, append tokens up to EOS
+        or the length limit, then run the stopping-criteria checks every row has reached (which
+        may cut rows back). Returns the cache moves of accepted tree paths (source slots [M], destination
         slots [M]; empty for chains): the caller copies those keys/values before the next step."""
         cfg, history, hf_rows, width = self.cfg, self.history, self.hf_rows, self.width
         seqs = [c.seq for c in active]
@@ -252,20 +308,9 @@ class Batch:
             else:
                 accepted, final = accept_greedy(scores, offsets, num_drafts, step_drafts)
             paths = [np.arange(1, a + 1, dtype=np.int64) for a in accepted]
-        counts = accepted + 1
         # the tokens a row may emit and, for each, the fed position that scored it
         candidates = [np.append(step_drafts[i, paths[i] - 1], final[i]) for i in range(len(seqs))]
         cand_rows = [offsets[i] + np.concatenate(([0], paths[i])) for i in range(len(seqs))]
-        if cfg.stopping:
-            starts = width + gen
-            for i, s in enumerate(seqs):
-                hf_rows[s.row, starts[i] : starts[i] + counts[i]] = candidates[i]
-            keep, stopped = first_stops(
-                cfg.stopping, rows, starts, counts, hf_rows,
-                scores[torch.from_numpy(np.concatenate(cand_rows)).to(scores.device)]
-            )
-        else:
-            keep, stopped = counts, np.zeros(len(seqs), dtype=bool)
         move_src, move_dst = [], []
         for i, (c, seq) in enumerate(zip(active, seqs)):
             stats = self.call_of_row[seq.row].stats
@@ -291,9 +336,7 @@ class Batch:
                             pos = c.start + off
                             out.append(table[pos // bs] * bs + pos % bs)
                 seq.num_cached += 1 + a
-            emitted = seq.append(history, candidates[i][: keep[i]].tolist(), cfg.eos_token_ids)
-            if stopped[i] and emitted == keep[i]:
-                seq.finished = True  # a stopping criterion fired on the last kept token
+            emitted = seq.append(history, candidates[i].tolist(), cfg.eos_token_ids)
             if hf_rows is not None:
                 hf_rows[seq.row, width + gen[i] : width + gen[i] + emitted] = candidates[i][:emitted]
             stats.row_steps += 1
@@ -303,8 +346,12 @@ class Batch:
                 self.rec_scores[seq.row].extend(scores[kept])
             if self.rec_logits is not None:
                 self.rec_logits[seq.row].extend(logits[kept].float())
-            if cfg.streamer is not None:
-                for t in candidates[i][:emitted]:
-                    cfg.streamer.put(torch.tensor([int(t)]))
+        if self.criteria is not None:
+            self.criteria.device = logits.device  # HF's input_ids live on the model's device
+            self._check_criteria()
+        if cfg.streamer is not None:  # batch 1: its every token was checked above
+            seq = seqs[0]
+            for t in history[seq.row, seq.prompt_len + gen[0] : seq.num_tokens]:
+                cfg.streamer.put(torch.tensor([int(t)]))
         empty = np.zeros(0, dtype=np.int64)
         return (np.concatenate(move_src) if move_src else empty, np.concatenate(move_dst) if move_dst else empty)

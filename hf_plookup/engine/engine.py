@@ -257,6 +257,8 @@ class Engine:
                         c.seq.num_cached += c.num_tokens
                 if active:
                     cache.move_slots(*batch.verify_and_commit(active, logits))  # accepted tree paths into place
+                if batch.keeps_kv:  # past_key_values: keys/values of finished rows, before their blocks go
+                    batch.save_kv([s for s in sched.running if s.finished], cache)
                 sched.retire_finished()
                 for c in active:
                     if not c.seq.finished:

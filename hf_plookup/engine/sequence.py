@@ -26,6 +26,8 @@ class DecodeConfig:
     output_scores: bool = False
     output_logits: bool = False
     hf_input_ids: np.ndarray | None = None  # [B, W] int64 input rows as given (processors see these)
+    pad_token_id: int | None = None  # what HF writes after a row's end (stopping criteria see it)
+    keep_kv: bool = False  # copy each row's keys/values out of the pages when it finishes (past_key_values)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
