@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     wrapped = hf_plookup.wrap(model, join_calls=not args.no_join)
     common.set_threads(args.threads)
     docs = common.load_jsonl(common.BUILTIN_PATH)
-    chat = common.has_chat_template(tokenizer)
+    chat = common.use_chat(args.model, tokenizer)  # a base model gets the few-shot prompt
     n = args.clients * args.calls_per_client
     prompts = [common.encode_prompt(tokenizer, common.build_prompt(tokenizer, docs[i % len(docs)]["document"], chat), chat)
                for i in range(n)]

@@ -514,7 +514,8 @@ def main(argv=None) -> int:
 
     mine = shard(list(enumerate(docs)), state.process_index, state.num_processes)
     prompts = {
-        i: common.encode_prompt(tokenizer, common.build_prompt(tokenizer, common.truncate_document(tokenizer, d["document"], args.max_input_tokens), chat), chat)
+        i: common.encode_prompt(tokenizer, common.build_prompt(tokenizer, common.truncate_document(tokenizer, d["document"], args.max_input_tokens), chat,
+                                                  common.SUMMARY_REQUEST), chat)
         for i, d in mine
     }
     specs = variant_specs(args.k, args.with_hf_plookup, args.batch_size)

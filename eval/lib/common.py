@@ -18,7 +18,10 @@ BUILTIN_PATH = REPO_ROOT / "eval" / "data" / "builtin.jsonl"
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-CHAT_INSTRUCTION = "Summarize the following text in two or three sentences.\n\n{document}"
+CHAT_INSTRUCTION = "Summarize the following text in two or three sentences.\n\n{document}"  # bench.py's prompts
+# eval/summarize.py's request: the instruction after the document. With it in front, SmolLM2-135M
+# answered 2 of the 8 default documents with a run of years or the notes' header copied out.
+SUMMARY_REQUEST = "{document}\n\nSummarize the text above in two or three sentences."
 # A base model is not asked anything: it is shown one article with its summary and continues the
 # pattern (an instruction line in front only made the base Gemma repeat the instruction, then copy
 # the article's opening). The example is invented and is none of the builtin documents.
@@ -35,7 +38,7 @@ FEWSHOT_SUMMARY = (
 )
 FEWSHOT_PROMPT = f"Article: {FEWSHOT_ARTICLE}\nSummary: {FEWSHOT_SUMMARY}\n\nArticle: {{document}}\nSummary:"
 PROMPT_STYLES = {
-    "chat": "chat template, one user turn: " + CHAT_INSTRUCTION.split("\n")[0],
+    "chat": "chat template, one user turn: <document>, then 'Summarize the text above in two or three sentences.'",
     "fewshot": "few-shot for a base model: one 'Article: ... Summary: ...' example, then 'Article: <document> Summary:'",
 }
 
@@ -166,15 +169,15 @@ def use_chat(model_name: str, tokenizer) -> bool:
     return is_instruct(model_name, tokenizer)
 
 
-def build_prompt(tokenizer, document: str, use_chat: bool | None = None) -> str:
+def build_prompt(tokenizer, document: str, use_chat: bool | None = None, request: str = CHAT_INSTRUCTION) -> str:
     """The summarization prompt text: for a chat model its chat template (one user turn asking
     for a summary, with the generation prompt); for a base model the few-shot prompt
     (FEWSHOT_PROMPT), whose natural continuation is the document's summary. `use_chat` None:
-    whether the tokenizer has a chat template."""
+    whether the tokenizer has a chat template; `request`: the user turn, with a {document} field."""
     if use_chat is None:
         use_chat = has_chat_template(tokenizer)
     if use_chat:
-        messages = [{"role": "user", "content": CHAT_INSTRUCTION.format(document=document)}]
+        messages = [{"role": "user", "content": request.format(document=document)}]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return FEWSHOT_PROMPT.format(document=document)
 
