@@ -46,4 +46,4 @@ def test_help_shows_every_default_and_threads(path):
     threads = next((a for a in parser._actions if "--threads" in a.option_strings), None)
     assert threads is not None, f"{path.name} has no --threads"
     threads_help = " ".join(parser._get_formatter()._expand_help(threads).split())
-    assert "default:" in threads_help and "on this machine" in threads_help, threads_help
+    assert "default:" in threads_help, threads_help
