@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `eval.common` importable
+if __package__ in (None, ""):  # run as a script: make `eval.lib.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval import common  # noqa: E402
+from eval.lib import common  # noqa: E402
 
 HF_GREEDY = "hf-greedy"
 

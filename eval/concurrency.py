@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `eval.common` importable
+if __package__ in (None, ""):  # run as a script: make `eval.lib.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_plookup  # noqa: E402
-from eval import common  # noqa: E402
+from eval.lib import common  # noqa: E402
 from hf_plookup.embedded import default_example_model  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calls-per-client", type=int, default=8, help="one-prompt generate calls per client")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    common.add_threads_option(p)
     p.add_argument("--no-join", action="store_true", help="wrap with join_calls=False (callers take turns)")
     p.add_argument("--json", default=None, help="write the results here")
     return common.show_defaults(p)
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     wrapped = hf_plookup.wrap(model, join_calls=not args.no_join)
     common.set_threads(args.threads)
     docs = common.load_jsonl(common.BUILTIN_PATH)
-    chat = common.has_chat_template(tokenizer)
+    chat = common.use_chat(args.model, tokenizer)  # a base model gets the few-shot prompt
     n = args.clients * args.calls_per_client
     prompts = [common.encode_prompt(tokenizer, common.build_prompt(tokenizer, docs[i % len(docs)]["document"], chat), chat)
                for i in range(n)]

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval import common  # noqa: E402
+from eval.lib import common  # noqa: E402
 from eval.bench import builtin_prompts  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="embedded alias (gemma3-270m, smollm2-135m) or HF id/path")
     p.add_argument("--dtype", default="fp32", choices=sorted(common.DTYPES))
     p.add_argument("--device", default=None)
-    p.add_argument("--threads", type=int, default=None)
+    common.add_threads_option(p)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="prompt_lookup_num_tokens values")
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-candidates", type=int, nargs="+", default=[None],
                    help="TreeProposer max_candidates values (default: its own)")
     p.add_argument("--json", default=None)
-    return p
+    return common.show_defaults(p)
 
 
 def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0) -> tuple[int, int, float, int]:

@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: make hf_plookup importable fro
 import hf_plookup  # noqa: E402
 from hf_plookup.engine.runner import ModelRunner  # noqa: E402
 from hf_plookup.drafting.ngram import NgramProposer  # noqa: E402
-from eval.common import show_defaults  # noqa: E402
+from eval.lib.common import add_threads_option, show_defaults  # noqa: E402
 
 _QWEN3_COMMON = dict(num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                      rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; models not started by then are skipped")
     p.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_bench.json, else results/gpu_bench.json)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny random Qwen3, fp32, a few tokens (for tests)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (--smoke: 1)")
+    add_threads_option(p, "torch CPU threads (--smoke: 1)")
     p.add_argument("--seed", type=int, default=0)
     return show_defaults(p)
 

@@ -24,6 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eval.lib.common import add_threads_option, show_defaults  # noqa: E402
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-candidates", type=int, default=None, help="TreeProposer max_candidates (default: its own)")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
-    return p
+    p.add_argument("--json", default=None, help="write the results here")
+    add_threads_option(p, "numba threads (the drafters run on numba)", "numba's default", numba.config.NUMBA_NUM_THREADS)
+    return show_defaults(p)
 
 
 def text_like(rng: np.random.Generator, rows: int, length: int, vocab: int) -> np.ndarray:
@@ -104,7 +107,12 @@ def run(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.threads is not None:
+        if not 1 <= args.threads <= numba.config.NUMBA_NUM_THREADS:
+            p.error(f"--threads must be between 1 and {numba.config.NUMBA_NUM_THREADS} (NUMBA_NUM_THREADS), got {args.threads}")
+        numba.set_num_threads(args.threads)
     rows = run(args)
     print(f"batch {args.batch}, {args.history}-token histories, k {args.k}, {args.steps} steps, "
           f"numba threads {numba.get_num_threads()}")

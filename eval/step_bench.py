@@ -35,7 +35,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make hf_plookup and eval importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.common import show_defaults  # noqa: E402
+from eval.lib.common import add_threads_option, show_defaults  # noqa: E402
 from eval.gpu_bench import DTYPES, MODELS, build_model, copy_bandwidth, sync  # noqa: E402
 from hf_plookup.attention.registry import register  # noqa: E402
 from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket, pad_plan  # noqa: E402
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each mode runs once per backend")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=20, help="timed calls per (mode, batch, q); the median counts")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_threads_option(p)
     p.add_argument("--out", default=None, help="JSON path (default: $OUT/step_bench.json, else results/step_bench.json)")
     p.add_argument("--seed", type=int, default=0)
     return show_defaults(p)

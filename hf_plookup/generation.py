@@ -196,6 +196,19 @@ def _max_new_tokens(model, config: GenerationConfig, width: int, input_ids: torc
     return config.max_length - width
 
 
+def _warn_past_context(model, width: int, max_new: int) -> None:
+    """HF's warning (its MaxLengthCriteria) when generation would run past the model's
+    `max_position_embeddings`, given here once, before any work, instead of after a step."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and width + max_new > limit:
+        logger.warning(
+            "This is a friendly reminder - the current text generation call has exceeded the model's predefined "
+            f"maximum length ({limit}). Depending on the model, you may observe "
+            f"exceptions, performance degradation, or nothing at all. (input_ids: {width} tokens, "
+            f"max_new_tokens: {max_new})"
+        )
+
+
 # generate arguments of hf_plookup's own (HF's generate does not know them): drafting options
 OWN_ARGS = ("prompt_lookup_tree_nodes", "draft_cross_rows", "draft_corpus")
 
@@ -305,6 +318,7 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
 
     width = input_ids.shape[1]
     max_new = _max_new_tokens(model, config, width, input_ids, has_default_max_length, has_default_min_length)
+    _warn_past_context(model, width, max_new)
     if mask is None:
         mask = infer_attention_mask(input_ids, pad, eos)
     if nrs > 1:

@@ -143,12 +143,10 @@ def test_checkpoint_is_cached(alias, checkpoint):
     stamp_file = checkpoint / embedded._STAMP_FILE
     weights = checkpoint / "model.safetensors"
     before = (stamp_file.stat().st_mtime_ns, weights.stat().st_mtime_ns)
-    t0 = time.perf_counter()
     again = embedded_checkpoint(alias)
-    elapsed = time.perf_counter() - t0
     assert again == checkpoint == cache_dir() / alias
-    assert elapsed < 1.0, f"second embedded_checkpoint call took {elapsed:.2f}s"
-    assert (stamp_file.stat().st_mtime_ns, weights.stat().st_mtime_ns) == before  # not reconverted
+    # not reconverted: the files are untouched (checked by their times, not by how long the call took)
+    assert (stamp_file.stat().st_mtime_ns, weights.stat().st_mtime_ns) == before
     stamp = json.loads(stamp_file.read_text())
     # recorded at conversion: rebuilt model == GGUF-loaded model on a short input
     assert stamp["max_abs_logit_diff_vs_gguf"] == 0.0

@@ -5,6 +5,7 @@ base Gemma 3 270M gets plain-text prompts whose output reads as text about the p
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 
 from hf_plookup import embedded
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
 MODEL = "smollm2-135m"
 
 pytestmark = [
@@ -78,3 +80,21 @@ def test_base_model_example_reads_as_text(capsys):
     assert answer.isascii(), answer
     shared = _words(answer) & _words(quickstart.TEXT)
     assert len(shared) >= 4, (answer, shared)
+
+
+def readme_first_code_block() -> str:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"```python\n(.*?)```", text, re.S)
+    assert match, "README.md has no python code block"
+    return match.group(1)
+
+
+def test_readme_first_code_block_runs_as_written(capsys):
+    """The README's first code block, executed verbatim (offline: the embedded SmolLM2)."""
+    code = readme_first_code_block()
+    assert "load_embedded" in code
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) >= 3, lines
+    stats = lines[-1].split()
+    assert float(stats[0]) >= 1.0  # tokens per forward

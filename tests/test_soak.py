@@ -3,8 +3,10 @@ user stopping criteria, processors, sampling, small caches that make rows wait, 
 errors or interrupts raised inside calls. Every greedy fp32 result must equal HF's, every failure
 must be the exception that was raised, no block may stay in use, and memory must stay flat.
 
-The default run is bounded in time (`SOAK_SECONDS`, 40 s); the long mode is an explicit opt-in
-run: `python -m pytest -m soak` (`SOAK_CALLS`, default 5000 calls).
+Both runs are bounded by a number of calls, never by wall time (a busy machine makes the run
+slower, not different): the default run makes `SOAK_BOUNDED_CALLS` calls (default 200) after 20
+warm-up calls; the long mode is an explicit opt-in run: `python -m pytest -m soak` (`SOAK_CALLS`,
+default 5000 calls).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
 
 import pytest
 import torch
@@ -143,27 +144,31 @@ class _Soak:
             blocks = w._engine.blocks
             assert blocks is None or blocks.num_free == blocks.num_blocks, "blocks left in use"
 
-    def run(self, calls: int | None, seconds: float | None) -> dict:
-        start = time.monotonic()
-        for _ in range(20):  # warm-up, then memory is measured
+    def run(self, calls: int) -> dict:
+        """20 warm-up calls, then `calls` more; memory is measured across the latter."""
+        for _ in range(20):
             self.one()
         rss0 = _rss_mb()
-        while (calls is None or self.stats["calls"] < calls) and (seconds is None or time.monotonic() - start < seconds):
+        for _ in range(calls):
             self.one()
         self.stats["rss_growth_mb"] = _rss_mb() - rss0
         return self.stats
 
 
 def test_soak_bounded():
-    stats = _Soak(seed=int(os.environ.get("SOAK_SEED", 0))).run(None, float(os.environ.get("SOAK_SECONDS", 40)))
-    assert stats["greedy_checked"] >= 50 and stats["faults"] >= 2, stats
+    calls = int(os.environ.get("SOAK_BOUNDED_CALLS", 200))
+    stats = _Soak(seed=int(os.environ.get("SOAK_SEED", 0))).run(calls)
+    assert stats["calls"] == calls + 20, stats
+    # the mix is drawn from the seeded rng: with the default seed and count these hold by a margin
+    assert stats["greedy_checked"] >= calls // 2 and stats["faults"] >= 2 and stats["sampled"] >= 2, stats
     assert stats["rss_growth_mb"] < 100, stats
     print("soak:", stats)
 
 
 @pytest.mark.soak
 def test_soak_long():
-    stats = _Soak(seed=int(os.environ.get("SOAK_SEED", 1))).run(int(os.environ.get("SOAK_CALLS", 5000)), None)
-    assert stats["calls"] >= int(os.environ.get("SOAK_CALLS", 5000)), stats
+    calls = int(os.environ.get("SOAK_CALLS", 5000))
+    stats = _Soak(seed=int(os.environ.get("SOAK_SEED", 1))).run(calls)
+    assert stats["calls"] == calls + 20, stats
     assert stats["rss_growth_mb"] < 100, stats
     print("soak:", stats)

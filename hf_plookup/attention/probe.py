@@ -107,6 +107,14 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
         with engine_attention(model, PROBE_IMPLEMENTATION):
             probed = model(input_ids=ids, attention_mask=None, use_cache=False).logits.float()
     except Exception as e:  # e.g. an attention path that needs the mask transformers builds
+        if not rec.layouts and not rec.anonymous_calls:
+            # it failed before any layer called the attention function: its attention does not go
+            # through AttentionInterface (Falcon computes scores itself and then adds a mask that is
+            # None here); the error it raised says nothing useful, so it is not chained
+            raise ValueError(f"hf_plookup cannot run {_arch(model)}: its attention layers compute attention "
+                             "themselves instead of calling a function through transformers' AttentionInterface "
+                             "(a probe forward failed before any layer called one), so the paged KV cache cannot "
+                             "be plugged in") from None
         raise ValueError(f"hf_plookup cannot run {_arch(model)}: a probe forward with attention through "
                          f"AttentionInterface and no mask failed ({type(e).__name__}: {e})") from e
     finally:

@@ -36,6 +36,18 @@ from .cpu_head import fast_head, head_chooser
 from .kv_cache import PagedKVCache
 from .runner import StepPlan
 
+
+def _import_mkldnn_quietly() -> None:
+    """Inductor's pre-grad passes import `torch.utils.mkldnn`, whose classes still use the
+    deprecated `torch.jit.script_method` (torch 2.13): 14 DeprecationWarnings on the first compile,
+    about torch's own code, which neither hf_plookup nor its users call. Importing that module
+    here with only that message silenced keeps the first compile quiet; any other warning shows."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method`", category=DeprecationWarning)
+        import torch.utils.mkldnn  # noqa: F401
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 COMPILE_BACKEND = "inductor"  # torch.compile backend of compiled steps (tests trace with "aot_eager")
 
@@ -148,6 +160,7 @@ class GraphRunner:
             if backend not in COMPILABLE_BACKENDS:
                 raise ValueError(f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, got {backend!r}")
             raise_recompile_limit(4 * len(BATCH_BUCKETS) * 16)
+            _import_mkldnn_quietly()
             options = {"freezing": True} if self.device.type == "cpu" and COMPILE_BACKEND == "inductor" else None
             self._compiled_forward = torch.compile(self._logits, fullgraph=True, dynamic=False,
                                                    backend=COMPILE_BACKEND, options=options)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eval import bench, common, summarize
+from eval import bench, summarize
+from eval.lib import common
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--num-docs", "4", "--batch-size", "2", "--max-new-tokens", "12", "--k", "2", "4", "--threads", "1",
@@ -31,7 +32,7 @@ def test_summarize_main_passes_accuracy_check(tiny_chat_ckpt, tmp_path, capsys):
         assert v["new_tokens"] > 0 and v["tokens_per_second"] > 0
     plk = res["variants"][2]
     assert len(plk["acceptance_per_position"]) == 4 and plk["tokens_per_forward"] >= 1.0
-    assert res["prompt"] == "chat template" and res["num_processes"] == 1
+    assert res["prompt_style"] == "chat" and res["prompt"].startswith("chat template") and res["num_processes"] == 1
     assert res["machine"]["threads"] == 1  # --threads survives hf_plookup.wrap()
     assert len(res["documents"]) == 4 * 5
     assert (out / "results.md").exists() and (out / "results.png").exists()
@@ -51,6 +52,8 @@ def test_summarize_main_fails_accuracy_check(tiny_ckpt, tmp_path, capsys, monkey
     captured = capsys.readouterr()
     assert "ACCURACY CHECK FAILED" in captured.err and "exact match 0.000 < 1.0" in captured.err
     res = json.loads((tmp_path / "results.json").read_text())
+    assert res["prompt_style"] == "fewshot"  # no chat template: a base model's few-shot prompt
+    assert "prompt style fewshot" in (tmp_path / "results.md").read_text()
     assert res["accuracy_check"]["failures"] and res["variants"][1]["mean_first_divergence"] > 0
     # without --check-accuracy the same run reports but exits 0
     assert summarize.main(["--model", str(tiny_ckpt), *SMALL, "--out", str(tmp_path), "--no-plot"]) == 0

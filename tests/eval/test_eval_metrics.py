@@ -1,4 +1,4 @@
-"""Pure harness functions of eval/summarize.py, eval/bench.py and eval/common.py."""
+"""Pure harness functions of eval/summarize.py, eval/bench.py and eval/lib/common.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from eval import bench, common, summarize
+from eval import bench, summarize
+from eval.lib import common
 
 
 # -- exact match / divergence ---------------------------------------------------------------
@@ -199,7 +200,9 @@ def test_prompts_plain_and_chat(tiny_ckpt, tiny_chat_ckpt):
 
     plain = AutoTokenizer.from_pretrained(tiny_ckpt)
     assert not common.has_chat_template(plain)
-    assert common.build_prompt(plain, "the doc") == "Summarize the following text.\n\nthe doc\n\nSummary:"
+    fewshot = common.build_prompt(plain, "the doc")  # a base model: one example, then the document
+    assert fewshot.startswith("Article: ") and fewshot.endswith("\n\nArticle: the doc\nSummary:")
+    assert fewshot.count("Summary:") == 2 and "Summarize" not in fewshot
     chat = AutoTokenizer.from_pretrained(tiny_chat_ckpt)
     text = common.build_prompt(chat, "the doc")
     assert text.startswith("<s><user> ") and "the doc" in text and text.endswith("<assistant> ")
@@ -207,6 +210,21 @@ def test_prompts_plain_and_chat(tiny_ckpt, tiny_chat_ckpt):
     long_doc = " ".join(["river"] * 50)
     assert common.truncate_document(plain, long_doc, 10) == " ".join(["river"] * 10)
     assert common.truncate_document(plain, long_doc, None) == long_doc
+
+
+def test_summary_text_cuts_the_fewshot_pattern():
+    assert common.summary_text(" The board met.\n\nArticle: next one", use_chat=False) == "The board met."
+    assert common.summary_text(" The board met.\nArticle: next", use_chat=False) == "The board met."
+    assert common.summary_text(" Line one.\n\nLine two.", use_chat=True) == "Line one.\n\nLine two."
+
+
+def test_use_chat_follows_the_model_not_the_attached_template(tiny_ckpt, tiny_chat_ckpt):
+    from transformers import AutoTokenizer
+
+    chat = AutoTokenizer.from_pretrained(tiny_chat_ckpt)
+    assert common.use_chat(str(tiny_chat_ckpt), chat) and not common.use_chat(str(tiny_ckpt), AutoTokenizer.from_pretrained(tiny_ckpt))
+    assert not common.use_chat("gemma3-270m", chat)  # a base model, though a chat template is attached
+    assert common.use_chat("smollm2-135m", chat)
 
 
 def test_left_pad_and_new_tokens():

@@ -1,17 +1,38 @@
-"""`--help` of every eval script shows the default of every option that has one."""
+"""`--help` of every script in eval/ and examples/ shows the default of every option that has
+one, and every script takes `--threads` (its default spelled out)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+from pathlib import Path
 
 import pytest
 
-from eval import bench, gpu_bench, summarize
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted((REPO / "eval").glob("*.py")) + sorted((REPO / "examples").glob("*.py"))
 
 
-@pytest.mark.parametrize("module", [summarize, bench, gpu_bench], ids=lambda m: m.__name__)
-def test_help_shows_every_default(module):
-    parser = module.build_parser()
+def _load(path: Path):
+    if path.parent.name == "eval":
+        return importlib.import_module(f"eval.{path.stem}")
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eval_holds_scripts_only():
+    """Shared code lives in eval/lib/, so every .py file in eval/ is a script with a parser."""
+    assert len(SCRIPTS) >= 11, [p.name for p in SCRIPTS]
+    for path in SCRIPTS:
+        assert 'if __name__ == "__main__":' in path.read_text(), f"{path.relative_to(REPO)} is not a script"
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_help_shows_every_default_and_threads(path):
+    parser = _load(path).build_parser()
     text = " ".join(parser.format_help().split())  # one line: help wraps at any width
     checked = 0
     for action in parser._actions:
@@ -21,4 +42,8 @@ def test_help_shows_every_default(module):
         assert "default" in help_text, f"{action.option_strings[0]} does not show its default {action.default!r}"
         assert help_text in text
         checked += 1
-    assert checked >= 5  # --dtype, --max-new-tokens, --k, --repeats/--batch-size, ... have defaults
+    assert checked >= 2  # every script has a few options with defaults (--k, --max-new-tokens, --batch, ...)
+    threads = next((a for a in parser._actions if "--threads" in a.option_strings), None)
+    assert threads is not None, f"{path.name} has no --threads"
+    threads_help = " ".join(parser._get_formatter()._expand_help(threads).split())
+    assert "default:" in threads_help, threads_help

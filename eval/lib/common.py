@@ -13,13 +13,34 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILTIN_PATH = REPO_ROOT / "eval" / "data" / "builtin.jsonl"
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-PLAIN_PROMPT = "Summarize the following text.\n\n{document}\n\nSummary:"
-CHAT_INSTRUCTION = "Summarize the following text in two or three sentences.\n\n{document}"
+CHAT_INSTRUCTION = "Summarize the following text in two or three sentences.\n\n{document}"  # bench.py's prompts
+# eval/summarize.py's request: the instruction after the document. With it in front, SmolLM2-135M
+# answered 2 of the 8 default documents with a run of years or the notes' header copied out.
+SUMMARY_REQUEST = "{document}\n\nSummarize the text above in two or three sentences."
+# A base model is not asked anything: it is shown one article with its summary and continues the
+# pattern (an instruction line in front only made the base Gemma repeat the instruction, then copy
+# the article's opening). The example is invented and is none of the builtin documents.
+FEWSHOT_ARTICLE = (
+    "The Dunmore water board voted on Monday to raise household water charges by 6 percent from April, "
+    "the first rise in three years. The board said the extra money, about 2.1 million pounds a year, will "
+    "pay for replacing 14 miles of cast-iron mains, which burst twice last winter and left parts of the town "
+    "without water for two days. Two of the nine members voted against, saying pensioners should be exempt. "
+    "A public meeting on the plan will be held at the town hall on 12 March."
+)
+FEWSHOT_SUMMARY = (
+    "Dunmore's water board approved a 6 percent rise in water charges from April to pay for replacing 14 miles "
+    "of old mains that burst last winter; two members objected, and a public meeting follows on 12 March."
+)
+FEWSHOT_PROMPT = f"Article: {FEWSHOT_ARTICLE}\nSummary: {FEWSHOT_SUMMARY}\n\nArticle: {{document}}\nSummary:"
+PROMPT_STYLES = {
+    "chat": "chat template, one user turn: <document>, then 'Summarize the text above in two or three sentences.'",
+    "fewshot": "few-shot for a base model: one 'Article: ... Summary: ...' example, then 'Article: <document> Summary:'",
+}
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,6 +96,17 @@ def load_model(name_or_path: str, dtype: torch.dtype, device) -> tuple[torch.nn.
     return model, tok
 
 
+def add_threads_option(parser: argparse.ArgumentParser, what: str = "torch CPU threads", default_name: str = "torch's default",
+                       default_now: int | None = None) -> None:
+    """`--threads N` (default None: leave the library's own default), its default spelled out in
+    `--help` with the number it gives here."""
+    if default_now is None:
+        default_now = torch.get_num_threads()
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"{what} (default: {default_name}, {default_now} on this machine; "
+                             "use 1 on a machine shared with other busy processes)")
+
+
 def set_threads(n: int | None) -> None:
     """torch intra-op threads (None: leave torch's default). On a small shared CPU, more
     threads than free cores slows every process down by several times."""
@@ -126,15 +158,45 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def build_prompt(tokenizer, document: str, use_chat: bool | None = None) -> str:
-    """The summarization prompt text: the tokenizer's chat template (one user turn, with the
-    generation prompt) when it has one, else a plain instruction prompt."""
+def use_chat(model_name: str, tokenizer) -> bool:
+    """Whether requests to this model go through its chat template: the embedded models say so
+    themselves (the base Gemma 3 270M carries a chat template it was not tuned for), any other
+    model when its tokenizer has a chat template."""
+    try:
+        from hf_plookup.embedded import is_instruct
+    except ImportError:  # pragma: no cover - embedded loader not installed
+        return has_chat_template(tokenizer)
+    return is_instruct(model_name, tokenizer)
+
+
+def build_prompt(tokenizer, document: str, use_chat: bool | None = None, request: str = CHAT_INSTRUCTION) -> str:
+    """The summarization prompt text: for a chat model its chat template (one user turn asking
+    for a summary, with the generation prompt); for a base model the few-shot prompt
+    (FEWSHOT_PROMPT), whose natural continuation is the document's summary. `use_chat` None:
+    whether the tokenizer has a chat template; `request`: the user turn, with a {document} field."""
     if use_chat is None:
         use_chat = has_chat_template(tokenizer)
     if use_chat:
-        messages = [{"role": "user", "content": CHAT_INSTRUCTION.format(document=document)}]
+        messages = [{"role": "user", "content": request.format(document=document)}]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return PLAIN_PROMPT.format(document=document)
+    return FEWSHOT_PROMPT.format(document=document)
+
+
+def paragraph_stop_ids(tokenizer) -> set[int]:
+    """Token ids that end a few-shot summary: the blank line before the next 'Article:' when the
+    tokenizer spells it as one token (else none; `summary_text` still cuts the text there)."""
+    ids = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    return {int(ids[0])} if len(ids) == 1 else set()
+
+
+def summary_text(text: str, use_chat: bool) -> str:
+    """The summary in a decoded continuation: all of it for a chat model; for the few-shot prompt
+    the text before the first blank line or next 'Article:' (the pattern's next example)."""
+    text = text.strip()
+    if not use_chat:
+        for end in ("\n\n", "\nArticle:"):
+            text = text.split(end, 1)[0]
+    return text.strip()
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -242,14 +304,25 @@ def _greedy_kwargs(max_new_tokens: int, pad: int | None) -> dict:
     return kwargs
 
 
-def run_hf(model, input_ids, attention_mask, max_new_tokens: int, k: int | None = None, ngram: int = 2, pad: int | None = None) -> CallResult:
-    """HF `generate`, greedy (with HF's own prompt lookup when `k`, batch 1 only)."""
+def _with_stops(kwargs: dict, model, extra_eos) -> set[int]:
+    """The stop set (the model's EOS ids plus `extra_eos`), passed as `eos_token_id` when extended."""
+    eos = eos_ids(model)
+    if extra_eos and not set(extra_eos) <= eos:
+        eos = eos | set(extra_eos)
+        kwargs["eos_token_id"] = sorted(eos)
+    return eos
+
+
+def run_hf(model, input_ids, attention_mask, max_new_tokens: int, k: int | None = None, ngram: int = 2, pad: int | None = None,
+           extra_eos: set[int] | None = None) -> CallResult:
+    """HF `generate`, greedy (with HF's own prompt lookup when `k`, batch 1 only); `extra_eos`
+    adds stop tokens to the model's EOS ids."""
     kwargs = _greedy_kwargs(max_new_tokens, pad)
     if k:
         if input_ids.shape[0] != 1:
             raise ValueError("HF's prompt lookup runs at batch size 1 only")
         kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram)
-    eos = eos_ids(model)
+    eos = _with_stops(kwargs, model, extra_eos)
     with torch.inference_mode(), ForwardCounter(model) as counter:
         _sync(input_ids.device)
         t0 = time.perf_counter()
@@ -264,15 +337,15 @@ def run_hf(model, input_ids, attention_mask, max_new_tokens: int, k: int | None 
 
 
 def run_plookup(wrapped, input_ids, attention_mask, max_new_tokens: int, k: int | None = None, ngram: int = 2,
-                pad: int | None = None, tree_nodes: int | None = None) -> CallResult:
+                pad: int | None = None, tree_nodes: int | None = None, extra_eos: set[int] | None = None) -> CallResult:
     """hf_plookup's `generate` (plain batched greedy when `k` is falsy; candidate trees of
-    `tree_nodes` nodes when given)."""
+    `tree_nodes` nodes when given; `extra_eos` as in `run_hf`)."""
     kwargs = _greedy_kwargs(max_new_tokens, pad)
     if k:
         kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram)
     if tree_nodes:
         kwargs.update(prompt_lookup_tree_nodes=tree_nodes)
-    eos = eos_ids(wrapped)
+    eos = _with_stops(kwargs, wrapped, extra_eos)
     with torch.inference_mode():
         _sync(input_ids.device)
         t0 = time.perf_counter()

@@ -1,0 +1,1 @@
+"""Helpers shared by the scripts in eval/ (a module, not a script)."""
