@@ -159,3 +159,20 @@ def test_smollm2_bf16_drafts_and_batch_equal_plain_greedy():
     for i, r in enumerate(rows):
         alone = gen(r[None], prompt_lookup_num_tokens=4)[0]
         assert torch.equal(batch[i, : len(alone)], alone), i
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_cuda_bf16_drafts_change_no_logit(arch):
+    """On CUDA invariant steps run eager (compile and CUDA graphs are bypassed for them), bf16."""
+    model = hf_plookup.wrap(tiny_model(arch).to("cuda", torch.bfloat16), invariant=True, max_batch_tokens=16)
+    ids, mask = _left_pad(_prompts(4))
+    ids, mask = ids.cuda(), mask.cuda()
+    plain, st = _generate(model, ids, mask, 20)
+    chain, _ = _generate(model, ids, mask, 20, prompt_lookup_num_tokens=4)
+    tree, _ = _generate(model, ids, mask, 20, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
+    assert st.invariant and torch.equal(chain, plain) and torch.equal(tree, plain)
+    r = ids[3:4]  # the longest prompt: no padding
+    alone, _ = _generate(model, r, torch.ones_like(r), 20, prompt_lookup_num_tokens=4)
+    assert torch.equal(alone[0], plain[3, : alone.shape[1]])
