@@ -69,6 +69,23 @@ def test_drafts_and_batch_change_no_logit(arch, dtype):
         assert torch.equal(alone[0], plain[i, :n]), f"row {i} alone differs from the batch"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_neox"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_drafted_logits_bitwise_equal_hf_batch1_greedy(arch, dtype):
+    """A 1-token step is HF's batch-1 decode arithmetic (1-row linears, one SDPA call over the
+    contiguous keys) and a one-chunk prefill is HF's prefill, so with drafts every logit equals
+    HF greedy's bit for bit (layers without a sliding window; HF's sliding-window decode attends
+    over a longer masked cache)."""
+    model = tiny_model(arch).to(dtype)
+    ids = _prompts(1)[0][None]
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=PAD,
+              return_dict_in_generate=True, output_logits=True)
+    ref = model.generate(**kw)
+    out = hf_plookup.wrap(model, invariant=True).generate(**kw, prompt_lookup_num_tokens=4)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert torch.equal(torch.stack(out.logits, 1), torch.stack(ref.logits, 1))
+
+
 def test_without_invariant_mode_fp32_verify_rows_differ():
     """What the mode fixes: fp32 GEMMs of k+1 rows round unlike 1-row ones on CPU."""
     model = hf_plookup.wrap(tiny_model("gemma3_text"), invariant=False, max_batch_tokens=16)
