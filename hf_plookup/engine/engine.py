@@ -167,6 +167,8 @@ class Engine:
     def graph_runner(self) -> GraphRunner | None:
         """Bucketed decode/verify steps, captured (CUDA with cuda_graphs=True) and/or compiled
         (`compile`), kept across calls; None when steps run plain eager."""
+        if self.invariant is not None:
+            return None  # invariant steps run eager
         if (self.use_graphs or self.use_compile) and self._graphs is None:
             self._graphs = GraphRunner(self.model, self.cache(), self.options.attn_backend, self.options.max_num_seqs,
                                        capture=self.use_graphs, compiled=self.use_compile)
@@ -175,7 +177,8 @@ class Engine:
     def pad_to(self, drafts: int) -> int | None:
         """Tokens every sequence feeds in a verify step when drafts are padded (`drafts` + 1: k for
         a chain, the node budget for trees), else None."""
-        return drafts + 1 if self.options.pad_drafts or self.use_graphs or self.use_compile else None
+        graphs = self.invariant is None and (self.use_graphs or self.use_compile)
+        return drafts + 1 if self.options.pad_drafts or graphs else None
 
     def uses_trees(self, cfg: DecodeConfig) -> bool:
         """Candidate trees run when asked for (`prompt_lookup_tree_nodes`, or sources beyond the

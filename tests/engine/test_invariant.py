@@ -86,6 +86,16 @@ def test_drafted_logits_bitwise_equal_hf_batch1_greedy(arch, dtype):
     assert torch.equal(torch.stack(out.logits, 1), torch.stack(ref.logits, 1))
 
 
+def test_padded_drafts_change_no_logit():
+    """pad_drafts: every row feeds k + 1 tokens (missing drafts padded, as compiled steps do)."""
+    model = hf_plookup.wrap(tiny_model("gemma3_text"), invariant=True, pad_drafts=True, max_batch_tokens=16)
+    ids, mask = _left_pad(_prompts(4))
+    plain, _ = _generate(model, ids, mask, 16)
+    for kw in ({}, {"prompt_lookup_tree_nodes": 8}):
+        drafted, st = _generate(model, ids, mask, 16, prompt_lookup_num_tokens=4, **kw)
+        assert st.drafted > 0 and torch.equal(drafted, plain), kw
+
+
 def test_without_invariant_mode_fp32_verify_rows_differ():
     """What the mode fixes: fp32 GEMMs of k+1 rows round unlike 1-row ones on CPU."""
     model = hf_plookup.wrap(tiny_model("gemma3_text"), invariant=False, max_batch_tokens=16)
