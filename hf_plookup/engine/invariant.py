@@ -35,9 +35,11 @@ from ..attention.invariant import build_layout, current_layout, invariant_layout
 
 INVARIANT_CHOICES = ("auto", True, False)
 # Where invariant="auto" turns the mode on, by (device type, dtype); measured on the project's CPU
-# (README "Lossless in bf16"): bf16 costs little there (its linears are row-invariant as they are),
-# fp32 verify steps cost about twice as much (per-row linears), so fp32 stays off (its greedy is
-# token-identical to HF's without it). CUDA: not measured yet, off.
+# (README "Lossless in bf16"): without it bf16 prompt lookup parted from plain greedy on 1 of 2
+# prompts; with it a bf16 5-token step at 700 cached tokens cost 2x (one SDPA call per query; the
+# linears are row-exact as they are) while end-to-end tok/s did not drop. fp32 is token-identical
+# to HF without it and its 5-token steps cost 2.5x with it (1-row linears): off. CUDA: not
+# measured yet, off.
 INVARIANT_AUTO = {("cpu", torch.bfloat16): True, ("cpu", torch.float16): True}
 PROBE_ROWS = 16
 
