@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="default: cuda")
     p.add_argument("--attn-backend", default="auto", help="hf_plookup attn_backend for plk variants")
+    p.add_argument("--invariant", default="off", choices=["auto", "on", "off"],
+                   help="hf_plookup's invariant mode for plk variants (on: steps run eager, each token as in a 1-token step)")
     p.add_argument("--eager-variants", action=argparse.BooleanOptionalAction, default=True,
                    help="also run plk-greedy and plk-k{first k} with cuda_graphs=False")
     p.add_argument("--compile-variants", action=argparse.BooleanOptionalAction, default=True,
@@ -294,15 +296,16 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
     bw = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
     vocab = model.config.vocab_size
     eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else None
-    wrapped = {"graphs": hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, cuda_graphs=True)}
+    inv = {"auto": "auto", "on": True, "off": False}[args.invariant]
+    wrapped = {"graphs": hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, cuda_graphs=True, invariant=inv)}
     if args.eager_variants:
         need = max(args.batch_sizes) * (args.prompt_len + args.max_new_tokens + max(args.k) + 1)
         wrapped["eager"] = hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, cuda_graphs=False, compile=False,
-                                           max_cache_tokens=need + need // 4)
+                                           max_cache_tokens=need + need // 4, invariant=inv)
     if args.compile_variants:
         need = max(args.batch_sizes) * (args.prompt_len + args.max_new_tokens + max(args.k) + 1)
         wrapped["nocompile"] = hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, compile=False,
-                                               max_cache_tokens=need + need // 4)
+                                               max_cache_tokens=need + need // 4, invariant=inv)
     engine = wrapped["graphs"]._engine
     info = {
         "model": name, "weights": weights, "dtype": args.dtype, "load_s": load_s,

@@ -34,6 +34,7 @@ class SpecStats:
     delegated: bool = False  # True when the call went to HF's own generate
     delegated_reason: str = ""
     attn_backend: str = ""
+    invariant: bool = False  # invariant mode ran (engine.invariant: drafts change no token's arithmetic)
     k: int = 0  # prompt_lookup_num_tokens (0: plain greedy)
 
     def __post_init__(self) -> None:
@@ -98,5 +99,6 @@ class SpecStats:
             "delegated": self.delegated,
             "delegated_reason": self.delegated_reason,
             "attn_backend": self.attn_backend,
+            "invariant": self.invariant,
             "k": self.k,
         }

@@ -1,6 +1,7 @@
 """Torch backend: write K/V into the pages, gather each sequence's keys, one SDPA call per layer.
 
-Runs on any device. Queries of a step are laid out as a padded `[B, H, Tq, D]` grid
+Runs on any device. In invariant mode (an `attention.invariant` layout is active) each query
+is computed on its own instead. Queries of a step are laid out as a padded `[B, H, Tq, D]` grid
 (a free view when every sequence feeds the same number of tokens, as verify steps do) and
 keys/values as `[B, H_kv, Lk, D]` gathered from the pages by slot.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .invariant import current_layout, invariant_attend
 from .metadata import AttentionMetadata
 
 
@@ -112,4 +114,7 @@ def sdpa_paged_attention(
     write_kv(meta, module.layer_idx, key, value)
     k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layout = current_layout()
+    if layout is not None:  # invariant mode: each query over exactly its keys (attention.invariant)
+        return invariant_attend(layout, query, k_cache, v_cache, scale, sliding_window, softcap)
     return sdpa_attend(query, k_cache, v_cache, meta, scale, sliding_window, softcap)

@@ -19,6 +19,7 @@ from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
 from .cpu_head import head_chooser
 from .graphs import GraphRunner
+from .invariant import InvariantLinears, resolve_invariant
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -49,6 +50,9 @@ class EngineOptions:
     # candidate trees leave out nodes whose score (estimated chance that verification reaches
     # them) is below this; None: TREE_MIN_SCORE of the device (each fed token costs on CPU)
     tree_min_score: float | None = None
+    # every token computed bitwise as in a 1-token step (engine.invariant): True | False | "auto"
+    # (on where it measured cheap: see invariant.INVARIANT_AUTO)
+    invariant: bool | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_cache_tokens", "num_blocks"):
@@ -67,6 +71,8 @@ class EngineOptions:
         if self.tree_min_score is not None and (isinstance(self.tree_min_score, bool) or not isinstance(
                 self.tree_min_score, (int, float)) or not 0.0 <= self.tree_min_score <= 1.0):
             raise ValueError(f"tree_min_score must be a number in [0, 1] or None, got {self.tree_min_score!r}")
+        if self.invariant not in ("auto", True, False) or not isinstance(self.invariant, (bool, str)):
+            raise ValueError(f"invariant must be 'auto', True or False, got {self.invariant!r}")
         if not 0.0 < self.cache_memory_fraction <= 1.0:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction!r}")
         if self.attn_backend not in BACKEND_CHOICES:
@@ -114,6 +120,8 @@ class Engine:
         self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
         self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda"
         self.use_compile = resolve_compile(options.compile, devices, backend)
+        dtypes = sorted({s.dtype for s in self.specs}, key=str)
+        self.invariant = InvariantLinears(model) if resolve_invariant(options.invariant, devices, dtypes, backend) else None
         auto = options.tree_min_score is None
         self.tree_min_score = TREE_MIN_SCORE.get(devices[0].type, 0.0) if auto else options.tree_min_score
         self.step_fixed_tokens = STEP_FIXED_TOKENS.get(devices[0].type) if auto else None  # batch scaling
@@ -159,6 +167,8 @@ class Engine:
     def graph_runner(self) -> GraphRunner | None:
         """Bucketed decode/verify steps, captured (CUDA with cuda_graphs=True) and/or compiled
         (`compile`), kept across calls; None when steps run plain eager."""
+        if self.invariant is not None:
+            return None  # invariant steps run eager
         if (self.use_graphs or self.use_compile) and self._graphs is None:
             self._graphs = GraphRunner(self.model, self.cache(), self.options.attn_backend, self.options.max_num_seqs,
                                        capture=self.use_graphs, compiled=self.use_compile)
@@ -167,7 +177,8 @@ class Engine:
     def pad_to(self, drafts: int) -> int | None:
         """Tokens every sequence feeds in a verify step when drafts are padded (`drafts` + 1: k for
         a chain, the node budget for trees), else None."""
-        return drafts + 1 if self.options.pad_drafts or self.use_graphs or self.use_compile else None
+        graphs = self.invariant is None and (self.use_graphs or self.use_compile)
+        return drafts + 1 if self.options.pad_drafts or graphs else None
 
     def uses_trees(self, cfg: DecodeConfig) -> bool:
         """Candidate trees run when asked for (`prompt_lookup_tree_nodes`, or sources beyond the
@@ -207,6 +218,7 @@ class Engine:
         Any other call waits for the running loop to end and then runs its own."""
         stats = stats if stats is not None else SpecStats()
         stats.attn_backend = self.options.attn_backend
+        stats.invariant = self.invariant is not None
         call = Call(prompts, cfg, stats)
         with self._state_lock:
             batch = self._batch
@@ -229,10 +241,11 @@ class Engine:
         blocks = self.blocks
         graphs = self.graph_runner()
         compile_before = graphs.compile_seconds if graphs is not None else 0.0
-        sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs)
+        sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
+                          aligned_prefill=self.invariant is not None)
         batch = Batch(cfg, self.proposer(cfg), sched, self._ids, self.tree_min_score, self.step_fixed_tokens)
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(batch.width_drafts),
-                             graphs, self.head)
+                             graphs, self.head, self.invariant)
         tree_parents = batch.tree_parents if batch.tree else None
         batch.add(own)
         with self._state_lock:

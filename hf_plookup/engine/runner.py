@@ -57,10 +57,12 @@ class ModelRunner:
     """`pad_to`: feed every sequence of a decode step exactly this many tokens (k + 1; missing
     drafts padded), so verify steps are uniform. `graphs`: a `GraphRunner` that takes the
     uniform decode steps it supports (engine.graphs); everything else runs eagerly. `head`: a
-    `cpu_head.HeadChooser` for the LM head of eager CPU steps (None: the model's own)."""
+    `cpu_head.HeadChooser` for the LM head of eager CPU steps (None: the model's own).
+    `invariant`: an `invariant.InvariantLinears`: every step runs eager in invariant mode (each
+    token computed as in a 1-token step; the head's own layout trick is not used then)."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, blocks: BlockManager, backend: str = "sdpa",
-                 pad_to: int | None = None, graphs=None, head: HeadChooser | None = None):
+                 pad_to: int | None = None, graphs=None, head: HeadChooser | None = None, invariant=None):
         if pad_to is not None and pad_to < 1:
             raise ValueError(f"pad_to must be >= 1 or None, got {pad_to}")
         self.model = model
@@ -69,7 +71,8 @@ class ModelRunner:
         self.backend = backend
         self.pad_to = pad_to
         self.graphs = graphs
-        self.head = head
+        self.head = head if invariant is None else None
+        self.invariant = invariant
         self.device = model.get_input_embeddings().weight.device
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -174,7 +177,7 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], history: np.ndarray, tree_parents=None) -> torch.Tensor:
         """One forward. Returns the logits at the kept positions, `[N, V]`."""
         plan = self.plan(chunks, history, tree_parents)
-        if self.graphs is not None and self.graphs.supports(plan):
+        if self.invariant is None and self.graphs is not None and self.graphs.supports(plan):
             return self.graphs.run(plan)
         keep = plan.keep
         if len(keep) == 0:
@@ -182,7 +185,8 @@ class ModelRunner:
         else:
             keep_t = self._tensor(keep)
         meta = self.metadata(plan)
-        with engine_attention(self.model), attention_context(meta), fast_head(self.head):
+        mode = self.invariant.active(plan, self.device) if self.invariant is not None else fast_head(self.head)
+        with engine_attention(self.model), attention_context(meta), mode:
             out = self.model(
                 input_ids=self._tensor(plan.input_ids)[None],
                 position_ids=self._tensor(plan.positions)[None],

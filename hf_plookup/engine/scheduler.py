@@ -26,12 +26,15 @@ class Scheduler:
     of blocks and nothing needs preempting. Prefill runs before decode; decode steps take all
     running sequences."""
 
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_num_seqs: int):
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_num_seqs: int, aligned_prefill: bool = False):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
+        # invariant mode: prompts are cut only at multiples of max_batch_tokens from their start,
+        # so a prompt's chunks do not depend on the other rows (a chunk that does not fit waits)
+        self.aligned_prefill = aligned_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -79,6 +82,10 @@ class Scheduler:
             budget = self.max_batch_tokens
             for s in prefill:
                 n = min(s.prompt_len - s.num_cached, budget)
+                if self.aligned_prefill:
+                    n = min(s.prompt_len - s.num_cached, self.max_batch_tokens - s.num_cached % self.max_batch_tokens)
+                    if n > budget:
+                        break
                 if n <= 0:
                     break
                 chunks.append(ScheduledChunk(s, s.num_cached, n, True))

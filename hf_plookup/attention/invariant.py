@@ -1,0 +1,156 @@
+"""Invariant attention: every query's reduction over keys is the same whatever the step holds.
+
+In invariant mode (engine.invariant) a token's attention must come out bitwise the same in a
+1-token step, a verify step of k+1 tokens, a candidate-tree step, alone or beside other rows.
+One padded SDPA call over a step does not give that: its kernels split queries and keys into
+blocks by the call's shapes, and a masked key placed between visible ones moves the others
+into other vector lanes (measured on this project's CPU: rows of a 5-query call differ from
+1-query calls in fp32 and bf16). So, by construction:
+
+- **decode tokens** (1-token, verify and tree steps): one SDPA call per query, `q [1, H, 1, D]`
+  over exactly its visible keys, gathered in position order into a contiguous
+  `[1, H_kv, L, D]` tensor, no mask: the call HF's own batch-1 decode makes. A tree node's keys
+  are the context then its ancestors, which is what the same token sees in a chain.
+- **prompt chunks**: one call per sequence and chunk over exactly that sequence's keys. The
+  scheduler cuts prompts at fixed offsets in invariant mode (`Scheduler(aligned_prefill=True)`),
+  so a prompt's chunks, and with them its keys and values, do not depend on the other rows.
+
+`InvariantLayout` is built once per step from the runner's plan; the sdpa backend calls
+`invariant_attend` when one is active (`invariant_layout`)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+class InvariantLayout:
+    """One step's queries as invariant attention sees them.
+
+    `prefill`: (packed offset, tokens, sequence, first cache position) per prompt chunk.
+    `decode`: (packed index, sequence, position, visible cache positions [L] in order) per
+    decode token. `kv_slots` [B, Lk] maps a sequence's cache positions to flat slots."""
+
+    def __init__(self, num_tokens: int, kv_slots: np.ndarray, positions: np.ndarray,
+                 prefill: list[tuple[int, int, int, int]], decode: list[tuple[int, int, int, np.ndarray]],
+                 device: torch.device):
+        self.num_tokens = num_tokens
+        self.kv_slots = kv_slots  # [B, Lk] int64
+        self.positions = positions  # [B, Lk] int64: the position id held at each cache position (trees: start + depth)
+        self.prefill = prefill
+        self.decode = decode
+        self.device = device
+        # packed row segments for row-invariant linear layers: (offset, rows, is_prefill), in order
+        segs = [(lo, n, True) for lo, n, _, _ in prefill] + [(t, 1, False) for t, _, _, _ in decode]
+        self.segments = sorted(segs)
+        self._keys: dict = {}  # window -> (flat slot index tensor, per-query (offset, length), prefill masks)
+
+    def keys(self, window: int | None):
+        """Per window: one flat slot index [sum L] for every query group, the (offset, length) of
+        each group's keys in it, and each prompt chunk's mask ([n, L] bool or None)."""
+        got = self._keys.get(window)
+        if got is not None:
+            return got
+        parts, spans, masks = [], [], []
+        off = 0
+        for lo, n, b, start in self.prefill:
+            L = start + n
+            parts.append(self.kv_slots[b, :L])
+            spans.append((off, L))
+            off += L
+            q = np.arange(start, L)[:, None]  # [n, 1] positions of the chunk
+            k = np.arange(L)[None, :]  # [1, L]
+            if start == 0 and not (window and L > window):
+                masks.append(None)  # plain causal
+            else:
+                m = k <= q
+                if window:
+                    m &= k > q - window
+                masks.append(torch.from_numpy(m).to(self.device))
+        for t, b, pos, cpos in self.decode:
+            if window:
+                cpos = cpos[self.positions[b, cpos] > pos - window]
+            parts.append(self.kv_slots[b, cpos])
+            spans.append((off, len(cpos)))
+            off += len(cpos)
+        idx = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(self.device)
+        got = self._keys[window] = (idx, spans, masks)
+        return got
+
+
+def build_layout(plan, device: torch.device) -> InvariantLayout:
+    """The invariant layout of a runner `StepPlan` (engine.runner)."""
+    offsets = plan.cu_seqlens_q
+    prefill, decode = [], []
+    positions = np.zeros_like(plan.kv_slots)  # [B, Lk]
+    for b in range(plan.num_seqs):
+        lo, hi = int(offsets[b]), int(offsets[b + 1])
+        n = hi - lo
+        qp = plan.query_pos[b, :n]
+        start = int(plan.query_pos[b, 0]) if plan.tree_mask is None else int(qp[0])
+        positions[b] = np.arange(positions.shape[1])
+        positions[b, start : start + n] = qp
+        if not plan.is_decode:
+            prefill.append((lo, n, b, start))
+            continue
+        ctx = np.arange(start)
+        for j in range(n):
+            inside = np.flatnonzero(plan.tree_mask[b, j, :n]) if plan.tree_mask is not None else np.arange(j + 1)
+            decode.append((lo + j, b, int(qp[j]), np.concatenate([ctx, start + inside])))
+    return InvariantLayout(int(offsets[-1]), plan.kv_slots, positions, prefill, decode, device)
+
+
+_LAYOUT: contextvars.ContextVar[InvariantLayout | None] = contextvars.ContextVar("hf_plookup_invariant", default=None)
+
+
+def current_layout() -> InvariantLayout | None:
+    return _LAYOUT.get()
+
+
+@contextlib.contextmanager
+def invariant_layout(layout: InvariantLayout | None):
+    """Make `layout` visible to the attention function and the linear layers for one forward."""
+    token = _LAYOUT.set(layout)
+    try:
+        yield layout
+    finally:
+        _LAYOUT.reset(token)
+
+
+def _attend_one(q, k, v, mask, is_causal: bool, scale: float, softcap: float | None) -> torch.Tensor:
+    """q [1, H, n, D], k/v [1, H_kv, L, D] contiguous -> [1, H, n, D]."""
+    if softcap:
+        from .sdpa import softcapped_attention
+
+        if mask is None:
+            n, L = q.shape[2], k.shape[2]
+            mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+        return softcapped_attention(q, k, v, mask, scale, softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """Packed queries `[1, H, T, D]` over one layer's pages `[num_blocks, block_size, H_kv, D]`
+    (K/V already written) -> `[1, T, H, D]`, each query computed as described above."""
+    h_kv, d = k_cache.shape[-2:]
+    idx, spans, masks = layout.keys(sliding_window if sliding_window else None)
+    k_all = k_cache.view(-1, h_kv, d).index_select(0, idx)  # [sum L, H_kv, D]
+    v_all = v_cache.view(-1, h_kv, d).index_select(0, idx)
+    if k_all.dtype != query.dtype:
+        k_all, v_all = k_all.to(query.dtype), v_all.to(query.dtype)
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
+    groups = [(lo, n) for lo, n, _, _ in layout.prefill] + [(t, 1) for t, _, _, _ in layout.decode]
+    for g, ((lo, n), (off, L)) in enumerate(zip(groups, spans)):
+        k = k_all[off : off + L].transpose(0, 1).contiguous()[None]  # [1, H_kv, L, D]
+        v = v_all[off : off + L].transpose(0, 1).contiguous()[None]
+        mask = masks[g] if g < len(masks) else None
+        causal = g < len(masks) and mask is None and n > 1
+        o = _attend_one(query[:, :, lo : lo + n], k, v, mask, causal, scale, softcap)  # [1, H, n, D]
+        out[lo : lo + n] = o[0].transpose(0, 1)
+    return out[None]

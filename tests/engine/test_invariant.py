@@ -1,0 +1,205 @@
+"""Invariant mode (`wrap(model, invariant=True)`): every token's logits are bitwise the same in a
+1-token step, a verify step, a tree step, alone or in a batch, whatever the prefill chunking."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+import hf_plookup
+from hf_plookup import embedded
+from hf_plookup.attention.invariant import build_layout
+from hf_plookup.engine.invariant import PROBE_ROWS, invariant_rows, resolve_invariant
+from tests.conftest import ARCHS, PAD, tiny_model
+
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "eval" / "data" / "builtin.jsonl"
+# fused MoE experts are not nn.Linear: their rows depend on the routing of the other tokens
+NOT_COVERED = {"qwen3_moe"}
+BF16_ARCHS = ["llama", "gemma3_text", "qwen3", "gpt_neox", "mistral", "gemma2"]
+CASES = [(a, torch.float32) for a in ARCHS if a not in NOT_COVERED] + [(a, torch.bfloat16) for a in BF16_ARCHS]
+
+
+def _generate(model, ids, mask, new, **kw):
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
+                         return_dict_in_generate=True, output_logits=True, **kw)
+    return torch.stack(out.logits, 1), model.last_stats  # [B, new, V]
+
+
+def _prompts(n_rows: int, seed: int = 1) -> list[torch.Tensor]:
+    """Repetitive prompts of different lengths (drafts find matches in them)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_rows):
+        base = torch.randint(3, 96, (5 + i,), generator=g)
+        rows.append(torch.cat([base, base, base[:3]]))
+    return rows
+
+
+def _left_pad(rows: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch, dtype", CASES, ids=[f"{a}-{str(d)[6:]}" for a, d in CASES])
+def test_drafts_and_batch_change_no_logit(arch, dtype):
+    model = hf_plookup.wrap(tiny_model(arch).to(dtype), invariant=True, max_batch_tokens=16)
+    rows = _prompts(4)
+    ids, mask = _left_pad(rows)
+    new = 20
+    plain, st = _generate(model, ids, mask, new)
+    assert st.invariant
+    chain, st_chain = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4)
+    tree, st_tree = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
+    assert st_chain.drafted > 0 and st_tree.drafter == "ngram-tree" and st_tree.drafted > 0
+    assert torch.equal(chain, plain), "a verify step's rows differ from 1-token steps"
+    assert torch.equal(tree, plain), "a tree step's rows differ from 1-token steps"
+    for i in (0, 3):  # each row alone (its own prefill chunking) against the same row in the batch
+        r = rows[i][None]
+        alone, _ = _generate(model, r, torch.ones_like(r), new, prompt_lookup_num_tokens=4)
+        n = alone.shape[1]
+        assert torch.equal(alone[0], plain[i, :n]), f"row {i} alone differs from the batch"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_neox"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_drafted_logits_bitwise_equal_hf_batch1_greedy(arch, dtype):
+    """A 1-token step is HF's batch-1 decode arithmetic (1-row linears, one SDPA call over the
+    contiguous keys) and a one-chunk prefill is HF's prefill, so with drafts every logit equals
+    HF greedy's bit for bit (layers without a sliding window; HF's sliding-window decode attends
+    over a longer masked cache)."""
+    model = tiny_model(arch).to(dtype)
+    ids = _prompts(1)[0][None]
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=PAD,
+              return_dict_in_generate=True, output_logits=True)
+    ref = model.generate(**kw)
+    out = hf_plookup.wrap(model, invariant=True).generate(**kw, prompt_lookup_num_tokens=4)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert torch.equal(torch.stack(out.logits, 1), torch.stack(ref.logits, 1))
+
+
+def test_padded_drafts_change_no_logit():
+    """pad_drafts: every row feeds k + 1 tokens (missing drafts padded, as compiled steps do)."""
+    model = hf_plookup.wrap(tiny_model("gemma3_text"), invariant=True, pad_drafts=True, max_batch_tokens=16)
+    ids, mask = _left_pad(_prompts(4))
+    plain, _ = _generate(model, ids, mask, 16)
+    for kw in ({}, {"prompt_lookup_tree_nodes": 8}):
+        drafted, st = _generate(model, ids, mask, 16, prompt_lookup_num_tokens=4, **kw)
+        assert st.drafted > 0 and torch.equal(drafted, plain), kw
+
+
+def test_without_invariant_mode_fp32_verify_rows_differ():
+    """What the mode fixes: fp32 GEMMs of k+1 rows round unlike 1-row ones on CPU."""
+    model = hf_plookup.wrap(tiny_model("gemma3_text"), invariant=False, max_batch_tokens=16)
+    ids, mask = _left_pad(_prompts(4))
+    plain, st = _generate(model, ids, mask, 12)
+    chain, _ = _generate(model, ids, mask, 12, prompt_lookup_num_tokens=4)
+    assert not st.invariant
+    assert not torch.equal(chain, plain)
+    torch.testing.assert_close(chain, plain)  # only rounding apart
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_rows_equal_one_row_calls(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    x = torch.randn(2 * PROBE_ROWS + 3, 40, generator=g).to(dtype)  # more rows than one verified piece
+    y = invariant_rows(x, w, b)
+    for i in range(x.shape[0]):
+        assert torch.equal(y[i : i + 1], torch.nn.functional.linear(x[i : i + 1], w, b))
+
+
+def test_tree_node_sees_context_then_its_ancestors():
+    from hf_plookup.engine.runner import StepPlan
+
+    # one sequence, 3 cached tokens, a tree chunk: root, node 1 (child of root), node 2 (child of root), node 3 (child of 1)
+    tree_mask = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=bool)[None]
+    qpos = np.array([[3, 4, 4, 5]])
+    plan = StepPlan(np.zeros(4, np.int64), qpos[0], np.arange(3, 7), qpos, np.arange(10, 17)[None], np.array([7]),
+                    np.zeros((1, 1), np.int64), np.array([0, 4]), np.array([0, 7]), None, None, np.arange(4), True,
+                    tree_mask)
+    layout = build_layout(plan, torch.device("cpu"))
+    assert [list(c) for _, _, _, c in layout.decode] == [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 5], [0, 1, 2, 3, 4, 6]]
+    idx, spans, _ = layout.keys(2)  # window 2: node 3 (position 5) sees positions 4 and 5 only
+    off, n = spans[3]
+    assert idx[off : off + n].tolist() == [14, 16]
+
+
+def test_invariant_option_validated_and_auto_policy():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="invariant"):
+        hf_plookup.wrap(model, invariant="yes")
+    with pytest.raises(ValueError, match="invariant"):
+        hf_plookup.wrap(model, invariant=1)
+    cpu = [torch.device("cpu")]
+    assert resolve_invariant("auto", cpu, [torch.bfloat16], "sdpa")
+    assert not resolve_invariant("auto", cpu, [torch.float32], "sdpa")
+    assert not resolve_invariant("auto", cpu, [torch.bfloat16], "triton")
+    with pytest.raises(ValueError, match="attn_backend"):
+        resolve_invariant(True, cpu, [torch.float32], "triton")
+    assert hf_plookup.wrap(model, invariant=True).generate(
+        input_ids=torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=2).shape == (1, 7)
+
+
+def _chat(tokenizer, docs: list[str]) -> list[torch.Tensor]:
+    texts = [tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Summarize the following text in two sentences.\n\n" + d}],
+        add_generation_prompt=True, tokenize=False) for d in docs]
+    return [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_drafts_and_batch_equal_plain_greedy():
+    if not embedded.is_available("smollm2-135m"):
+        pytest.skip("smollm2-135m package not installed")
+    model, tok = embedded.load_embedded("smollm2-135m", dtype=torch.bfloat16)
+    wrapped = hf_plookup.wrap(model)  # auto: on for bf16 on CPU
+    docs = [json.loads(line)["document"] for line in DOCS.read_text().splitlines()[:4]]
+    new = 48
+
+    def gen(ids, mask=None, **kw):
+        mask = torch.ones_like(ids) if mask is None else mask
+        out = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kw)
+        assert wrapped.last_stats.invariant
+        return out[:, ids.shape[1]:]
+
+    for p in _chat(tok, docs[:1]):  # ~400 tokens
+        plain = gen(p[None])
+        for kw in ({"prompt_lookup_num_tokens": 4}, {"prompt_lookup_num_tokens": 8},
+                   {"prompt_lookup_num_tokens": 8, "prompt_lookup_tree_nodes": 16}):
+            assert torch.equal(gen(p[None], **kw), plain), kw
+    # a left-padded batch of 4 (shortened documents, different lengths) against each prompt alone
+    rows = _chat(tok, [d[: 200 + 50 * i] for i, d in enumerate(docs)])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids, mask = _left_pad(rows, pad)
+    new = 16
+    batch = gen(ids, mask, prompt_lookup_num_tokens=4, pad_token_id=pad)
+    for i, r in enumerate(rows):
+        alone = gen(r[None], prompt_lookup_num_tokens=4)[0]
+        assert torch.equal(batch[i, : len(alone)], alone), i
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_cuda_bf16_drafts_change_no_logit(arch):
+    """On CUDA invariant steps run eager (compile and CUDA graphs are bypassed for them), bf16."""
+    model = hf_plookup.wrap(tiny_model(arch).to("cuda", torch.bfloat16), invariant=True, max_batch_tokens=16)
+    ids, mask = _left_pad(_prompts(4))
+    ids, mask = ids.cuda(), mask.cuda()
+    plain, st = _generate(model, ids, mask, 20)
+    chain, _ = _generate(model, ids, mask, 20, prompt_lookup_num_tokens=4)
+    tree, _ = _generate(model, ids, mask, 20, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
+    assert st.invariant and torch.equal(chain, plain) and torch.equal(tree, plain)
+    r = ids[3:4]  # the longest prompt: no padding
+    alone, _ = _generate(model, r, torch.ones_like(r), 20, prompt_lookup_num_tokens=4)
+    assert torch.equal(alone[0], plain[3, : alone.shape[1]])
