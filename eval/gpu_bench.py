@@ -12,6 +12,7 @@ Per model and batch size (default 1, 16, 64), variants run interleaved, best of 
                        no speculative decoding; --hf-batch)
   plk-greedy           hf_plookup greedy (defaults: attn_backend and compile "auto", CUDA graphs on)
   plk-k{k}             hf_plookup prompt lookup, prompt_lookup_num_tokens=k
+  plk-k{k}-t{n}        the same with candidate trees of n nodes (prompt_lookup_tree_nodes=n, --tree-nodes)
   plk-*-nocompile      the same with compile=False (CUDA graphs of the eager forward)
   plk-*-eager          the same with cuda_graphs=False, compile=False (--eager-variants)
 Per hf_plookup variant also the median time of a decode step (1 token per sequence for
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and a tokenizer there), cycled up to the batch size and left-padded")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--k", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--tree-nodes", type=int, nargs="*", default=[],
+                   help="also run hf_plookup with candidate trees of these many nodes at every k")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per (variant, batch); the fastest counts")
@@ -300,6 +303,7 @@ def variants(args, batch: int) -> list[str]:
     if args.hf_batch:
         names.append("hf-batch")
     names += ["plk-greedy"] + [f"plk-k{k}" for k in args.k]
+    names += [f"plk-k{k}-t{n}" for k in args.k for n in args.tree_nodes]
     if args.compile_variants:
         names += ["plk-greedy-nocompile", f"plk-k{args.k[0]}-nocompile"]
     if args.eager_variants:
@@ -312,6 +316,11 @@ def _k(name: str) -> int | None:
         if part.startswith("k") and part[1:].isdigit():
             return int(part[1:])
     return None
+
+
+def _tree(name: str) -> int | None:
+    last = name.rsplit("-", 1)[-1]
+    return int(last[1:]) if last.startswith("t") and last[1:].isdigit() else None
 
 
 def run_one(name, model, wrapped, ids, args, eos, device, max_new_tokens, mask=None, pad=PAD):
@@ -338,6 +347,8 @@ def run_one(name, model, wrapped, ids, args, eos, device, max_new_tokens, mask=N
     w = wrapped[name.rsplit("-", 1)[1] if name.endswith(("-eager", "-nocompile")) else "graphs"]
     with StepTimer(device) as timer:
         t0 = time.perf_counter()
+        if _tree(name):
+            kw["prompt_lookup_tree_nodes"] = _tree(name)
         out = w.generate(ids, prompt_lookup_num_tokens=k, **kw)
         sync(device)
         dt = time.perf_counter() - t0
@@ -481,7 +492,7 @@ def step_summary(info: dict) -> dict:
         parts = [f"{info['model']} batch {batch}: 1-token step {_f(None if one is None else 1e3 * one, '.2f')} ms"]
         for (b, v), r in sorted(by.items()):
             k = _k(v)
-            if b == batch and k and not v.endswith(("-eager", "-nocompile")):
+            if b == batch and k and not v.endswith(("-eager", "-nocompile")) and not _tree(v):
                 entry[f"step_{k + 1}_s"] = r["decode_step_s"]
                 ratio = r["decode_step_s"] / one if one else None
                 entry[f"ratio_{k + 1}"] = ratio
