@@ -125,6 +125,7 @@ def _tree_reference(q, k, v, scale, allowed, softcap=None):
 
 TREE_CASES = [  # (cached, new, h, h_kv, d, window, softcap, max_query_block)
     ([9, 0, 30], [6, 4, 11], 4, 2, 16, None, None, 8),  # GQA, ragged chunks, a chunk over two query blocks
+    ([9, 0, 30], [6, 4, 11], 4, 2, 16, None, None, 16),  # 16-token query blocks (not the default: see MAX_QUERY_BLOCK)
     ([21, 5], [7, 7], 6, 2, 16, 6, 20.0, 4),  # sliding window measured from the nodes' real positions; soft-capping
     ([13], [9], 4, 1, 24, 5, None, 2),  # MQA, head size no power of two, many small query blocks
 ]
@@ -154,6 +155,20 @@ def test_kernel_tree_mask_matches_dense(cached, new, h, h_kv, d, window, softcap
                           tree_mask=dev(tree), query_pos=dev(query_pos), max_query_block=max_query_block).cpu()
     for i, n in enumerate(new):
         ref = _tree_reference(qs[i], full_k[i], full_v[i], 0.3, allowed[i, :n, : int(ctx[i])], softcap)
+        torch.testing.assert_close(out[cu[i] : cu[i + 1]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("max_query_block", [1, 16])
+def test_kernel_query_block_sizes(max_query_block):
+    """Chains with query blocks other than the default 8 tokens (16 is the size that went wrong
+    on an H100 with the earlier kernel: the GPU run of this test says whether it is right now)."""
+    cached, new = [3, 20], [9, 13]
+    q, kc, vc, tables, ctx, cu, tq, qs, full_k, full_v = _step(cached, new, 4, 2, 16, 8, seed=5)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    out = paged_attention(dev(q), dev(kc), dev(vc), dev(tables), dev(ctx), dev(cu), tq, 0.3, 7, None,
+                          max_query_block=max_query_block).cpu()
+    for i in range(len(new)):
+        ref = _dense_reference(qs[i], full_k[i], full_v[i], 0.3, 7)
         torch.testing.assert_close(out[cu[i] : cu[i + 1]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
 
 
