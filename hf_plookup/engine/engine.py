@@ -18,6 +18,7 @@ from ..drafting.tree import TreeProposer
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
 from .cpu_head import head_chooser
+from .distributed import agree_min, agree_rng, tensor_parallel
 from .graphs import GraphRunner
 from .invariant import InvariantLinears, resolve_invariant
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
@@ -126,7 +127,9 @@ class Engine:
         self.tree_min_score = TREE_MIN_SCORE.get(devices[0].type, 0.0) if auto else options.tree_min_score
         self.step_fixed_tokens = STEP_FIXED_TOKENS.get(devices[0].type) if auto else None  # batch scaling
         self._graphs: GraphRunner | None = None
-        self.head = head_chooser(model)  # CPU: the LM head's faster matmul layout for multi-row steps
+        self.tensor_parallel = tensor_parallel(model)  # ranks must agree on every decision (engine.distributed)
+        # CPU: the LM head's faster matmul layout for multi-row steps (timed, so not under tensor parallel)
+        self.head = None if self.tensor_parallel else head_chooser(model)
         self._capacity: int | None = None
         self._cache: PagedKVCache | None = None
         self.blocks: BlockManager | None = None  # the cache's blocks; all free between calls
@@ -146,6 +149,8 @@ class Engine:
             tokens = o.max_cache_tokens or default_num_tokens(
                 self.specs, o.cache_memory_fraction, self.model, o.max_batch_tokens
             )
+            if self.tensor_parallel:  # every rank admits the same rows
+                tokens = agree_min(tokens)
             self._capacity = max(-(-tokens // o.block_size), 1)
         return self._capacity
 
@@ -237,6 +242,8 @@ class Engine:
     def _loop(self, own: Call) -> GenerationResult:
         """Run steps until every row of `own` and of the calls that join meanwhile is done."""
         cfg = own.cfg
+        if self.tensor_parallel and cfg.do_sample:
+            agree_rng(self.specs[0].device)  # every rank draws rank 0's tokens
         cache = self.cache()
         blocks = self.blocks
         graphs = self.graph_runner()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,6 +113,77 @@ def test_kernel_bf16_close_to_fp32():
     torch.testing.assert_close(b.float().cpu(), a, atol=3e-2, rtol=3e-2)
 
 
+def _tree_reference(q, k, v, scale, allowed, softcap=None):
+    """q [H, n, D], k/v [H_kv, L, D], allowed [n, L] bool: plain masked attention in float64."""
+    groups = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(groups, 0).double(), v.repeat_interleave(groups, 0).double()
+    scores = (q.double() @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return (torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v).float()
+
+
+TREE_CASES = [  # (cached, new, h, h_kv, d, window, softcap, max_query_block)
+    ([9, 0, 30], [6, 4, 11], 4, 2, 16, None, None, 8),  # GQA, ragged chunks, a chunk over two query blocks
+    ([9, 0, 30], [6, 4, 11], 4, 2, 16, None, None, 16),  # 16-token query blocks (not the default: see MAX_QUERY_BLOCK)
+    ([21, 5], [7, 7], 6, 2, 16, 6, 20.0, 4),  # sliding window measured from the nodes' real positions; soft-capping
+    ([13], [9], 4, 1, 24, 5, None, 2),  # MQA, head size no power of two, many small query blocks
+]
+
+
+@pytest.mark.parametrize("cached, new, h, h_kv, d, window, softcap, max_query_block", TREE_CASES)
+def test_kernel_tree_mask_matches_dense(cached, new, h, h_kv, d, window, softcap, max_query_block):
+    """Candidate-tree chunks (random trees, node i stored at slot start + i, positioned at
+    start + depth(i)) against dense attention under metadata.step_mask, the mask sdpa uses."""
+    from hf_plookup.attention.metadata import step_mask
+    from hf_plookup.drafting.tree import ancestor_mask, depths
+
+    q, kc, vc, tables, ctx, cu, tq, qs, full_k, full_v = _step(cached, new, h, h_kv, d, 4, seed=3)
+    rng = torch.Generator().manual_seed(7)
+    b = len(new)
+    tree = torch.zeros((b, tq, tq), dtype=torch.bool)
+    query_pos = torch.full((b, tq), -1, dtype=torch.int64)
+    for i, (c, n) in enumerate(zip(cached, new)):
+        parents = [int(torch.randint(0, j + 1, (1,), generator=rng)) for j in range(n - 1)]  # node j+1's parent
+        tree[i] = torch.from_numpy(ancestor_mask(np.array(parents, dtype=np.int64), tq))
+        query_pos[i, :n] = c + torch.from_numpy(depths(np.array(parents, dtype=np.int64)))
+    ctx64 = ctx.long()
+    allowed = step_mask(query_pos, ctx64, int(ctx64.max()), window, tree)[:, 0]  # [B, Tq, Lk]
+    assert not torch.equal(tree, torch.ones_like(tree).tril())  # some row is a real tree, not a chain
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    out = paged_attention(dev(q), dev(kc), dev(vc), dev(tables), dev(ctx), dev(cu), tq, 0.3, window, softcap,
+                          tree_mask=dev(tree), query_pos=dev(query_pos), max_query_block=max_query_block).cpu()
+    for i, n in enumerate(new):
+        ref = _tree_reference(qs[i], full_k[i], full_v[i], 0.3, allowed[i, :n, : int(ctx[i])], softcap)
+        torch.testing.assert_close(out[cu[i] : cu[i + 1]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("max_query_block", [1, 16])
+def test_kernel_query_block_sizes(max_query_block):
+    """Chains with query blocks other than the default 8 tokens (16 is the size that went wrong
+    on an H100 with the earlier kernel: the GPU run of this test says whether it is right now)."""
+    cached, new = [3, 20], [9, 13]
+    q, kc, vc, tables, ctx, cu, tq, qs, full_k, full_v = _step(cached, new, 4, 2, 16, 8, seed=5)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    out = paged_attention(dev(q), dev(kc), dev(vc), dev(tables), dev(ctx), dev(cu), tq, 0.3, 7, None,
+                          max_query_block=max_query_block).cpu()
+    for i in range(len(new)):
+        ref = _dense_reference(qs[i], full_k[i], full_v[i], 0.3, 7)
+        torch.testing.assert_close(out[cu[i] : cu[i + 1]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_tree_arguments_checked():
+    q, kc, vc, tables, ctx, cu, tq, *_ = _step([3], [4], 2, 1, 16, 4)
+    tree = torch.ones((1, tq, tq), dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="tree_mask and query_pos go together"):
+        paged_attention(q, kc, vc, tables, ctx, cu, tq, 0.3, tree_mask=tree)
+    with pytest.raises(ValueError, match="tree_mask must be"):
+        paged_attention(q, kc, vc, tables, ctx, cu, tq, 0.3, tree_mask=tree[:, :2, :2],
+                        query_pos=torch.zeros((1, 2), dtype=torch.int64))
+    with pytest.raises(ValueError, match="max_query_block must be a power of two"):
+        paged_attention(q, kc, vc, tables, ctx, cu, tq, 0.3, max_query_block=6)
+
+
 @pytest.mark.parametrize("arch, pad_drafts", [("gemma3_text", True), ("llama", False)])  # gemma3: window, scaling
 def test_engine_on_triton_backend_identical_to_hf(arch, pad_drafts):
     """Packed prefill chunks, verify steps (padded to k + 1 with pad_drafts, as CUDA graphs run
@@ -123,6 +195,43 @@ def test_engine_on_triton_backend_identical_to_hf(arch, pad_drafts):
     out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=8, prompt_lookup_num_tokens=3)
     assert wrapped.last_stats.attn_backend == "triton" and wrapped.last_stats.drafted > 0  # multi-token verify chunks ran
     assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+
+
+def _short_branchy(model, batch: int, seed: int = 0) -> torch.Tensor:
+    """A short prompt whose suffix recurs with two continuations (the model's own greedy one and
+    a copy with two tokens changed), so trees have branches to verify; kept short because the
+    interpreter's prefill is what costs here."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(3, 96, (1, 4), generator=g)
+    cont = model.generate(base, max_new_tokens=14, do_sample=False, eos_token_id=None)
+    changed = cont.clone()
+    changed[0, 7] = (changed[0, 7] + 1) % 96
+    changed[0, 12] = (changed[0, 12] + 1) % 96
+    return torch.cat([cont, changed, base], 1).repeat(batch, 1)
+
+
+@pytest.mark.parametrize("arch, batch, compiled", [("gemma2", 2, False), ("gpt_bigcode", 1, False), ("llama", 1, True)])
+def test_trees_on_triton_backend_identical_to_hf(arch, batch, compiled, monkeypatch):
+    """Candidate trees run on the Triton kernel (its tree mask), not as a chain: Gemma 2 for the
+    sliding window and soft-capping, GPT-BigCode for MQA, and Llama through compiled
+    static-buffer steps (the custom op, traced with aot_eager on CPU)."""
+    from hf_plookup.engine import graphs
+
+    monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
+    model = tiny_model(arch)
+    ids = _short_branchy(model, batch).to(DEVICE)
+    model.to(DEVICE)
+    wrapped = hf_plookup.wrap(model, attn_backend="triton", max_cache_tokens=1024, block_size=16,
+                              tree_min_score=0.0, compile=compiled)  # static steps: tree (9) <= block_size
+    ref = model.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None)
+    out = wrapped.generate(ids, max_new_tokens=12, eos_token_id=None, prompt_lookup_num_tokens=4,
+                           prompt_lookup_tree_nodes=8)
+    s = wrapped.last_stats
+    assert s.attn_backend == "triton" and s.drafter == "ngram-tree" and s.drafted > 0
+    assert torch.equal(ref, out), arch
+    if compiled:
+        assert any(key[3] for key in wrapped._engine._graphs.graphs)  # a tree bucket ran
+        torch._dynamo.reset()
 
 
 def test_triton_backend_checks():
