@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_plookup
-from tests.conftest import left_padded, tiny_model
+from tests.conftest import left_padded, tiny_model, wrap_copy
 
 HF_REMINDER = "the current text generation call has exceeded the model's predefined maximum length (32)"
 
@@ -21,7 +21,7 @@ def _past_context_records(caplog, logger_name):
 
 def test_past_context_warns_like_hf_before_the_first_forward(caplog):
     model = tiny_model("llama", max_position_embeddings=32)
-    wrapped = hf_plookup.wrap(model, max_cache_tokens=256, block_size=8)
+    wrapped = wrap_copy(model, max_cache_tokens=256, block_size=8)
     ids, mask = left_padded(2, seed=3)  # [2, L]
     ids, mask = ids[:, -30:], mask[:, -30:]
     warned_before_forward = []

@@ -221,8 +221,8 @@ def test_trees_on_triton_backend_identical_to_hf(arch, batch, compiled, monkeypa
     model = tiny_model(arch)
     ids = _short_branchy(model, batch).to(DEVICE)
     model.to(DEVICE)
-    wrapped = hf_plookup.wrap(model, attn_backend="triton", max_cache_tokens=1024, block_size=16,
-                              tree_min_score=0.0, compile=compiled)  # static steps: tree (9) <= block_size
+    wrapped = wrap_copy(model, attn_backend="triton", max_cache_tokens=1024, block_size=16,
+                        tree_min_score=0.0, compile=compiled)  # static steps: tree (9) <= block_size
     ref = model.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None)
     out = wrapped.generate(ids, max_new_tokens=12, eos_token_id=None, prompt_lookup_num_tokens=4,
                            prompt_lookup_tree_nodes=8)
