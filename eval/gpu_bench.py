@@ -265,7 +265,7 @@ def builtin_prompts(smollm2_dir: str | None, smollm2_gguf: str | None, n: int) -
     up to `n`; and the pad id."""
     from transformers import AutoTokenizer
 
-    from eval import common
+    from eval.lib import common
 
     path, extra = _checkpoint_source(smollm2_dir, smollm2_gguf)
     tok = AutoTokenizer.from_pretrained(path, **extra)
@@ -334,7 +334,7 @@ def run_one(name, model, wrapped, ids, args, eos, device, max_new_tokens, mask=N
     kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=eos)
     sync(device)
     if name == "hf-batch":
-        from eval.common import run_hf_generate_batch
+        from eval.lib.common import run_hf_generate_batch
 
         rows = [r[m.bool()].tolist() for r, m in zip(ids.cpu(), mask.cpu())]
         res = run_hf_generate_batch(model, rows, max_new_tokens, pad, eos)

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import hf_plookup
-from hf_plookup.embedded import default_example_model, encode_prompts, is_instruct, resolve_model
+from hf_plookup.embedded import add_threads_option, apply_threads, default_example_model, encode_prompts, is_instruct, resolve_model
 
 REQUESTS = [
     "Rewrite this sentence in the past tense: The committee meets on Tuesday and approves the budget for the new library.",
@@ -42,25 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=48, help="(default: %(default)s)")
     p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens (default: %(default)s)")
     p.add_argument("--check", action="store_true", help="also run HF greedy and compare the outputs")
-    p.add_argument("--threads", type=int, default=None,
-                   help=f"torch CPU threads (default: torch's default, {torch.get_num_threads()} on this machine; "
-                        "use 1 on a machine shared with other busy processes)")
+    add_threads_option(p)
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            p.error(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(p, args.threads)
 
     model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
     tokenizer.padding_side = "left"  # generation continues from the right edge of every row
     wrapped = hf_plookup.wrap(model)  # the same object, its generate now on hf_plookup's engine
-    if args.threads is not None:  # again: wrap() starts numba's thread pool, which resets torch's count
-        torch.set_num_threads(args.threads)
 
     inputs = encode_prompts(tokenizer, REQUESTS, BASE_PROMPTS, is_instruct(args.model, tokenizer))
 

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import hf_plookup
-from hf_plookup.embedded import default_example_model, encode_prompts, is_instruct, resolve_model
+from hf_plookup.embedded import add_threads_option, apply_threads, default_example_model, encode_prompts, is_instruct, resolve_model
 
 TEXT = (
     "The Harwick Vale council approved a new footbridge over the Orrin River on Tuesday. "
@@ -29,24 +29,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="(default: %(default)s)")
     p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens: draft tokens per step (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None,
-                   help=f"torch CPU threads (default: torch's default, {torch.get_num_threads()} on this machine; "
-                        "use 1 on a machine shared with other busy processes)")
+    add_threads_option(p)
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            p.error(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(p, args.threads)
 
     model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
     model = hf_plookup.wrap(model)  # same model; generate() now runs on hf_plookup's engine
-    if args.threads is not None:  # again: wrap() starts numba's thread pool, which resets torch's count
-        torch.set_num_threads(args.threads)
 
     inputs = encode_prompts(tokenizer, [f"Summarize in one sentence:\n\n{TEXT}"],
                             [f"Article: {TEXT}\n\nOne-sentence summary:"], is_instruct(args.model, tokenizer))

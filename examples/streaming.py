@@ -15,7 +15,7 @@ import torch
 from transformers import TextStreamer
 
 import hf_plookup
-from hf_plookup.embedded import default_example_model, encode_prompts, is_instruct, resolve_model
+from hf_plookup.embedded import add_threads_option, apply_threads, default_example_model, encode_prompts, is_instruct, resolve_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,24 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request for an instruct model (default: %(default)s)")
     p.add_argument("--base-prompt", default="Article: A parcel for number 12 was delivered to number 21 by mistake on Monday. The neighbour at number 21 carried it over in the evening and left a note.\n\nSummary:",
                    help="plain-text prompt for a base model (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None,
-                   help=f"torch CPU threads (default: torch's default, {torch.get_num_threads()} on this machine; "
-                        "use 1 on a machine shared with other busy processes)")
+    add_threads_option(p)
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            p.error(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(p, args.threads)
 
     model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
     model = hf_plookup.wrap(model)
-    if args.threads is not None:  # again: wrap() starts numba's thread pool, which resets torch's count
-        torch.set_num_threads(args.threads)
     inputs = encode_prompts(tokenizer, [args.prompt], [args.base_prompt], is_instruct(args.model, tokenizer))
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)

@@ -165,6 +165,21 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 DEFAULT_MODEL = "gemma3-270m"
 
 
+def add_threads_option(parser) -> None:
+    """The examples' `--threads N` (default: torch's own), its default spelled out in `--help`."""
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"torch CPU threads (default: torch's default, {torch.get_num_threads()} on this machine; "
+                             "use 1 on a machine shared with other busy processes)")
+
+
+def apply_threads(parser, threads: int | None) -> None:
+    """Set torch's thread count from `--threads` (None: leave it); a bad count is a parser error."""
+    if threads is not None:
+        if threads < 1:
+            parser.error(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
 def default_example_model() -> str:
     """The model the examples use by default: the instruct SmolLM2 when its package is
     installed (it answers requests), else the base DEFAULT_MODEL (given plain-text prompts)."""
