@@ -183,3 +183,28 @@ def test_accelerate_empty_weights_then_dispatch(tmp_path, k):
     assert torch.equal(wrapped.generate(ids, attention_mask=mask, max_new_tokens=16, **_pl(k)), want)
     if k:
         assert wrapped.last_stats.drafted > 0
+
+
+@pytest.mark.parametrize("how", ["cpu_offload", "disk_offload"])
+def test_accelerate_offloaded_model(tmp_path, how):
+    """accelerate hooks that load weights around each module call (`cpu_offload`, and a
+    `device_map` with a layer offloaded to disk): the engine feeds the hooks' execution device,
+    runs eagerly (compiled steps refuse hooked models) and matches the plain model."""
+    accelerate = pytest.importorskip("accelerate")
+    ids, mask = left_padded(2)
+    want = tiny_model("llama").generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    model = tiny_model("llama")
+    if how == "cpu_offload":
+        accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    else:
+        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                      "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        model = accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
+    assert any(p.device.type == "meta" for p in model.parameters())  # weights really are offloaded
+    with pytest.raises(ValueError, match="accelerate"):
+        hf_plookup.wrap(copy.copy(model), compile=True)
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=1024)
+    assert not wrapped._engine.use_compile
+    out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=16, prompt_lookup_num_tokens=4)
+    assert torch.equal(out, want)
+    assert wrapped.last_stats.drafted > 0

@@ -81,6 +81,17 @@ def _arch(model: torch.nn.Module) -> str:
     return f"{type(model).__name__} (architecture '{getattr(config, 'model_type', None) or '?'}')"
 
 
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's input ids go: the input embeddings' device, or, when accelerate offloads
+    them (weights on "meta", loaded by a hook), the hook's execution device."""
+    emb = model.get_input_embeddings()
+    hook = getattr(emb, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if emb.weight.device.type == "meta" and device is not None:
+        return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    return emb.weight.device
+
+
 def _num_layers(model: torch.nn.Module) -> int | None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return getattr(config, "num_hidden_layers", None)
@@ -92,10 +103,9 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
     when the paged attention cannot stand in for the model's own."""
     if AttentionInterface._global_mapping.get(PROBE_IMPLEMENTATION) is not _probe_attention:
         AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
-    emb = model.get_input_embeddings()
-    vocab = emb.weight.shape[0]
+    vocab = model.get_input_embeddings().weight.shape[0]
     ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % vocab  # a few distinct tokens
-    ids = ids[None].to(emb.weight.device)  # [1, PROBE_TOKENS]
+    ids = ids[None].to(input_device(model))  # [1, PROBE_TOKENS]
     try:
         reference = model(input_ids=ids, use_cache=False).logits.float()
     except Exception as e:  # a forward that cannot run on plain input_ids at all

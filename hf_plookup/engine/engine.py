@@ -93,8 +93,10 @@ TREE_MIN_SCORE = {"cpu": 0.2, "cuda": 0.0}
 STEP_FIXED_TOKENS = {"cpu": 11.0}
 
 
-def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str) -> bool:
-    """Whether steps run compiled. True where it cannot work is a ValueError."""
+def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str, hooked: bool = False) -> bool:
+    """Whether steps run compiled. True where it cannot work is a ValueError. `hooked`: accelerate
+    hooks move or load weights around module calls (`device_map` dispatch, CPU/disk offload),
+    which neither a compiled graph nor a CUDA graph can hold."""
     from ..attention.ops import COMPILABLE_BACKENDS
 
     reason = None
@@ -102,6 +104,8 @@ def resolve_compile(requested: bool | str, devices: list[torch.device], backend:
         reason = f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, this model runs {backend!r}"
     elif len(devices) != 1:
         reason = f"compiled steps need the model on one device, it is on {[str(d) for d in devices]}"
+    elif hooked:
+        reason = "the model is dispatched or offloaded by accelerate (its modules carry hooks)"
     if requested is True and reason is not None:
         raise ValueError(f"compile=True cannot run: {reason}; use compile=False or 'auto'")
     if requested == "auto":
@@ -119,8 +123,9 @@ class Engine:
         backend = resolve_backend(options.attn_backend, devices, sorted({s.dtype for s in self.specs}, key=str))
         # resolved: the backend that runs (what stats report) and its block size
         self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
-        self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda"
-        self.use_compile = resolve_compile(options.compile, devices, backend)
+        hooked = any(hasattr(m, "_hf_hook") for m in model.modules())  # accelerate dispatch / offload
+        self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda" and not hooked
+        self.use_compile = resolve_compile(options.compile, devices, backend, hooked)
         dtypes = sorted({s.dtype for s in self.specs}, key=str)
         self.invariant = InvariantLinears(model) if resolve_invariant(options.invariant, devices, dtypes, backend) else None
         auto = options.tree_min_score is None

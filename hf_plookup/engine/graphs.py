@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..attention.metadata import AttentionMetadata, attention_context, compiled_step_context
+from ..attention.probe import input_device
 from ..attention.registry import engine_attention
 from .cpu_head import fast_head, head_chooser
 from .kv_cache import PagedKVCache
@@ -143,7 +144,7 @@ class GraphRunner:
         self.backend = backend
         self.block_size = cache.block_size
         self.max_batch = batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1]
-        self.device = model.get_input_embeddings().weight.device
+        self.device = input_device(model)
         self.capture = capture
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, got {self.device}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..attention.probe import probe_key_layouts
+from ..attention.probe import input_device, probe_key_layouts
 
 logger = logging.getLogger("hf_plookup")
 
@@ -83,7 +83,7 @@ def free_cuda_memory_after_warmup(model: torch.nn.Module, device: torch.device, 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    ids = torch.zeros((1, num_tokens), dtype=torch.long, device=model.get_input_embeddings().weight.device)  # [1, T]
+    ids = torch.zeros((1, num_tokens), dtype=torch.long, device=input_device(model))  # [1, T]
     with torch.inference_mode():
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
     torch.cuda.synchronize(device)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..attention.metadata import AttentionMetadata, attention_context
+from ..attention.probe import input_device
 from ..attention.registry import engine_attention
 from ..drafting.tree import ancestor_mask, depths
 from .cpu_head import HeadChooser, fast_head
@@ -73,7 +74,7 @@ class ModelRunner:
         self.graphs = graphs
         self.head = head if invariant is None else None
         self.invariant = invariant
-        self.device = model.get_input_embeddings().weight.device
+        self.device = input_device(model)
 
     def _tensor(self, a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(a))
