@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=default_example_model(), help="embedded alias or HF id/path")
     p.add_argument("--dtype", default="bf16", choices=sorted(common.DTYPES))
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--num-docs", type=int, default=4, help="builtin documents, as chat summary requests")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="prompt_lookup_num_tokens of the chain variants")
@@ -53,7 +54,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     common.set_threads(args.threads)
-    model, tok = common.load_model(args.model, common.parse_dtype(args.dtype), "cpu")
+    model, tok = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
     docs = common.load_jsonl(common.BUILTIN_PATH)[: args.num_docs]
     chat = common.use_chat(args.model, tok)
     rows = [common.encode_prompt(tok, common.build_prompt(tok, d["document"], chat), chat) for d in docs]
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
     hf = []  # HF greedy at batch 1, before the model is wrapped (wrap swaps its class)
     with torch.inference_mode():
         for r in rows:
-            out = model.generate(input_ids=torch.tensor([r]), attention_mask=torch.ones(1, len(r), dtype=torch.long), **gen)
+            ids = torch.tensor([r], device=args.device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen)
             hf.append(common.new_tokens(out, len(r), eos)[0])
     results = []
     for mode in args.modes:
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
         def run(ids: torch.Tensor, mask: torch.Tensor, **kw) -> tuple[list[list[int]], float]:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = wrapped.generate(input_ids=ids, attention_mask=mask, **gen, **kw)
+                out = wrapped.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device), **gen, **kw)
             return common.new_tokens(out, ids.shape[1], eos), time.perf_counter() - t0
 
         plain, plain_s = [], 0.0
