@@ -217,13 +217,10 @@ class Batch:
     def save_kv(self, seqs: list[Sequence], cache) -> None:
         """Copy the keys/values of finished `seqs` out of the pages before their blocks are freed
         (only for calls that return `past_key_values`): per layer [H_kv, num_cached, D]."""
-        bs = self.sched.blocks.block_size
         for seq in seqs:
             if seq.row in self.kv or not self.call_of_row[seq.row].cfg.keep_kv:
                 continue
-            table = np.asarray(self.sched.blocks.table(seq.seq_id), dtype=np.int64)
-            pos = np.arange(seq.num_cached)
-            slots = torch.from_numpy(table[pos // bs] * bs + pos % bs)
+            slots = torch.from_numpy(self.sched.blocks.slots(seq.seq_id, np.arange(seq.num_cached)))
             layers = []
             for k, v in zip(cache.keys, cache.values):
                 sl = slots.to(k.device)
@@ -330,11 +327,8 @@ class Batch:
                 if self.tree and a:
                     src, dst = compaction(paths[i].tolist())
                     if len(src):
-                        table = np.asarray(self.sched.blocks.table(seq.seq_id), dtype=np.int64)
-                        bs = self.sched.blocks.block_size
                         for off, out in ((src, move_src), (dst, move_dst)):
-                            pos = c.start + off
-                            out.append(table[pos // bs] * bs + pos % bs)
+                            out.append(self.sched.blocks.slots(seq.seq_id, c.start + np.asarray(off)))
                 seq.num_cached += 1 + a
             emitted = seq.append(history, candidates[i].tolist(), cfg.eos_token_ids)
             if hf_rows is not None:

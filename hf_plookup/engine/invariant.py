@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from ..attention.invariant import build_layout, current_layout, invariant_layout
 
-INVARIANT_CHOICES = ("auto", True, False)
 # Where invariant="auto" turns the mode on, by (device type, dtype); measured on the project's CPU
 # (README "Lossless in bf16"): without it bf16 prompt lookup parted from plain greedy on 1 of 2
 # prompts; with it a bf16 5-token step at 700 cached tokens cost 2x (one SDPA call per query; the
@@ -47,9 +46,8 @@ _STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "p
 
 
 def resolve_invariant(requested, devices: list[torch.device], dtypes: list[torch.dtype], backend: str) -> bool:
-    """Whether invariant mode runs. True where it cannot run is a ValueError."""
-    if requested not in INVARIANT_CHOICES or not isinstance(requested, (bool, str)):
-        raise ValueError(f"invariant must be 'auto', True or False, got {requested!r}")
+    """Whether invariant mode runs (`requested` as validated by EngineOptions). True where it
+    cannot run is a ValueError."""
     reason = None
     if backend != "sdpa":
         reason = f"invariant mode runs on attn_backend 'sdpa', this model runs {backend!r}"

@@ -169,6 +169,12 @@ class BlockManager:
     def table(self, seq_id: int) -> list[int]:
         return self.tables[seq_id]
 
+    def slots(self, seq_id: int, positions: np.ndarray) -> np.ndarray:
+        """Flat cache slots [N] int64 of a sequence's token positions [N] (through its block table)."""
+        table = np.asarray(self.table(seq_id), dtype=np.int64)
+        bs = self.block_size
+        return table[positions // bs] * bs + positions % bs
+
     def ensure(self, seq_id: int, num_tokens: int) -> None:
         """Grow `seq_id`'s table to hold `num_tokens` tokens."""
         table = self.tables.setdefault(seq_id, [])
