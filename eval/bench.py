@@ -288,7 +288,6 @@ def main(argv=None) -> int:
     model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
     load_seconds = time.perf_counter() - t0
     wrapped = hf_plookup.wrap(copy.copy(model), invariant={"auto": "auto", "on": True, "off": False}[args.invariant])
-    common.set_threads(args.threads)  # again: wrap() starts numba's OpenMP pool, which resets torch's count
     pad = common.pad_id(model, tokenizer)
     if args.prompt_source == "builtin":
         prompts = builtin_prompts(tokenizer, args.num_prompts)

@@ -49,7 +49,6 @@ def main(argv=None) -> int:
     common.set_threads(args.threads)
     model, tokenizer = common.load_model(args.model, torch.float32, "cpu")
     wrapped = hf_plookup.wrap(model, join_calls=not args.no_join)
-    common.set_threads(args.threads)
     docs = common.load_jsonl(common.BUILTIN_PATH)
     chat = common.use_chat(args.model, tokenizer)  # a base model gets the few-shot prompt
     n = args.clients * args.calls_per_client

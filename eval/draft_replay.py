@@ -110,7 +110,6 @@ def main(argv=None) -> int:
     common.set_threads(args.threads)
     model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
     wrapped = hf_plookup.wrap(copy.copy(model))
-    common.set_threads(args.threads)
     pad = common.pad_id(model, tokenizer)
     prompts = builtin_prompts(tokenizer, args.num_prompts)
     eos = common.eos_ids(model)

@@ -74,7 +74,6 @@ def main(argv=None) -> int:
     results = []
     for mode in args.modes:
         wrapped = hf_plookup.wrap(model, invariant=mode == "on")  # the same object, rewrapped per mode
-        common.set_threads(args.threads)
 
         def run(ids: torch.Tensor, mask: torch.Tensor, **kw) -> tuple[list[list[int]], float]:
             t0 = time.perf_counter()

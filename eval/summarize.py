@@ -509,7 +509,6 @@ def main(argv=None) -> int:
     model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
     load_seconds = time.perf_counter() - t0
     wrapped = hf_plookup.wrap(copy.copy(model))
-    common.set_threads(args.threads)  # again: wrap() starts numba's OpenMP pool, which resets torch's count
     chat = args.prompt_style == "chat" if args.prompt_style != "auto" else common.use_chat(args.model, tokenizer)
     args.prompt_style = "chat" if chat else "fewshot"
 
