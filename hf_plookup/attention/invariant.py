@@ -8,8 +8,10 @@ into other vector lanes (measured on this project's CPU: rows of a 5-query call 
 1-query calls in fp32 and bf16). So, by construction:
 
 - **decode tokens** (1-token, verify and tree steps): one SDPA call per query, `q [1, H, 1, D]`
-  over exactly its visible keys, gathered in position order into a contiguous
-  `[1, H_kv, L, D]` tensor, no mask: the call HF's own batch-1 decode makes. A tree node's keys
+  over exactly its visible keys in position order, `[1, H_kv, L, D]`, no mask: the call HF's own
+  batch-1 decode makes. A sequence's keys are gathered once per layer into HF's layout and each
+  of its chain tokens reads a run of them (a view: the kernel reads rows of D contiguous values
+  either way). A tree node's keys
   are the context then its ancestors, which is what the same token sees in a chain.
 - **prompt chunks**: one call per sequence and chunk over exactly that sequence's keys. The
   scheduler cuts prompts at fixed offsets in invariant mode (`Scheduler(aligned_prefill=True)`),
@@ -50,18 +52,31 @@ class InvariantLayout:
         self._keys: dict = {}  # window -> (flat slot index tensor, per-query (offset, length), prefill masks)
 
     def keys(self, window: int | None):
-        """Per window: one flat slot index [sum L] for every query group, the (offset, length) of
-        each group's keys in it, and each prompt chunk's mask ([n, L] bool or None)."""
+        """Per window, which keys each query group reads, gathered once per step and layer.
+
+        Returns (idx, bases, views, masks): `idx` [sum of base lengths] flat cache slots;
+        `bases` (offset, length) of each gathered key run in `idx`; `views` per group (prompt
+        chunks, then decode tokens): (base, start, length), the group's keys being
+        `base[start : start + length]`; `masks` per prompt chunk ([n, L] bool or None). A prompt
+        chunk has its own base; a sequence's decode tokens share one (its context then the
+        chunk's tokens) when their keys are a run of it (chain steps, so gathering costs one
+        copy per sequence, not per token), else a tree node or windowed token gets its own."""
         got = self._keys.get(window)
         if got is not None:
             return got
-        parts, spans, masks = [], [], []
+        parts, bases, views, masks = [], [], [], []
         off = 0
+
+        def add_base(slots: np.ndarray) -> int:
+            nonlocal off
+            parts.append(slots)
+            bases.append((off, len(slots)))
+            off += len(slots)
+            return len(bases) - 1
+
         for lo, n, b, start in self.prefill:
             L = start + n
-            parts.append(self.kv_slots[b, :L])
-            spans.append((off, L))
-            off += L
+            views.append((add_base(self.kv_slots[b, :L]), 0, L))
             q = np.arange(start, L)[:, None]  # [n, 1] positions of the chunk
             k = np.arange(L)[None, :]  # [1, L]
             if start == 0 and not (window and L > window):
@@ -71,14 +86,21 @@ class InvariantLayout:
                 if window:
                     m &= k > q - window
                 masks.append(torch.from_numpy(m).to(self.device))
-        for t, b, pos, cpos in self.decode:
+        shared: dict[int, tuple[int, np.ndarray]] = {}  # sequence -> (base, cache positions it holds)
+        for _, b, pos, cpos in self.decode:
             if window:
                 cpos = cpos[self.positions[b, cpos] > pos - window]
-            parts.append(self.kv_slots[b, cpos])
-            spans.append((off, len(cpos)))
-            off += len(cpos)
+            if b not in shared:
+                run = max((c for _, bb, _, c in self.decode if bb == b), key=len)  # the longest query's keys
+                shared[b] = (add_base(self.kv_slots[b, run]), run)
+            base, run = shared[b]
+            lo = int(np.searchsorted(run, cpos[0])) if len(cpos) else 0
+            if len(cpos) and lo + len(cpos) <= len(run) and np.array_equal(run[lo : lo + len(cpos)], cpos):
+                views.append((base, lo, len(cpos)))
+            else:
+                views.append((add_base(self.kv_slots[b, cpos]), 0, len(cpos)))
         idx = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(self.device)
-        got = self._keys[window] = (idx, spans, masks)
+        got = self._keys[window] = (idx, bases, views, masks)
         return got
 
 
@@ -139,16 +161,19 @@ def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torc
     """Packed queries `[1, H, T, D]` over one layer's pages `[num_blocks, block_size, H_kv, D]`
     (K/V already written) -> `[1, T, H, D]`, each query computed as described above."""
     h_kv, d = k_cache.shape[-2:]
-    idx, spans, masks = layout.keys(sliding_window if sliding_window else None)
+    idx, bases, views, masks = layout.keys(sliding_window if sliding_window else None)
     k_all = k_cache.view(-1, h_kv, d).index_select(0, idx)  # [sum L, H_kv, D]
     v_all = v_cache.view(-1, h_kv, d).index_select(0, idx)
     if k_all.dtype != query.dtype:
         k_all, v_all = k_all.to(query.dtype), v_all.to(query.dtype)
+    # each base as HF's cache holds keys: [1, H_kv, L, D], contiguous; a group reads a run of L
+    k_bases = [k_all[o : o + n].transpose(0, 1).contiguous()[None] for o, n in bases]
+    v_bases = [v_all[o : o + n].transpose(0, 1).contiguous()[None] for o, n in bases]
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
     groups = [(lo, n) for lo, n, _, _ in layout.prefill] + [(t, 1) for t, _, _, _ in layout.decode]
-    for g, ((lo, n), (off, L)) in enumerate(zip(groups, spans)):
-        k = k_all[off : off + L].transpose(0, 1).contiguous()[None]  # [1, H_kv, L, D]
-        v = v_all[off : off + L].transpose(0, 1).contiguous()[None]
+    for g, ((lo, n), (base, start, L)) in enumerate(zip(groups, views)):
+        k = k_bases[base][:, :, start : start + L]
+        v = v_bases[base][:, :, start : start + L]
         mask = masks[g] if g < len(masks) else None
         causal = g < len(masks) and mask is None and n > 1
         o = _attend_one(query[:, :, lo : lo + n], k, v, mask, causal, scale, softcap)  # [1, H, n, D]

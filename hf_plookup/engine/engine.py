@@ -127,12 +127,14 @@ class Engine:
         self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda" and not hooked
         self.use_compile = resolve_compile(options.compile, devices, backend, hooked)
         dtypes = sorted({s.dtype for s in self.specs}, key=str)
-        self.invariant = InvariantLinears(model) if resolve_invariant(options.invariant, devices, dtypes, backend) else None
+        self.tensor_parallel = tensor_parallel(model)  # ranks must agree on every decision (engine.distributed)
+        invariant = resolve_invariant(options.invariant, devices, dtypes, backend, compiled=self.use_compile,
+                                      hooked=hooked, distributed=self.tensor_parallel)
+        self.invariant = InvariantLinears(model) if invariant else None
         auto = options.tree_min_score is None
         self.tree_min_score = TREE_MIN_SCORE.get(devices[0].type, 0.0) if auto else options.tree_min_score
         self.step_fixed_tokens = STEP_FIXED_TOKENS.get(devices[0].type) if auto else None  # batch scaling
         self._graphs: GraphRunner | None = None
-        self.tensor_parallel = tensor_parallel(model)  # ranks must agree on every decision (engine.distributed)
         # CPU: the LM head's faster matmul layout for multi-row steps (timed, so not under tensor parallel)
         self.head = None if self.tensor_parallel else head_chooser(model)
         self._capacity: int | None = None

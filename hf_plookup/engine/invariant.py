@@ -32,30 +32,33 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.invariant import build_layout, current_layout, invariant_layout
+from . import row_linear
 
 # Where invariant="auto" turns the mode on, by (device type, dtype); measured on the project's CPU
-# (README "Lossless in bf16"): without it bf16 prompt lookup parted from plain greedy on 1 of 2
-# prompts; with it a bf16 5-token step at 700 cached tokens cost 2x (one SDPA call per query; the
-# linears are row-exact as they are) while end-to-end tok/s did not drop. fp32 is token-identical
-# to HF without it and its 5-token steps cost 2.5x with it (1-row linears): off. CUDA: not
-# measured yet, off.
-INVARIANT_AUTO = {("cpu", torch.bfloat16): True, ("cpu", torch.float16): True}
+# (README "Lossless prompt lookup"): without it bf16 prompt lookup parted from plain greedy on 2 of
+# 4 documents, fp32 only by rounding; with it fp32 runs faster than without (engine.row_linear
+# streams the weights once for a step's rows where MKL's small-row GEMM does not: SmolLM2 k=4
+# 15.0 against 13.1 tok/s, plain greedy 11.2 against 10.3) and bf16 verify steps cost about 2x
+# (one SDPA call per query). CUDA: not measured yet, off. Also off where it was not measured:
+# compiled steps, accelerate-dispatched and tensor-parallel models.
+INVARIANT_AUTO = {("cpu", torch.float32): True, ("cpu", torch.bfloat16): True, ("cpu", torch.float16): True}
 PROBE_ROWS = 16
 
-_STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "plain" | "rows"
+_STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "plain" | "numba" | "rows"
 
 
-def resolve_invariant(requested, devices: list[torch.device], dtypes: list[torch.dtype], backend: str) -> bool:
+def resolve_invariant(requested, devices: list[torch.device], dtypes: list[torch.dtype], backend: str,
+                      compiled: bool = False, hooked: bool = False, distributed: bool = False) -> bool:
     """Whether invariant mode runs (`requested` as validated by EngineOptions). True where it
-    cannot run is a ValueError."""
+    cannot run is a ValueError; "auto" is on only where INVARIANT_AUTO says it measured well."""
     reason = None
     if backend != "sdpa":
         reason = f"invariant mode runs on attn_backend 'sdpa', this model runs {backend!r}"
     if requested is True and reason is not None:
         raise ValueError(f"invariant=True cannot run: {reason}; use invariant=False or 'auto'")
     if requested == "auto":
-        return reason is None and len(devices) == 1 and len(dtypes) == 1 and INVARIANT_AUTO.get(
-            (devices[0].type, dtypes[0]), False)
+        measured = not (compiled or hooked or distributed) and len(devices) == 1 and len(dtypes) == 1
+        return reason is None and measured and INVARIANT_AUTO.get((devices[0].type, dtypes[0]), False)
     return bool(requested)
 
 
@@ -63,27 +66,44 @@ def _one_row_calls(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return torch.cat([F.linear(x2d[i : i + 1], weight, bias) for i in range(x2d.shape[0])])
 
 
+def _rows_exact(fn, x: torch.Tensor) -> bool:
+    """Whether `fn(x[:m])` gives every row bitwise as `fn` of that row alone, m = 2..PROBE_ROWS."""
+    ref = torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+    return all(torch.equal(fn(x[:m]), ref[:m]) for m in range(2, x.shape[0] + 1))
+
+
 def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    """"plain" when the batched `F.linear` gives every row bitwise as a 1-row call does, for
-    every row count up to PROBE_ROWS (checked once per shape on random inputs), else "rows"."""
+    """How decode rows of this weight are computed, checked once per shape on random inputs:
+    "plain" when the batched `F.linear` gives every row bitwise as a 1-row call does for every
+    row count up to PROBE_ROWS (HF's own arithmetic, and the fastest); else "numba"
+    (engine.row_linear, float32 on CPU) when its rows pass the same check; else "rows" (one
+    1-row `F.linear` per row)."""
     key = (*weight.shape, weight.dtype, weight.device, bias is None, torch.get_num_threads())
     got = _STRATEGIES.get(key)
     if got is None:
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(PROBE_ROWS, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
         with torch.inference_mode():
-            ref = _one_row_calls(x, weight, bias)
-            ok = all(torch.equal(F.linear(x[:m], weight, bias), ref[:m]) for m in range(2, PROBE_ROWS + 1))
-        got = _STRATEGIES[key] = "plain" if ok else "rows"
+            if _rows_exact(lambda t: F.linear(t, weight, bias), x):
+                got = "plain"
+            elif row_linear.supported(weight) and _rows_exact(lambda t: row_linear.row_linear(t, weight, bias), x):
+                got = "numba"
+            else:
+                got = "rows"
+        _STRATEGIES[key] = got
     return got
 
 
 def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2d [M, K] -> [M, N], each row bitwise as `F.linear(x2d[i:i+1], weight, bias)`."""
+    """x2d [M, K] -> [M, N], each row bitwise as that row alone: as `F.linear(x2d[i:i+1], weight,
+    bias)` ("plain", "rows") or as `row_linear` of it ("numba")."""
     m = x2d.shape[0]
+    strategy = row_strategy(weight, bias)
+    if strategy == "numba":
+        return row_linear.row_linear(x2d, weight, bias)
     if m == 1:
         return F.linear(x2d, weight, bias)
-    if row_strategy(weight, bias) == "rows":
+    if strategy == "rows":
         return _one_row_calls(x2d, weight, bias)
     if m <= PROBE_ROWS:
         return F.linear(x2d, weight, bias)
