@@ -54,7 +54,7 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0) 
     row's running acceptance rate, nodes below `min_score` left out, as in the engine). The first
     token comes from the prefill."""
     from hf_plookup.drafting.suffix import SuffixIndex
-    from hf_plookup.drafting.tree import TreeProposer, accept_tree_greedy, acceptance_estimate, walk_rejected
+    from hf_plookup.drafting.tree import TreeProposer, accept_tree, acceptance_estimate, walk_rejected
 
     full = np.array(prompt + out, dtype=np.int64)[None]
     n0, total = len(prompt), len(out)
@@ -86,7 +86,7 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0) 
                     d = depth_ok[p] + 1
                     depth_ok[i + 1] = d
                     picks[i + 1] = truth[d] if d < len(truth) else -1
-            path, _ = accept_tree_greedy(picks, tokens[0, :m], parents[0, :m])
+            path, _ = accept_tree(picks, tokens[0, :m], parents[0, :m])
             accepted = len(path)
             n_rej += walk_rejected(path, parents[0, :m])
         else:

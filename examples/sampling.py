@@ -1,8 +1,9 @@
 """Sampling with prompt lookup: do_sample with temperature / top-p, reproducible by seed.
 
-Sampling runs on hf_plookup's engine: drafts are verified by rejection sampling, so every
-token is distributed exactly as HF's own sampling would draw it (the random draws differ, so
-the same seed gives other text than HF's `generate`).
+Sampling runs on hf_plookup's engine: every output position draws from the model's
+distribution with a uniform keyed by the row's seed and the position, so every token is
+distributed exactly as HF's own sampling would draw it and drafts never change it (the random
+draws differ from HF's, so the same seed gives other text than HF's `generate`).
 
     python examples/sampling.py --max-new-tokens 64 --samples 3   # SmolLM2-135M-Instruct if installed
     python examples/sampling.py --model gemma3-270m               # the base model, plain-text prompt

@@ -21,7 +21,7 @@ import numpy as np
 
 from .suffix import SuffixIndex, _slot as _slot_any
 
-__all__ = ["TreeProposer", "accept_tree_greedy", "accept_tree_sampled", "acceptance_estimate", "ancestor_mask",
+__all__ = ["TreeProposer", "accept_tree", "acceptance_estimate", "ancestor_mask",
            "batch_min_score", "compaction", "depths", "walk_rejected"]
 
 # candidates (earlier occurrences) per row and kind of source (own row, others) before ranking;
@@ -372,19 +372,13 @@ def ancestor_mask(parents: np.ndarray, width: int) -> np.ndarray:
     return m
 
 
-def accept_tree_greedy(targets: np.ndarray, tokens: np.ndarray, parents: np.ndarray) -> tuple[list[int], int]:
-    """Walk one row's tree by the argmax: `targets` [n + 1] the argmax at each chunk node. Returns
-    (accepted path as chunk indices of draft nodes, root excluded; the next token)."""
+def accept_tree(targets: np.ndarray, tokens: np.ndarray, parents: np.ndarray) -> tuple[list[int], int]:
+    """Walk one row's tree by its targets: `targets` [n + 1] the token each chunk node emits
+    (the argmax, or a draw keyed by the node's output position: drafting.verify). A node is
+    entered when its parent's target is its token; the first target that matches no child is
+    the next token. Returns (accepted path as chunk indices of draft nodes, root excluded; the
+    next token)."""
     return _walk(targets, tokens, parents)
-
-
-def accept_tree_sampled(samples: np.ndarray, tokens: np.ndarray, parents: np.ndarray) -> tuple[list[int], int]:
-    """The same walk with `samples` [n + 1], one independent draw from the target distribution
-    at each chunk node: a node is entered when the draw at its parent is its token, and the
-    first draw that matches no child is the next token. Every emitted token is then a plain
-    draw from the target distribution given the tokens before it (only visited nodes' draws
-    are used, each independent of how the walk got there), so sampling stays exact."""
-    return _walk(samples, tokens, parents)
 
 
 def _walk(picks: np.ndarray, tokens: np.ndarray, parents: np.ndarray) -> tuple[list[int], int]:

@@ -16,15 +16,14 @@ from ..drafting.sampling import process_scores
 from ..drafting.suffix import SuffixIndex
 from ..drafting.tree import (
     TreeProposer,
-    accept_tree_greedy,
-    accept_tree_sampled,
+    accept_tree,
     acceptance_estimate,
     batch_min_score,
     compaction,
     depths,
     walk_rejected,
 )
-from ..drafting.verify import accept_greedy, accept_sampling
+from ..drafting.verify import accept_targets, position_uniforms, row_seeds, sample_targets
 from ..stats import SpecStats
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import DecodeConfig, Sequence
@@ -52,6 +51,7 @@ class Call:
     done: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
     error: BaseException | None = None
+    seed: int = 0  # sampling: drawn from torch's generator when the call's loop starts (drafting.verify)
 
 
 def joinable(running: DecodeConfig, cfg: DecodeConfig) -> bool:
@@ -92,6 +92,7 @@ class Batch:
         # scores its trees' deeper nodes: see accept_rate)
         self.n_accepted = np.zeros(0, dtype=np.int64)  # [B]
         self.n_rejected = np.zeros(0, dtype=np.int64)  # [B]
+        self.seeds = np.zeros(0, dtype=np.uint64)  # [B] sampling seed per row
         self.calls: list[Call] = []
         self.call_of_row: list[Call] = []
         self.hf_rows: np.ndarray | None = None  # [B, W + extra] rows as HF lays them out (first call only)
@@ -117,6 +118,7 @@ class Batch:
         self.n_drafts = np.concatenate([self.n_drafts, np.zeros(b, dtype=np.int64)])
         self.n_accepted = np.concatenate([self.n_accepted, np.zeros(b, dtype=np.int64)])
         self.n_rejected = np.concatenate([self.n_rejected, np.zeros(b, dtype=np.int64)])
+        self.seeds = np.concatenate([self.seeds, row_seeds(call.seed, b)])  # sampling (drafting.verify)
         if not self.calls:
             if cfg.needs_hf_rows:
                 self.width = cfg.hf_input_ids.shape[1]
@@ -234,12 +236,11 @@ class Batch:
 
     def _walk(self, picks: np.ndarray, offsets: np.ndarray, num_drafts: np.ndarray, rows: np.ndarray):
         """Per sequence, the accepted tree path (chunk indices) and next token, from one pick
-        per fed node (`picks` [N]: argmax or one draw)."""
+        per fed node (`picks` [N]: argmax or draw)."""
         paths, final = [], np.empty(len(rows), dtype=np.int64)
-        walk = accept_tree_sampled if self.cfg.do_sample else accept_tree_greedy
         for i, r in enumerate(rows):
             m = num_drafts[i]
-            path, final[i] = walk(picks[offsets[i] : offsets[i] + m + 1], self.drafts[r, :m], self.parents[r, :m])
+            path, final[i] = accept_tree(picks[offsets[i] : offsets[i] + m + 1], self.drafts[r, :m], self.parents[r, :m])
             paths.append(np.asarray(path, dtype=np.int64))
         return paths, final
 
@@ -292,18 +293,17 @@ class Batch:
             scores = process_scores(cfg.processors, logits, pos_rows, pos_len, hf_rows)  # [N, V]
         else:
             scores = logits.float()
+        if cfg.do_sample:  # one draw per fed position, keyed by (row seed, output position): drafting.verify
+            out_pos = np.repeat(gen, n_pos) + depth
+            u = position_uniforms(self.seeds[np.repeat(rows, n_pos)], out_pos)
+            targets = sample_targets(torch.softmax(scores, dim=-1), u)  # [N]
+        else:
+            targets = scores.argmax(dim=-1).cpu().numpy()  # [N]
         if self.tree:
-            if cfg.do_sample:
-                picks = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1).cpu().numpy()  # [N]
-            else:
-                picks = scores.argmax(dim=-1).cpu().numpy()  # [N]
-            paths, final = self._walk(picks, offsets, num_drafts, rows)
+            paths, final = self._walk(targets, offsets, num_drafts, rows)
             accepted = np.array([len(p) for p in paths], dtype=np.int64)
         else:
-            if cfg.do_sample:
-                accepted, final = accept_sampling(torch.softmax(scores, dim=-1), offsets, num_drafts, step_drafts)
-            else:
-                accepted, final = accept_greedy(scores, offsets, num_drafts, step_drafts)
+            accepted, final = accept_targets(targets, offsets, num_drafts, step_drafts)
             paths = [np.arange(1, a + 1, dtype=np.int64) for a in accepted]
         # the tokens a row may emit and, for each, the fed position that scored it
         candidates = [np.append(step_drafts[i, paths[i] - 1], final[i]) for i in range(len(seqs))]

@@ -249,8 +249,11 @@ class Engine:
     def _loop(self, own: Call) -> GenerationResult:
         """Run steps until every row of `own` and of the calls that join meanwhile is done."""
         cfg = own.cfg
-        if self.tensor_parallel and cfg.do_sample:
-            agree_rng(self.specs[0].device)  # every rank draws rank 0's tokens
+        if cfg.do_sample:
+            if self.tensor_parallel:
+                agree_rng(self.specs[0].device)  # every rank draws rank 0's seed, so rank 0's tokens
+            # the call's sampling seed, from the generator HF's sampling would draw from
+            own.seed = int(torch.randint(0, 2**63 - 1, (1,), device=self.specs[0].device).item())
         cache = self.cache()
         blocks = self.blocks
         graphs = self.graph_runner()

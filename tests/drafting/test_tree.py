@@ -16,7 +16,7 @@ from hf_plookup.engine.kv_cache import PagedKVCache
 from hf_plookup.drafting.tree import (
     MAX_CANDIDATES,
     TreeProposer,
-    accept_tree_greedy,
+    accept_tree,
     ancestor_mask,
     compaction,
     depths,
@@ -286,7 +286,7 @@ def test_walk_and_compaction(data, n):
     parents = [data.draw(st.integers(0, i)) for i in range(n)]
     tokens = [data.draw(st.integers(0, 3)) for _ in range(n)]
     picks = np.array([data.draw(st.integers(0, 3)) for _ in range(n + 1)])
-    path, nxt = accept_tree_greedy(picks, np.array(tokens), np.array(parents))
+    path, nxt = accept_tree(picks, np.array(tokens), np.array(parents))
     # reference: follow the picks, taking the first child (lowest index) holding the pick
     node, ref_path = 0, []
     while True:

@@ -259,3 +259,51 @@ def test_cuda_bf16_drafts_change_no_logit(arch):
     r = ids[3:4]  # the longest prompt: no padding
     alone, _ = _generate(model, r, torch.ones_like(r), 20, prompt_lookup_num_tokens=4)
     assert torch.equal(alone[0], plain[3, : alone.shape[1]])
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("gemma3_text", torch.bfloat16)])
+def test_seeded_sampling_same_tokens_whatever_the_batch_and_drafts(arch, dtype):
+    """Sampling draws each output position from a uniform keyed by (row seed, position)
+    (drafting.verify), so with invariant logits a seeded row samples the same tokens alone, in a
+    batch beside other prompts, with or without drafts, chains or trees."""
+    model = wrap_copy(tiny_model(arch).to(dtype), invariant=True, max_batch_tokens=16)
+    rows = _prompts(4, seed=7)
+    kw = dict(max_new_tokens=24, do_sample=True, temperature=1.3, top_k=40, pad_token_id=PAD, eos_token_id=None)
+
+    def sample(rows, seed=11, **more):
+        ids, mask = _left_pad(rows)
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw, **more)
+        assert model.last_stats.invariant and not model.last_stats.delegated
+        return out[:, ids.shape[1]:], model.last_stats
+
+    batch, _ = sample(rows)
+    alone, _ = sample(rows[:1])
+    assert torch.equal(alone[0], batch[0]), "row 0 alone differs from row 0 of a batch of 4"
+    other, _ = sample([rows[0], rows[3]])
+    assert torch.equal(other[0], batch[0]) and not torch.equal(other[1], batch[1])
+    chain, st = sample(rows, prompt_lookup_num_tokens=4)
+    assert st.drafted > 0 and torch.equal(chain, batch), "drafts changed sampled tokens"
+    tree, st = sample(rows, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
+    assert st.drafter == "ngram-tree" and st.drafted > 0 and torch.equal(tree, batch)
+    different, _ = sample(rows, seed=12)
+    assert not torch.equal(different, batch)
+
+
+def test_position_uniforms_and_inverse_cdf():
+    from hf_plookup.drafting.verify import position_uniforms, row_seeds, sample_targets
+
+    seeds = row_seeds(123, 4)
+    assert len(set(seeds.tolist())) == 4 and np.array_equal(row_seeds(123, 2), seeds[:2])
+    pos = np.arange(20000)
+    u = position_uniforms(np.repeat(seeds[:1], len(pos)), pos)
+    assert np.array_equal(u[5:9], position_uniforms(np.repeat(seeds[:1], 4), pos[5:9]))  # keyed, not stateful
+    assert 0 < u.min() and u.max() < 1
+    hist = np.histogram(u, bins=10, range=(0, 1))[0]
+    assert np.abs(hist - 2000).max() < 200  # about uniform (about 4.7 sigma)
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.05
+    v = position_uniforms(np.repeat(seeds[1:2], len(pos)), pos)
+    assert abs(np.corrcoef(u, v)[0, 1]) < 0.05  # rows draw independently
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]]).repeat(6, 1)
+    grid = np.array([1e-9, 0.2499, 0.2501, 0.6, 0.999999, 1 - 2.0**-53])
+    assert sample_targets(probs, grid).tolist() == [1, 1, 3, 3, 3, 3]  # the CDF's intervals; p=0 never
