@@ -36,12 +36,13 @@ from . import row_linear
 
 # Where invariant="auto" turns the mode on, by (device type, dtype); measured on the project's CPU
 # (README "Lossless prompt lookup"): without it bf16 prompt lookup parted from plain greedy on 2 of
-# 4 documents, fp32 only by rounding; with it fp32 runs faster than without (engine.row_linear
-# streams the weights once for a step's rows where MKL's small-row GEMM does not: SmolLM2 k=4
-# 15.0 against 13.1 tok/s, plain greedy 11.2 against 10.3) and bf16 verify steps cost about 2x
-# (one SDPA call per query). CUDA: not measured yet, off. Also off where it was not measured:
-# compiled steps, accelerate-dispatched and tensor-parallel models.
-INVARIANT_AUTO = {("cpu", torch.float32): True, ("cpu", torch.bfloat16): True, ("cpu", torch.float16): True}
+# 4 documents, so bf16/fp16 are on (their verify steps cost about 2x: one SDPA call per query).
+# fp32 parts from plain greedy only by rounding and its plain greedy is HF's bit for bit without
+# the mode, so it stays off: with the mode fp32 is faster at batch 1 (engine.row_linear: SmolLM2
+# k=4 15.0 against 13.1 tok/s) but slower from batch 4 (main job k=8 1.04x HF against 1.07-1.29x;
+# batch 8 k=4 16.4 against 23.3 tok/s). CUDA: not measured yet, off. Also off where it was not
+# measured: compiled steps, accelerate-dispatched and tensor-parallel models.
+INVARIANT_AUTO = {("cpu", torch.bfloat16): True, ("cpu", torch.float16): True}
 PROBE_ROWS = 16
 
 _STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "plain" | "numba" | "rows"

@@ -259,7 +259,7 @@ def test_graph_runner_static_buffers_identical_to_hf(arch):
     """Verify steps through GraphRunner's padded static buffers (dummy rows, bucketed Lk), run
     eagerly: the path a captured graph replays, minus the capture."""
     model = tiny_model(arch)
-    w = wrap_copy(model, max_cache_tokens=4096, block_size=16, invariant=False)  # invariant steps never take graphs
+    w = wrap_copy(model, max_cache_tokens=4096, block_size=16)
     gr = _eager_graph_runner(w)
     for batch, k in ((1, 4), (3, 4), (5, 10), (3, None)):
         assert _hf_equal(model, w, batch, k, seed=batch + 3), (arch, batch, k)

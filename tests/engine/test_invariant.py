@@ -195,10 +195,10 @@ def test_invariant_option_validated_and_auto_policy():
         hf_plookup.wrap(model, invariant=1)
     cpu = [torch.device("cpu")]
     assert resolve_invariant("auto", cpu, [torch.bfloat16], "sdpa")
-    assert resolve_invariant("auto", cpu, [torch.float32], "sdpa")
+    assert not resolve_invariant("auto", cpu, [torch.float32], "sdpa")
     assert not resolve_invariant("auto", [torch.device("cuda")], [torch.bfloat16], "sdpa")  # not measured
     for flag in ("compiled", "hooked", "distributed"):
-        assert not resolve_invariant("auto", cpu, [torch.float32], "sdpa", **{flag: True})
+        assert not resolve_invariant("auto", cpu, [torch.bfloat16], "sdpa", **{flag: True})
     assert not resolve_invariant("auto", cpu, [torch.bfloat16], "triton")
     with pytest.raises(ValueError, match="attn_backend"):
         resolve_invariant(True, cpu, [torch.float32], "triton")
