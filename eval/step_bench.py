@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make hf_plookup and eval impor
 from eval.lib.common import add_threads_option, show_defaults  # noqa: E402
 from eval.gpu_bench import DTYPES, MODELS, build_model, copy_bandwidth, sync  # noqa: E402
 from hf_plookup.attention.registry import register  # noqa: E402
-from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket, pad_plan  # noqa: E402
+from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket  # noqa: E402
 from hf_plookup.engine.kv_cache import PagedKVCache, layer_specs  # noqa: E402
 from hf_plookup.engine.runner import StepPlan  # noqa: E402
 
