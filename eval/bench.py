@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts; tok/s takes the fastest pass of each batch")
     p.add_argument("--variants", nargs="+", default=["hf-greedy", "hf-pl", "plk-greedy", "plk"],
                    choices=["hf-greedy", "hf-pl", "hf-batch", "plk-greedy", "plk"], help="which variant families to run (hf-greedy always runs)")
-    p.add_argument("--invariant", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--invariant", default="auto", choices=list(common.INVARIANT),
                    help="hf_plookup's invariant mode (wrap(invariant=...)): drafts change no token's arithmetic")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
     load_seconds = time.perf_counter() - t0
-    wrapped = hf_plookup.wrap(copy.copy(model), invariant={"auto": "auto", "on": True, "off": False}[args.invariant])
+    wrapped = hf_plookup.wrap(copy.copy(model), invariant=common.INVARIANT[args.invariant])
     pad = common.pad_id(model, tokenizer)
     if args.prompt_source == "builtin":
         prompts = builtin_prompts(tokenizer, args.num_prompts)

@@ -56,7 +56,8 @@ if __package__ in (None, ""):  # run as a script: make hf_plookup importable fro
 import hf_plookup  # noqa: E402
 from hf_plookup.engine.runner import ModelRunner  # noqa: E402
 from hf_plookup.drafting.ngram import NgramProposer  # noqa: E402
-from eval.lib.common import add_threads_option, show_defaults  # noqa: E402
+from eval.lib import common  # noqa: E402
+from eval.lib.common import INVARIANT, add_threads_option, show_defaults  # noqa: E402
 
 _QWEN3_COMMON = dict(num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                      rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="default: cuda")
     p.add_argument("--attn-backend", default="auto", help="hf_plookup attn_backend for plk variants")
-    p.add_argument("--invariant", default="off", choices=["auto", "on", "off"],
+    p.add_argument("--invariant", default="off", choices=list(INVARIANT),
                    help="hf_plookup's invariant mode for plk variants (on: steps run eager, each token as in a 1-token step)")
     p.add_argument("--eager-variants", action=argparse.BooleanOptionalAction, default=True,
                    help="also run plk-greedy and plk-k{first k} with cuda_graphs=False")
@@ -265,8 +266,6 @@ def builtin_prompts(smollm2_dir: str | None, smollm2_gguf: str | None, n: int) -
     up to `n`; and the pad id."""
     from transformers import AutoTokenizer
 
-    from eval.lib import common
-
     path, extra = _checkpoint_source(smollm2_dir, smollm2_gguf)
     tok = AutoTokenizer.from_pretrained(path, **extra)
     docs = common.load_jsonl(common.BUILTIN_PATH)
@@ -274,17 +273,6 @@ def builtin_prompts(smollm2_dir: str | None, smollm2_gguf: str | None, n: int) -
     rows = [common.encode_prompt(tok, common.build_prompt(tok, d["document"], chat), chat) for d in docs]
     pad = tok.pad_token_id if tok.pad_token_id is not None else PAD
     return [rows[i % len(rows)] for i in range(n)], int(pad)
-
-
-def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, L] left-padded ids and their attention mask."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 def generated(out: torch.Tensor, prompt_len: int, eos: int | None) -> list[list[int]]:
@@ -334,10 +322,8 @@ def run_one(name, model, wrapped, ids, args, eos, device, max_new_tokens, mask=N
     kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=eos)
     sync(device)
     if name == "hf-batch":
-        from eval.lib.common import run_hf_generate_batch
-
         rows = [r[m.bool()].tolist() for r, m in zip(ids.cpu(), mask.cpu())]
-        res = run_hf_generate_batch(model, rows, max_new_tokens, pad, eos)
+        res = common.run_hf_generate_batch(model, rows, max_new_tokens, pad, eos)
         return res.seconds, res.tokens, None, None
     if name.startswith("hf"):
         t0 = time.perf_counter()
@@ -369,11 +355,11 @@ def bench_model(args, name: str, device: torch.device, save=lambda info: None, d
     bw = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
     vocab = model.config.vocab_size
     eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else None
-    inv = {"auto": "auto", "on": True, "off": False}[args.invariant]
+    inv = INVARIANT[args.invariant]
     pad, masks = PAD, None
     if args.prompt_source == "builtin":
         rows, pad = builtin_prompts(args.smollm2_dir, args.smollm2_gguf, max(args.batch_sizes))
-        prompts, masks = left_pad(rows, pad)
+        prompts, masks = common.left_pad(rows, pad)
         args.prompt_len = prompts.shape[1]  # what the eager engines' caches are sized for
     else:
         prompts = synthetic_prompts(vocab, max(args.batch_sizes), args.prompt_len, args.seed)

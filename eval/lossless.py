@@ -43,14 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     return common.show_defaults(p)
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first token where `a` and `b` part (None when equal)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     common.set_threads(args.threads)
@@ -81,28 +73,26 @@ def main(argv=None) -> int:
                 out = wrapped.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device), **gen, **kw)
             return common.new_tokens(out, ids.shape[1], eos), time.perf_counter() - t0
 
-        plain, plain_s = [], 0.0
-        for r in rows:
-            toks, s = run(torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))
-            plain.append(toks[0])
-            plain_s += s
-        diffs = [first_difference(p, h) for p, h in zip(plain, hf)]
-        print(f"invariant {mode:3s} | plain greedy = HF greedy (batch 1): {sum(d is None for d in diffs)}/{len(rows)}", flush=True)
-        results.append({"invariant": mode, "variant": "plain greedy vs HF greedy", "equal": sum(d is None for d in diffs),
-                        "of": len(rows), "first_difference": diffs})
-        lines = [("plain greedy", plain, plain_s)]
-        for name, kw in variants:
+        def each_alone(**kw) -> tuple[list[list[int]], float]:
+            """Every prompt on its own (batch 1): outputs and total seconds."""
             outs, secs = [], 0.0
             for r in rows:
                 toks, s = run(torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long), **kw)
                 outs.append(toks[0])
                 secs += s
-            lines.append((name, outs, secs))
+            return outs, secs
+
+        plain, plain_s = each_alone()
+        diffs = [common.first_divergence(p, h) for p, h in zip(plain, hf)]
+        print(f"invariant {mode:3s} | plain greedy = HF greedy (batch 1): {sum(d is None for d in diffs)}/{len(rows)}", flush=True)
+        results.append({"invariant": mode, "variant": "plain greedy vs HF greedy", "equal": sum(d is None for d in diffs),
+                        "of": len(rows), "first_difference": diffs})
+        lines = [("plain greedy", plain, plain_s)] + [(name, *each_alone(**kw)) for name, kw in variants]
         ids, mask = common.left_pad(rows, pad)
         batch, secs = run(ids, mask, prompt_lookup_num_tokens=args.k[0])
         lines.append((f"batch of {len(rows)}, k={args.k[0]}", batch, secs))
         for name, outs, secs in lines:
-            diffs = [first_difference(o, p) for o, p in zip(outs, plain)]
+            diffs = [common.first_divergence(o, p) for o, p in zip(outs, plain)]
             same = sum(d is None for d in diffs)
             n_tok = sum(len(o) for o in outs)
             rec = {"invariant": mode, "variant": name, "equal": same, "of": len(outs),

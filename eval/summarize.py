@@ -149,21 +149,12 @@ def exact_match(a: list[int], b: list[int]) -> bool:
     return list(a) == list(b)
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token; the shorter length when one is a prefix of the
-    other; None when identical."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def exact_match_stats(tokens: list[list[int]], baseline: list[list[int]]) -> dict:
     """exact_match (share of documents identical to the baseline), diverged (count), and
     mean_first_divergence (over diverging documents; None when none diverge)."""
     if len(tokens) != len(baseline):
         raise ValueError(f"{len(tokens)} outputs but {len(baseline)} baseline outputs")
-    divs = [first_divergence(t, b) for t, b in zip(tokens, baseline)]
+    divs = [common.first_divergence(t, b) for t, b in zip(tokens, baseline)]
     diverged = [d for d in divs if d is not None]
     return {
         "exact_match": (len(divs) - len(diverged)) / len(divs) if divs else 0.0,

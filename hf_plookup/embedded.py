@@ -165,19 +165,32 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 DEFAULT_MODEL = "gemma3-270m"
 
 
-def add_threads_option(parser) -> None:
-    """The examples' `--threads N` (default: torch's own), its default spelled out in `--help`."""
+def add_threads_option(parser, what: str = "torch CPU threads", default_name: str = "torch's default",
+                       default_now: int | None = None) -> None:
+    """`--threads N` of the examples and eval scripts (default None: leave the library's own
+    default), its default spelled out in `--help` with the number it gives here."""
+    if default_now is None:
+        default_now = torch.get_num_threads()
     parser.add_argument("--threads", type=int, default=None,
-                        help=f"torch CPU threads (default: torch's default, {torch.get_num_threads()} on this machine; "
+                        help=f"{what} (default: {default_name}, {default_now} on this machine; "
                              "use 1 on a machine shared with other busy processes)")
 
 
+def set_threads(n: int | None) -> None:
+    """torch intra-op threads (None: leave torch's default). On a small shared CPU, more
+    threads than free cores slows every process down by several times."""
+    if n is not None:
+        if n < 1:
+            raise ValueError(f"--threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+
+
 def apply_threads(parser, threads: int | None) -> None:
-    """Set torch's thread count from `--threads` (None: leave it); a bad count is a parser error."""
-    if threads is not None:
-        if threads < 1:
-            parser.error(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    """`set_threads` from `--threads`, a bad count reported as a parser error."""
+    try:
+        set_threads(threads)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def default_example_model() -> str:

