@@ -46,10 +46,19 @@ class InvariantLayout:
         self.prefill = prefill
         self.decode = decode
         self.device = device
-        # packed row segments for row-invariant linear layers: (offset, rows, is_prefill), in order
-        segs = [(lo, n, True) for lo, n, _, _ in prefill] + [(t, 1, False) for t, _, _, _ in decode]
-        self.segments = sorted(segs)
-        self._keys: dict = {}  # window -> (flat slot index tensor, per-query (offset, length), prefill masks)
+        # packed row groups for row-invariant linear layers, in order: (start, end, is_prefill), each
+        # prompt chunk apart, consecutive decode tokens together
+        self.row_groups: list[tuple[int, int, bool]] = []
+        for lo, n, is_prefill in sorted([(lo, n, True) for lo, n, _, _ in prefill] + [(t, 1, False) for t, _, _, _ in decode]):
+            last = self.row_groups[-1] if self.row_groups else None
+            if not is_prefill and last is not None and not last[2] and last[1] == lo:
+                self.row_groups[-1] = (last[0], lo + n, False)
+            else:
+                self.row_groups.append((lo, lo + n, is_prefill))
+        self.has_prefill = bool(prefill)
+        # the query groups attention runs one SDPA call for: (packed offset, queries), prompt chunks first
+        self.query_groups = [(lo, n) for lo, n, _, _ in prefill] + [(t, 1) for t, _, _, _ in decode]
+        self._keys: dict = {}  # window -> keys(window)
 
     def keys(self, window: int | None):
         """Per window, which keys each query group reads, gathered once per step and layer.
@@ -113,7 +122,7 @@ def build_layout(plan, device: torch.device) -> InvariantLayout:
         lo, hi = int(offsets[b]), int(offsets[b + 1])
         n = hi - lo
         qp = plan.query_pos[b, :n]
-        start = int(plan.query_pos[b, 0]) if plan.tree_mask is None else int(qp[0])
+        start = int(qp[0])  # the chunk's first position (a tree's root)
         positions[b] = np.arange(positions.shape[1])
         positions[b, start : start + n] = qp
         if not plan.is_decode:
@@ -144,7 +153,7 @@ def invariant_layout(layout: InvariantLayout | None):
 
 
 def _attend_one(q, k, v, mask, is_causal: bool, scale: float, softcap: float | None) -> torch.Tensor:
-    """q [1, H, n, D], k/v [1, H_kv, L, D] contiguous -> [1, H, n, D]."""
+    """q [1, H, n, D], k/v [1, H_kv, L, D] (each key's D values contiguous) -> [1, H, n, D]."""
     if softcap:
         from .sdpa import softcapped_attention
 
@@ -170,8 +179,7 @@ def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torc
     k_bases = [k_all[o : o + n].transpose(0, 1).contiguous()[None] for o, n in bases]
     v_bases = [v_all[o : o + n].transpose(0, 1).contiguous()[None] for o, n in bases]
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
-    groups = [(lo, n) for lo, n, _, _ in layout.prefill] + [(t, 1) for t, _, _, _ in layout.decode]
-    for g, ((lo, n), (base, start, L)) in enumerate(zip(groups, views)):
+    for g, ((lo, n), (base, start, L)) in enumerate(zip(layout.query_groups, views)):
         k = k_bases[base][:, :, start : start + L]
         v = v_bases[base][:, :, start : start + L]
         mask = masks[g] if g < len(masks) else None

@@ -63,13 +63,14 @@ def resolve_invariant(requested, devices: list[torch.device], dtypes: list[torch
     return bool(requested)
 
 
-def _one_row_calls(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.cat([F.linear(x2d[i : i + 1], weight, bias) for i in range(x2d.shape[0])])
+def _each_row(fn, x2d: torch.Tensor) -> torch.Tensor:
+    """`fn` of every row of x2d alone, concatenated."""
+    return torch.cat([fn(x2d[i : i + 1]) for i in range(x2d.shape[0])])
 
 
 def _rows_exact(fn, x: torch.Tensor) -> bool:
     """Whether `fn(x[:m])` gives every row bitwise as `fn` of that row alone, m = 2..PROBE_ROWS."""
-    ref = torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+    ref = _each_row(fn, x)
     return all(torch.equal(fn(x[:m]), ref[:m]) for m in range(2, x.shape[0] + 1))
 
 
@@ -105,7 +106,7 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if m == 1:
         return F.linear(x2d, weight, bias)
     if strategy == "rows":
-        return _one_row_calls(x2d, weight, bias)
+        return _each_row(lambda t: F.linear(t, weight, bias), x2d)
     if m <= PROBE_ROWS:
         return F.linear(x2d, weight, bias)
     return torch.cat([F.linear(x2d[i : i + PROBE_ROWS], weight, bias) for i in range(0, m, PROBE_ROWS)])
@@ -118,20 +119,11 @@ def invariant_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w, b = module.weight, module.bias
     x2d = x.reshape(-1, x.shape[-1])
     layout = current_layout()
-    if layout is None or x2d.shape[0] != layout.num_tokens or all(not p for _, _, p in layout.segments):
+    if layout is None or x2d.shape[0] != layout.num_tokens or not layout.has_prefill:
         y = invariant_rows(x2d, w, b)
     else:
-        parts, run = [], []  # run: consecutive decode rows, computed together
-        for lo, n, is_prefill in layout.segments:
-            if is_prefill:
-                if run:
-                    parts.append(invariant_rows(x2d[run[0] : run[-1] + 1], w, b))
-                    run = []
-                parts.append(F.linear(x2d[lo : lo + n], w, b))
-            else:
-                run.append(lo)
-        if run:
-            parts.append(invariant_rows(x2d[run[0] : run[-1] + 1], w, b))
+        parts = [F.linear(x2d[lo:hi], w, b) if is_prefill else invariant_rows(x2d[lo:hi], w, b)
+                 for lo, hi, is_prefill in layout.row_groups]
         y = torch.cat(parts) if len(parts) > 1 else parts[0]
     return y.reshape(*x.shape[:-1], -1)
 
