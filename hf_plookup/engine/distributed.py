@@ -4,10 +4,10 @@ ranks must agree on so that every rank runs the same steps.
 Each rank runs its own engine over its shard of the heads; the model's forward all-reduces
 inside, so every rank sees the same logits. The engine's own decisions must then be identical
 on all ranks, or their forwards (and collectives) part ways: the KV cache capacity (sized from
-each rank's free memory: the ranks take the smallest), the random draws of sampling (rank 0's
-generator state is copied to the others at the start of a sampled call, so a rank seeded
-differently, or not at all, still draws what rank 0 draws), and no timing-based choices (the
-CPU head's layout is not timed)."""
+each rank's free memory: the ranks take the smallest), the random draws of sampling (a sampled
+call's one seed, drafting.verify, is rank 0's on every rank, so a rank seeded differently, or
+not at all, still draws what rank 0 draws), and no timing-based choices (the CPU head's layout
+is not timed)."""
 
 from __future__ import annotations
 
@@ -39,14 +39,8 @@ def agree_min(value: int) -> int:
     return int(t.item())
 
 
-def _broadcast_state(state: torch.Tensor) -> torch.Tensor:  # [N] uint8 generator state
-    t = state.to(_comm_device())
+def agree_seed(seed: int) -> int:
+    """Rank 0's `seed` (a sampled call's seed) on every rank."""
+    t = torch.tensor([seed], dtype=torch.int64, device=_comm_device())
     torch.distributed.broadcast(t, src=0)
-    return t.cpu()
-
-
-def agree_rng(device: torch.device) -> None:
-    """Copy rank 0's default generator state (CPU, and `device`'s when it is a GPU) to every rank."""
-    torch.set_rng_state(_broadcast_state(torch.get_rng_state()))
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(_broadcast_state(torch.cuda.get_rng_state(device)), device)
+    return int(t.item())

@@ -18,7 +18,7 @@ from ..drafting.tree import TreeProposer
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
 from .cpu_head import head_chooser
-from .distributed import agree_min, agree_rng, tensor_parallel
+from .distributed import agree_min, agree_seed, tensor_parallel
 from .graphs import GraphRunner
 from .invariant import InvariantLinears, resolve_invariant
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
@@ -120,17 +120,19 @@ class Engine:
         self.model = model
         self.specs = layer_specs(model)
         devices = sorted({s.device for s in self.specs}, key=str)
-        backend = resolve_backend(options.attn_backend, devices, sorted({s.dtype for s in self.specs}, key=str))
+        dtypes = sorted({s.dtype for s in self.specs}, key=str)
+        backend = resolve_backend(options.attn_backend, devices, dtypes)
         # resolved: the backend that runs (what stats report) and its block size
         self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
         hooked = any(hasattr(m, "_hf_hook") for m in model.modules())  # accelerate dispatch / offload
         self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda" and not hooked
         self.use_compile = resolve_compile(options.compile, devices, backend, hooked)
-        dtypes = sorted({s.dtype for s in self.specs}, key=str)
         self.tensor_parallel = tensor_parallel(model)  # ranks must agree on every decision (engine.distributed)
         invariant = resolve_invariant(options.invariant, devices, dtypes, backend, compiled=self.use_compile,
                                       hooked=hooked, distributed=self.tensor_parallel)
         self.invariant = InvariantLinears(model) if invariant else None
+        if invariant:  # invariant steps run eager: no compiled or captured steps, drafts unpadded
+            self.use_graphs = self.use_compile = False
         auto = options.tree_min_score is None
         self.tree_min_score = TREE_MIN_SCORE.get(devices[0].type, 0.0) if auto else options.tree_min_score
         self.step_fixed_tokens = STEP_FIXED_TOKENS.get(devices[0].type) if auto else None  # batch scaling
@@ -179,8 +181,6 @@ class Engine:
     def graph_runner(self) -> GraphRunner | None:
         """Bucketed decode/verify steps, captured (CUDA with cuda_graphs=True) and/or compiled
         (`compile`), kept across calls; None when steps run plain eager."""
-        if self.invariant is not None:
-            return None  # invariant steps run eager
         if (self.use_graphs or self.use_compile) and self._graphs is None:
             self._graphs = GraphRunner(self.model, self.cache(), self.options.attn_backend, self.options.max_num_seqs,
                                        capture=self.use_graphs, compiled=self.use_compile)
@@ -189,8 +189,7 @@ class Engine:
     def pad_to(self, drafts: int) -> int | None:
         """Tokens every sequence feeds in a verify step when drafts are padded (`drafts` + 1: k for
         a chain, the node budget for trees), else None."""
-        graphs = self.invariant is None and (self.use_graphs or self.use_compile)
-        return drafts + 1 if self.options.pad_drafts or graphs else None
+        return drafts + 1 if self.options.pad_drafts or self.use_graphs or self.use_compile else None
 
     def uses_trees(self, cfg: DecodeConfig) -> bool:
         """Candidate trees run when asked for (`prompt_lookup_tree_nodes`, or sources beyond the
@@ -250,10 +249,10 @@ class Engine:
         """Run steps until every row of `own` and of the calls that join meanwhile is done."""
         cfg = own.cfg
         if cfg.do_sample:
-            if self.tensor_parallel:
-                agree_rng(self.specs[0].device)  # every rank draws rank 0's seed, so rank 0's tokens
             # the call's sampling seed, from the generator HF's sampling would draw from
             own.seed = int(torch.randint(0, 2**63 - 1, (1,), device=self.specs[0].device).item())
+            if self.tensor_parallel:
+                own.seed = agree_seed(own.seed)  # every rank samples with rank 0's seed, so rank 0's tokens
         cache = self.cache()
         blocks = self.blocks
         graphs = self.graph_runner()

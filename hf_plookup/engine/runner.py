@@ -59,8 +59,8 @@ class ModelRunner:
     drafts padded), so verify steps are uniform. `graphs`: a `GraphRunner` that takes the
     uniform decode steps it supports (engine.graphs); everything else runs eagerly. `head`: a
     `cpu_head.HeadChooser` for the LM head of eager CPU steps (None: the model's own).
-    `invariant`: an `invariant.InvariantLinears`: every step runs eager in invariant mode (each
-    token computed as in a 1-token step; the head's own layout trick is not used then)."""
+    `invariant`: an `invariant.InvariantLinears`: every step runs in invariant mode (each token
+    computed as in a 1-token step; the engine then gives no `graphs`, and `head` is not used)."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, blocks: BlockManager, backend: str = "sdpa",
                  pad_to: int | None = None, graphs=None, head: HeadChooser | None = None, invariant=None):
@@ -72,7 +72,7 @@ class ModelRunner:
         self.backend = backend
         self.pad_to = pad_to
         self.graphs = graphs
-        self.head = head if invariant is None else None
+        self.head = head
         self.invariant = invariant
         self.device = input_device(model)
 
@@ -178,7 +178,7 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], history: np.ndarray, tree_parents=None) -> torch.Tensor:
         """One forward. Returns the logits at the kept positions, `[N, V]`."""
         plan = self.plan(chunks, history, tree_parents)
-        if self.invariant is None and self.graphs is not None and self.graphs.supports(plan):
+        if self.graphs is not None and self.graphs.supports(plan):
             return self.graphs.run(plan)
         keep = plan.keep
         if len(keep) == 0:
