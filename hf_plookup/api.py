@@ -121,8 +121,6 @@ class PlookupModel:
         return assemble(self, request, result, stats, engine.exclusive)
 
 
-PlookupMixin = PlookupModel
-
 _CLASSES: dict[type, type] = {}  # plain HF class -> its swapped class (one per class)
 _CLASSES_LOCK = threading.Lock()
 
@@ -194,8 +192,6 @@ def _current_engine(model: torch.nn.Module, state: _State) -> Engine:
             state.engine = _build(model, state.options)  # the probe calls the model
             state.signature = signature
         return state.engine
-
-
 
 
 def wrap(model, **options):

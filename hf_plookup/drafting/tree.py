@@ -378,14 +378,10 @@ def accept_tree(targets: np.ndarray, tokens: np.ndarray, parents: np.ndarray) ->
     entered when its parent's target is its token; the first target that matches no child is
     the next token. Returns (accepted path as chunk indices of draft nodes, root excluded; the
     next token)."""
-    return _walk(targets, tokens, parents)
-
-
-def _walk(picks: np.ndarray, tokens: np.ndarray, parents: np.ndarray) -> tuple[list[int], int]:
     path: list[int] = []
     node = 0
     while True:
-        want = picks[node]
+        want = targets[node]
         nxt = 0
         for i in range(len(tokens)):
             if parents[i] == node and tokens[i] == want:
