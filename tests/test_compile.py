@@ -30,7 +30,7 @@ def _op_args(meta, query, backend, window, softcap):
     k_cache, v_cache = meta.kv_cache.layer(0)
     return (query, k_cache, v_cache, meta.kv_slots, meta.query_pos, meta.context_lens, meta.block_tables,
             meta.cache_seqlens, meta.cu_seqlens_q, meta.q_gather, meta.q_scatter, None, backend, 0.3, window or 0,
-            softcap or 0.0)
+            softcap or 0.0, False)
 
 
 @pytest.mark.parametrize("uniform", [True, False])

@@ -47,6 +47,9 @@ class AttentionMetadata:
     # Candidate-tree steps (drafting.tree): chunk node j of sequence b may see chunk node i when
     # tree_mask[b, j, i]; each chunk starts at query_pos[b, 0] (its root). None: causal chunks.
     tree_mask: torch.Tensor | None = None  # [B, Tq, Tq] bool
+    # invariant mode (engine.invariant): kernels that take it compute each query independently
+    # of the rest of the step (attention.triton's invariant form)
+    invariant: bool = False
     _masks: dict = field(default_factory=dict)  # sliding window (or None) -> [B, 1, Tq, Lk] bool
 
     def __post_init__(self) -> None:

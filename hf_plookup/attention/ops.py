@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .invariant import current_layout, invariant_attend
 from .metadata import AttentionMetadata, step_mask
 from .sdpa import sdpa_attend, store_kv
 
@@ -55,9 +56,14 @@ def paged_attention(
     scale: float,
     sliding_window: int,
     softcap: float,
+    invariant: bool,
 ) -> torch.Tensor:
-    """Attention of the packed queries over the pages; `[1, T, H, D]` in the query's dtype."""
+    """Attention of the packed queries over the pages; `[1, T, H, D]` in the query's dtype.
+    `invariant` (engine invariant mode): the Triton kernel's invariant form, or sdpa's per-query
+    calls over the layout the engine made current for this step (read when the op runs)."""
     b, tq = query_pos.shape
+    if invariant and backend == "sdpa":
+        return invariant_attend(current_layout(), query, k_cache, v_cache, scale, sliding_window or None, softcap or None)
     if backend == "triton":
         from .triton import paged_attention as kernel
 
@@ -65,7 +71,7 @@ def paged_attention(
         q = q if q.dtype == k_cache.dtype else q.to(k_cache.dtype)
         out = kernel(q, k_cache, v_cache, block_tables, cache_seqlens, cu_seqlens_q, tq, scale,
                      sliding_window or None, softcap or None, tree_mask=mask,
-                     query_pos=None if mask is None else query_pos)
+                     query_pos=None if mask is None else query_pos, invariant=invariant)
         return out[None].to(query.dtype)
     meta = AttentionMetadata(
         kv_cache=None, slot_mapping=cu_seqlens_q.new_empty(0, dtype=torch.int64), query_pos=query_pos,
@@ -79,7 +85,7 @@ def paged_attention(
 
 @paged_attention.register_fake
 def _(query, k_cache, v_cache, kv_slots, query_pos, context_lens, block_tables, cache_seqlens, cu_seqlens_q,
-      q_gather, q_scatter, mask, backend, scale, sliding_window, softcap):
+      q_gather, q_scatter, mask, backend, scale, sliding_window, softcap, invariant):
     _, h, t, d = query.shape
     return query.new_empty((1, t, h, d))
 
@@ -105,11 +111,11 @@ def compiled_paged_attention(
     k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
     torch.ops.hf_plookup.write_kv(k_cache, v_cache, meta.slot_mapping, key, value)
     mask = meta.tree_mask  # triton: the kernel applies the tree itself
-    if meta.backend == "sdpa":
+    if meta.backend == "sdpa" and not meta.invariant:
         mask = step_mask(meta.query_pos, meta.context_lens, meta.max_context_len, sliding_window, meta.tree_mask)
     return torch.ops.hf_plookup.paged_attention(
         query, k_cache, v_cache, meta.kv_slots, meta.query_pos, meta.context_lens, meta.block_tables,
         meta.cache_seqlens, meta.cu_seqlens_q, meta.q_gather, meta.q_scatter, mask, meta.backend,
         float(scaling if scaling is not None else query.shape[-1] ** -0.5), int(sliding_window or 0),
-        float(softcap or 0.0),
+        float(softcap or 0.0), meta.invariant,
     )

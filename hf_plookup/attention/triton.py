@@ -48,6 +48,10 @@ BLOCK_N = 32  # keys per tile
 # products are taken in fp32; on a GPU half-precision operands go to tensor cores as they are.
 # fp32 caches always use exact fp32 products (not TF32), to stay close to HF's fp32 attention.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Invariant calls (`paged_attention(invariant=True)`) split a context at fixed key offsets: this
+# many tiles (512 keys) per split, and this many splits on CUDA whatever the batch.
+INVARIANT_SPLIT_TILES = 16
+INVARIANT_SPLITS = 4
 
 
 @triton.jit
@@ -62,6 +66,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
+    SPLIT_TILES: tl.constexpr, SUM_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h_kv = tl.program_id(1) // HEAD_BLOCKS
@@ -98,9 +103,13 @@ def _paged_attention_kernel(
     if HAS_WINDOW:  # a tree node sits at or after the root's position
         lowest = chunk_start if IS_TREE else chunk_start + qb * BLOCK_Q
         first_tile = tl.maximum(lowest - window + 1, 0) // BLOCK_N
-    per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
-    tile_lo = first_tile + split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    if SPLIT_TILES > 0:  # invariant: split s walks tiles from s * SPLIT_TILES, the last one to the end
+        tile_lo = tl.maximum(first_tile, split * SPLIT_TILES)
+        tile_hi = tl.where(split == NUM_SPLITS - 1, num_tiles, tl.minimum((split + 1) * SPLIT_TILES, num_tiles))
+    else:
+        per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+        tile_lo = first_tile + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -117,7 +126,9 @@ def _paged_attention_kernel(
         kv_ok = in_ctx[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0)
-        if FP32_DOT:
+        if SUM_DOT:  # products and sums of plain fp32 arithmetic (see SUM_DOT in paged_attention)
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        elif FP32_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
@@ -144,7 +155,9 @@ def _paged_attention_kernel(
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        if FP32_DOT:
+        if SUM_DOT:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        elif FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
@@ -202,10 +215,23 @@ def paged_attention(
     tree_mask: torch.Tensor | None = None,  # [B, Tq, Tq] bool, Tq = max_query_len: candidate trees
     query_pos: torch.Tensor | None = None,  # [B, Tq] int64 real positions (with tree_mask)
     max_query_block: int = MAX_QUERY_BLOCK,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of every packed query over its sequence's pages; returns `[T, H, D]` in q's dtype.
     `num_splits` None: on CUDA, split the context when the batch is small (fewer than 128
-    programs); elsewhere (the interpreter) 1. `tree_mask` and `query_pos` go together."""
+    programs); elsewhere (the interpreter) 1. `tree_mask` and `query_pos` go together.
+
+    `invariant`: every query's result is bitwise the same whatever else the call holds (engine
+    invariant mode): the program's shape no longer follows `max_query_len` (always
+    `max_query_block` tokens, so a query runs the same instructions in a 1-token step as in a
+    verify chunk) and the context splits at fixed key offsets (`INVARIANT_SPLIT_TILES` tiles per
+    split, the last split to the end; `num_splits` None: `INVARIANT_SPLITS` on CUDA, 1 elsewhere),
+    never at offsets chosen from the batch. Tiles a query sees nothing of leave its running max,
+    sum and output exactly as they were, so walking more of them changes no bit. On a GPU each
+    row of a `tl.dot` is one tensor-core reduction whatever row of the block it sits in; the
+    interpreter's `tl.dot` is numpy's BLAS matmul, which rounds a row differently by its place
+    in the block (measured, OpenBLAS 0.3.31 on the project's CPU), so interpreted invariant calls
+    take the products as elementwise multiplies and per-row sums (`SUM_DOT`)."""
     t, h, d = q.shape
     page, h_kv = k_cache.shape[1], k_cache.shape[2]
     if page & (page - 1) or h % h_kv:
@@ -223,10 +249,13 @@ def paged_attention(
     groups = h // h_kv
     block_g = min(triton.next_power_of_2(groups), MAX_ROWS)  # heads of one group per program
     head_blocks = triton.cdiv(groups, block_g)
-    block_q = min(triton.next_power_of_2(max(max_query_len, 1)), max_query_block, max(MAX_ROWS // block_g, 1))
+    wanted = max_query_block if invariant else triton.next_power_of_2(max(max_query_len, 1))
+    block_q = min(wanted, max_query_block, max(MAX_ROWS // block_g, 1))
     block_m = max(block_q * block_g, MIN_ROWS)
     q_blocks = triton.cdiv(max_query_len, block_q)
     programs = b * h_kv * head_blocks * q_blocks
+    if num_splits is None and invariant:
+        num_splits = INVARIANT_SPLITS if q.device.type == "cuda" else 1
     if num_splits is None:
         few = q.device.type == "cuda" and programs < 128 and max_query_len <= 16
         num_splits = min(16, triton.next_power_of_2(triton.cdiv(128, programs))) if few else 1
@@ -252,7 +281,8 @@ def paged_attention(
         num_heads=h, groups=groups, head_dim=d, PAGE=page, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m,
         BLOCK_N=BLOCK_N, BLOCK_D=block_d, NUM_SPLITS=num_splits, HEAD_BLOCKS=head_blocks,
         HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window), IS_TREE=is_tree,
-        FP32_DOT=k_cache.dtype == torch.float32 or INTERPRETED,
+        FP32_DOT=k_cache.dtype == torch.float32 or INTERPRETED, SPLIT_TILES=INVARIANT_SPLIT_TILES if invariant else 0,
+        SUM_DOT=invariant and INTERPRETED,
     )
     if num_splits > 1:
         _merge_splits_kernel[(t, h)](out, part_m, part_l, part_o, q.stride(0), q.stride(1), t,
@@ -275,5 +305,6 @@ def triton_paged_attention(
     tree = meta.tree_mask
     out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cache_seqlens, meta.cu_seqlens_q,
                           meta.max_query_len, scaling if scaling is not None else query.shape[-1] ** -0.5,
-                          sliding_window, softcap, tree_mask=tree, query_pos=None if tree is None else meta.query_pos)
+                          sliding_window, softcap, tree_mask=tree, query_pos=None if tree is None else meta.query_pos,
+                          invariant=meta.invariant)
     return out[None].to(query.dtype)

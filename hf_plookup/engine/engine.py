@@ -131,8 +131,8 @@ class Engine:
         invariant = resolve_invariant(options.invariant, devices, dtypes, backend, compiled=self.use_compile,
                                       hooked=hooked, distributed=self.tensor_parallel)
         self.invariant = InvariantLinears(model) if invariant else None
-        if invariant:  # invariant steps run eager: no compiled or captured steps, drafts unpadded
-            self.use_graphs = self.use_compile = False
+        if invariant and backend != "triton":  # sdpa's invariant form is one host-side call per query:
+            self.use_graphs = False  # compiled steps run it (an opaque op), a captured graph cannot
         auto = options.tree_min_score is None
         self.tree_min_score = TREE_MIN_SCORE.get(devices[0].type, 0.0) if auto else options.tree_min_score
         self.step_fixed_tokens = STEP_FIXED_TOKENS.get(devices[0].type) if auto else None  # batch scaling
@@ -183,7 +183,7 @@ class Engine:
         (`compile`), kept across calls; None when steps run plain eager."""
         if (self.use_graphs or self.use_compile) and self._graphs is None:
             self._graphs = GraphRunner(self.model, self.cache(), self.options.attn_backend, self.options.max_num_seqs,
-                                       capture=self.use_graphs, compiled=self.use_compile)
+                                       capture=self.use_graphs, compiled=self.use_compile, invariant=self.invariant)
         return self._graphs
 
     def pad_to(self, drafts: int) -> int | None:
@@ -260,7 +260,8 @@ class Engine:
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
                           aligned_prefill=self.invariant is not None)
         batch = Batch(cfg, self.proposer(cfg), sched, self._ids, self.tree_min_score, self.step_fixed_tokens)
-        runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(batch.width_drafts),
+        drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
+        runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
                              graphs, self.head, self.invariant)
         tree_parents = batch.tree_parents if batch.tree else None
         batch.add(own)

@@ -111,6 +111,15 @@ def pad_plan(plan: StepPlan, num_seqs: int, max_context_len: int, block_size: in
     return arrays
 
 
+def padded_plan(arrays: dict[str, np.ndarray]) -> StepPlan:
+    """The `StepPlan` of `pad_plan`'s arrays (every row of the bucket decodes; no row is kept
+    here: the runner picks the kept rows from the logits)."""
+    names = ("input_ids", "positions", "slot_mapping", "query_pos", "kv_slots", "context_lens", "block_tables",
+             "cu_seqlens_q", "cu_seqlens_k")
+    return StepPlan(*(arrays[n] for n in names), q_gather=None, q_scatter=None, keep=np.zeros(0, np.int64),
+                    is_decode=True, tree_mask=arrays.get("tree_mask"))
+
+
 def raise_recompile_limit(n: int) -> None:
     """Let dynamo keep `n` compiled graphs of one function (one per bucket; its default is 8)."""
     import torch._dynamo.config as cfg
@@ -136,7 +145,7 @@ class GraphRunner:
     """Captured (or, with capture=False, eagerly run) uniform decode steps, kept across calls."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: str, max_num_seqs: int,
-                 capture: bool = True, compiled: bool = False):
+                 capture: bool = True, compiled: bool = False, invariant=None):
         if cache.scratch_block is None:
             raise ValueError("CUDA graphs need a cache with a scratch page (PagedKVCache(..., scratch=True))")
         self.model = model
@@ -154,7 +163,13 @@ class GraphRunner:
         self.compiled = compiled
         self.compile_seconds = 0.0  # first calls of new buckets (compile + warm-up) when compiled
         self._compiled_forward = None
-        self.head = head_chooser(model) if not compiled else None  # CPU: the LM head's faster layout
+        # invariant mode (an engine.invariant.InvariantLinears): every step runs under it, on the
+        # padded plan; sdpa's invariant form runs per call (compiled steps), never captured
+        self.invariant = invariant
+        if invariant is not None and capture and backend != "triton":
+            raise ValueError(f"invariant steps are captured in CUDA graphs on attn_backend 'triton', not {backend!r}")
+        # CPU: the LM head's faster layout (not in invariant mode: the linears are its own)
+        self.head = head_chooser(model) if not compiled and invariant is None else None
         if compiled:
             from ..attention.ops import COMPILABLE_BACKENDS
 
@@ -181,7 +196,7 @@ class GraphRunner:
             num_seqs=bb, max_query_len=q, max_context_len=lkb, backend=self.backend,
             cu_seqlens_q=inputs["cu_seqlens_q"], cu_seqlens_k=inputs["cu_seqlens_k"],
             cache_seqlens=inputs["cache_seqlens"], block_tables=inputs["block_tables"], static_shapes=True,
-            tree_mask=inputs.get("tree_mask"),
+            tree_mask=inputs.get("tree_mask"), invariant=self.invariant is not None,
         )
         return _Graph(inputs, meta)
 
@@ -190,25 +205,26 @@ class GraphRunner:
                          use_cache=False, logits_to_keep=0)
         return out.logits[0]
 
-    def _forward(self, g: _Graph) -> torch.Tensor:
-        """The model on the static buffers; logits of every fed row, [Bb*q, V]."""
+    def _forward(self, g: _Graph, arrays: dict[str, np.ndarray]) -> torch.Tensor:
+        """The model on the static buffers (holding `arrays`); logits of every fed row, [Bb*q, V]."""
         g.meta._masks.clear()  # masks are rebuilt from the buffers inside the forward (and the graph)
         ids, pos = g.inputs["input_ids"], g.inputs["positions"]
+        mode = fast_head(self.head) if self.invariant is None else self.invariant.active(padded_plan(arrays), self.device)
         if self._compiled_forward is not None:
-            with engine_attention(self.model), compiled_step_context(g.meta):
+            with engine_attention(self.model), compiled_step_context(g.meta), mode:
                 return self._compiled_forward(ids, pos)
-        with engine_attention(self.model), attention_context(g.meta), fast_head(self.head):
+        with engine_attention(self.model), attention_context(g.meta), mode:
             return self._logits(ids, pos)
 
-    def _capture(self, g: _Graph) -> None:
+    def _capture(self, g: _Graph, arrays: dict[str, np.ndarray]) -> None:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(g)  # warm-up: lazy inits, cuBLAS handles, flash-attn's first call
+            self._forward(g, arrays)  # warm-up: lazy inits, cuBLAS handles, flash-attn's first call
         torch.cuda.current_stream(self.device).wait_stream(side)
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self.pool):
-            g.logits = self._forward(g)
+            g.logits = self._forward(g, arrays)
         if self.pool is None:
             self.pool = g.graph.pool()
 
@@ -225,9 +241,9 @@ class GraphRunner:
             t0 = time.perf_counter()
             g = self._static(arrays, bb, q, lkb)
             if self.capture:
-                self._capture(g)
+                self._capture(g, arrays)
             elif self.compiled:
-                self._forward(g)  # compile now, so compile_seconds holds it
+                self._forward(g, arrays)  # compile now, so compile_seconds holds it
             self.graphs[key] = g
             if self.compiled:
                 self.compile_seconds += time.perf_counter() - t0
@@ -239,6 +255,6 @@ class GraphRunner:
             g.graph.replay()
             logits = g.logits
         else:
-            logits = self._forward(g)
+            logits = self._forward(g, arrays)
         self.num_replays += 1
         return logits.index_select(0, keep)

@@ -27,6 +27,7 @@ compiled / CUDA-graph steps (invariant steps run eager)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -48,17 +49,21 @@ PROBE_ROWS = 16
 _STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "plain" | "numba" | "rows"
 
 
+INVARIANT_BACKENDS = ("sdpa", "triton")  # attention backends with an invariant form
+
+
 def resolve_invariant(requested, devices: list[torch.device], dtypes: list[torch.dtype], backend: str,
                       compiled: bool = False, hooked: bool = False, distributed: bool = False) -> bool:
     """Whether invariant mode runs (`requested` as validated by EngineOptions). True where it
     cannot run is a ValueError; "auto" is on only where INVARIANT_AUTO says it measured well."""
     reason = None
-    if backend != "sdpa":
-        reason = f"invariant mode runs on attn_backend 'sdpa', this model runs {backend!r}"
+    if backend not in INVARIANT_BACKENDS:
+        reason = f"invariant mode runs on attn_backend {INVARIANT_BACKENDS}, this model runs {backend!r}"
     if requested is True and reason is not None:
         raise ValueError(f"invariant=True cannot run: {reason}; use invariant=False or 'auto'")
     if requested == "auto":
-        measured = not (compiled or hooked or distributed) and len(devices) == 1 and len(dtypes) == 1
+        measured = (backend == "sdpa" and not (compiled or hooked or distributed) and len(devices) == 1
+                    and len(dtypes) == 1)
         return reason is None and measured and INVARIANT_AUTO.get((devices[0].type, dtypes[0]), False)
     return bool(requested)
 
@@ -72,6 +77,15 @@ def _rows_exact(fn, x: torch.Tensor) -> bool:
     """Whether `fn(x[:m])` gives every row bitwise as `fn` of that row alone, m = 2..PROBE_ROWS."""
     ref = _each_row(fn, x)
     return all(torch.equal(fn(x[:m]), ref[:m]) for m in range(2, x.shape[0] + 1))
+
+
+def _triton_rows(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """Whether engine.triton_linear can take this weight and its rows pass the check."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from . import triton_linear
+
+    return triton_linear.supported(weight) and _rows_exact(lambda t: triton_linear.row_linear(t, weight, bias), x)
 
 
 def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
@@ -90,6 +104,8 @@ def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
                 got = "plain"
             elif row_linear.supported(weight) and _rows_exact(lambda t: row_linear.row_linear(t, weight, bias), x):
                 got = "numba"
+            elif weight.device.type == "cuda" and _triton_rows(weight, bias, x):
+                got = "triton"
             else:
                 got = "rows"
         _STRATEGIES[key] = got
@@ -103,6 +119,10 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     strategy = row_strategy(weight, bias)
     if strategy == "numba":
         return row_linear.row_linear(x2d, weight, bias)
+    if strategy == "triton":
+        from . import triton_linear
+
+        return triton_linear.row_linear(x2d, weight, bias)
     if m == 1:
         return F.linear(x2d, weight, bias)
     if strategy == "rows":
@@ -112,20 +132,27 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return torch.cat([F.linear(x2d[i : i + PROBE_ROWS], weight, bias) for i in range(0, m, PROBE_ROWS)])
 
 
-def invariant_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` for x [..., K] with row-invariant arithmetic. When the rows are the step's
-    packed tokens, prompt chunks run as one call each and decode rows as 1-row calls (or a
-    verified batched call); other row sets (the LM head's kept rows) are all decode-like."""
-    w, b = module.weight, module.bias
+@torch.library.custom_op("hf_plookup::invariant_linear", mutates_args=())
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x [..., K] with row-invariant arithmetic. When the rows
+    are the step's packed tokens, prompt chunks run as one call each and decode rows as
+    `invariant_rows`; other row sets (the LM head's kept rows) are all decode-like. An op, so
+    that compiled steps keep it opaque (inductor would pick its own matmul) and the step's
+    layout is read when it runs, not when it is traced."""
     x2d = x.reshape(-1, x.shape[-1])
     layout = current_layout()
     if layout is None or x2d.shape[0] != layout.num_tokens or not layout.has_prefill:
-        y = invariant_rows(x2d, w, b)
+        y = invariant_rows(x2d, weight, bias)
     else:
-        parts = [F.linear(x2d[lo:hi], w, b) if is_prefill else invariant_rows(x2d[lo:hi], w, b)
+        parts = [F.linear(x2d[lo:hi], weight, bias) if is_prefill else invariant_rows(x2d[lo:hi], weight, bias)
                  for lo, hi, is_prefill in layout.row_groups]
         y = torch.cat(parts) if len(parts) > 1 else parts[0]
     return y.reshape(*x.shape[:-1], -1)
+
+
+@invariant_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 class InvariantLinears:
@@ -138,11 +165,12 @@ class InvariantLinears:
 
     @staticmethod
     def _bind(module):
-        return lambda x: invariant_linear(module, x)
+        return lambda x: torch.ops.hf_plookup.invariant_linear(x, module.weight, module.bias)
 
     @contextlib.contextmanager
     def active(self, plan, device: torch.device):
-        """Linear layers and attention in invariant mode for the step `plan` (runner.StepPlan)."""
+        """Linear layers and attention in invariant mode for the step `plan` (runner.StepPlan;
+        for a compiled or captured step, the plan padded to its bucket)."""
         for m, f in zip(self.modules, self.forwards):
             m.forward = f
         try:

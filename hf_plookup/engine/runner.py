@@ -163,6 +163,7 @@ class ModelRunner:
             cache_seqlens=self._tensor(plan.context_lens, i32),
             block_tables=self._tensor(plan.block_tables, i32),
             tree_mask=None if plan.tree_mask is None else self._tensor(plan.tree_mask),
+            invariant=self.invariant is not None,
         )
 
     def prepare(

@@ -245,3 +245,30 @@ def test_triton_needs_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attn_backend='triton' cannot run: Triton kernels run on CUDA"):
         hf_plookup.wrap(tiny_model("llama"), attn_backend="triton")
+
+
+@pytest.mark.parametrize("cached, h, h_kv, window, splits", [(13, 4, 2, None, 1), (21, 6, 2, 9, 1), (1100, 2, 1, None, 4)])
+def test_invariant_kernel_query_alone_equals_query_in_chunk_and_batch(cached, h, h_kv, window, splits):
+    """`invariant=True`: each query of a 5-token chunk, and of a sequence beside two others,
+    bitwise equals the same query computed in a 1-token call over the keys it sees (the last
+    case crosses the fixed key-split offsets, 512 keys, with 4 splits). The control: the
+    ordinary form, split by the call's context length, does not give that."""
+    d, n = 16, 5
+    q, kc, vc, tables, ctx, cu, tq, *_ = _step([cached, 7, 40], [n, 1, 3], h, h_kv, d, 8, seed=11)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+
+    def call(rows, ctx_, cu_, tq_, tables_, invariant=True, num_splits=splits):
+        return paged_attention(dev(rows), dev(kc), dev(vc), dev(tables_), dev(ctx_), dev(cu_), tq_, 0.3, window,
+                               None, num_splits=num_splits, invariant=invariant).cpu()
+
+    batch = call(q, ctx, cu, tq, tables)  # [T, H, D]: the chunk beside two other sequences
+    chunk = call(q[:n], ctx[:1], cu[:2], n, tables[:1])
+    one_cu = torch.tensor([0, 1], dtype=torch.int32)
+    for j in range(n):
+        alone = call(q[j : j + 1], torch.tensor([cached + j + 1], dtype=torch.int32), one_cu, 1, tables[:1])
+        assert torch.equal(alone[0], chunk[j]) and torch.equal(alone[0], batch[j]), j
+    if splits > 1:  # splits chosen from the context length move a query's partial sums
+        plain = call(q[:n], ctx[:1], cu[:2], n, tables[:1], invariant=False, num_splits=3)
+        alone = [call(q[j : j + 1], torch.tensor([cached + j + 1], dtype=torch.int32), one_cu, 1, tables[:1],
+                      invariant=False, num_splits=3)[0] for j in range(n)]
+        assert not all(torch.equal(a, plain[j]) for j, a in enumerate(alone))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 
@@ -16,6 +17,7 @@ from hf_plookup.attention.invariant import build_layout
 from hf_plookup.engine.invariant import PROBE_ROWS, invariant_rows, resolve_invariant, row_strategy
 from tests.conftest import ARCHS, PAD, tiny_model, wrap_copy
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "eval" / "data" / "builtin.jsonl"
 # fused MoE experts are not nn.Linear: their rows depend on the routing of the other tokens
 NOT_COVERED = {"qwen3_moe"}
@@ -199,9 +201,10 @@ def test_invariant_option_validated_and_auto_policy():
     assert not resolve_invariant("auto", [torch.device("cuda")], [torch.bfloat16], "sdpa")  # not measured
     for flag in ("compiled", "hooked", "distributed"):
         assert not resolve_invariant("auto", cpu, [torch.bfloat16], "sdpa", **{flag: True})
-    assert not resolve_invariant("auto", cpu, [torch.bfloat16], "triton")
+    assert not resolve_invariant("auto", cpu, [torch.bfloat16], "triton")  # not measured
+    assert resolve_invariant(True, cpu, [torch.float32], "triton")
     with pytest.raises(ValueError, match="attn_backend"):
-        resolve_invariant(True, cpu, [torch.float32], "triton")
+        resolve_invariant(True, [torch.device("cuda")], [torch.bfloat16], "flash_attn")
     assert hf_plookup.wrap(model, invariant=True).generate(
         input_ids=torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=2).shape == (1, 7)
 
@@ -247,18 +250,27 @@ def test_smollm2_bf16_drafts_and_batch_equal_plain_greedy():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_cuda_bf16_drafts_change_no_logit(arch):
-    """On CUDA invariant steps run eager (compile and CUDA graphs are bypassed for them), bf16."""
-    model = hf_plookup.wrap(tiny_model(arch).to("cuda", torch.bfloat16), invariant=True, max_batch_tokens=16)
-    ids, mask = _left_pad(_prompts(4))
-    ids, mask = ids.cuda(), mask.cuda()
-    plain, st = _generate(model, ids, mask, 20)
-    chain, _ = _generate(model, ids, mask, 20, prompt_lookup_num_tokens=4)
-    tree, _ = _generate(model, ids, mask, 20, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
-    assert st.invariant and torch.equal(chain, plain) and torch.equal(tree, plain)
-    r = ids[3:4]  # the longest prompt: no padding
-    alone, _ = _generate(model, r, torch.ones_like(r), 20, prompt_lookup_num_tokens=4)
-    assert torch.equal(alone[0], plain[3, : alone.shape[1]])
+@pytest.mark.parametrize("backend, compiled", [("sdpa", False), ("triton", False), ("triton", True)])
+def test_cuda_bf16_drafts_change_no_logit(arch, backend, compiled):
+    """CUDA, bf16: eager steps on sdpa (its per-query form; graphs off), and on Triton captured
+    in CUDA graphs, eager or inductor-compiled (the Triton attention's invariant form,
+    engine.triton_linear for the linears cuBLAS's rows fail the check on)."""
+    model = hf_plookup.wrap(tiny_model(arch).to("cuda", torch.bfloat16), invariant=True, max_batch_tokens=16,
+                            attn_backend=backend, compile=compiled, max_cache_tokens=4096)
+    try:
+        ids, mask = _left_pad(_prompts(4))
+        ids, mask = ids.cuda(), mask.cuda()
+        plain, st = _generate(model, ids, mask, 20)
+        chain, _ = _generate(model, ids, mask, 20, prompt_lookup_num_tokens=4)
+        tree, _ = _generate(model, ids, mask, 20, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
+        assert st.invariant and torch.equal(chain, plain) and torch.equal(tree, plain)
+        r = ids[3:4]  # the longest prompt: no padding
+        alone, _ = _generate(model, r, torch.ones_like(r), 20, prompt_lookup_num_tokens=4)
+        assert torch.equal(alone[0], plain[3, : alone.shape[1]])
+        graphs = model._engine._graphs
+        assert (graphs is not None and graphs.num_replays > 0) == (backend == "triton")
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("gemma3_text", torch.bfloat16)])
@@ -307,3 +319,72 @@ def test_position_uniforms_and_inverse_cdf():
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]]).repeat(6, 1)
     grid = np.array([1e-9, 0.2499, 0.2501, 0.6, 0.999999, 1 - 2.0**-53])
     assert sample_targets(probs, grid).tolist() == [1, 1, 3, 3, 3, 3]  # the CDF's intervals; p=0 never
+
+
+def _drafts_change_no_logit(model, new: int = 12) -> None:
+    """Greedy logits of a left-padded batch of 4: with chains and with trees equal to without,
+    bit for bit."""
+    ids, mask = _left_pad(_prompts(4))
+    plain, st = _generate(model, ids, mask, new)
+    chain, st_chain = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4)
+    tree, st_tree = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
+    assert st.invariant and st_chain.drafted > 0 and st_tree.drafter == "ngram-tree" and st_tree.drafted > 0
+    assert torch.equal(chain, plain), "a verify step's rows differ from 1-token steps"
+    assert torch.equal(tree, plain), "a tree step's rows differ from 1-token steps"
+
+
+@pytest.mark.parametrize("arch, dtype", [("gemma3_text", torch.bfloat16)])  # sliding windows, bf16
+def test_compiled_steps_change_no_logit(arch, dtype):
+    """Invariant mode in compiled steps (inductor on CPU): 1-token, verify and tree steps are
+    compiled per bucket, every row padded to it; the linears and attention stay the mode's own
+    (opaque ops), inductor fuses the rest (norms, RoPE, activations) and keeps each row's
+    arithmetic whatever the bucket."""
+    model = wrap_copy(tiny_model(arch).to(dtype), invariant=True, compile=True, max_batch_tokens=16, max_cache_tokens=1024)
+    try:
+        _drafts_change_no_logit(model)
+        graphs = model._engine._graphs
+        assert graphs.compiled and graphs.num_replays > 0 and {k[0] for k in graphs.graphs} == {1, 5, 9}
+    finally:
+        torch._dynamo.reset()  # drop compiled graphs (they hold the test's model)
+
+
+@pytest.mark.parametrize("arch, dtype, compiled", [("llama", torch.float32, False), ("llama", torch.float32, True)])
+def test_triton_backend_drafts_change_no_logit(arch, dtype, compiled, monkeypatch):
+    """The Triton backend's invariant form (under the interpreter on CPU): eager steps, and the
+    static-buffer steps CUDA graphs capture (traced with aot_eager here, the custom ops)."""
+    from hf_plookup.engine import graphs
+
+    if importlib.util.find_spec("triton") is None:  # pragma: no cover - triton ships with the test extra
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
+    model = wrap_copy(tiny_model(arch).to(dtype), invariant=True, attn_backend="triton", compile=compiled,
+                      max_batch_tokens=16, block_size=16, max_cache_tokens=1024)  # aot_eager copies the cache per write
+    try:
+        _drafts_change_no_logit(model, new=8)
+        assert model.last_stats.attn_backend == "triton"
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_row_linear_rows_do_not_depend_on_the_call(dtype):
+    """engine.triton_linear (the CUDA linear of invariant mode; the interpreter here) against a
+    float64 reference, each row bitwise the same alone, at any position and row count (more
+    than one row block), with and without bias, K and N off its tile sizes."""
+    if importlib.util.find_spec("triton") is None:  # pragma: no cover
+        pytest.skip("triton is not installed")
+    from hf_plookup.engine.triton_linear import row_linear
+
+    g = torch.Generator().manual_seed(5)
+    for n_out, k, bias in ((48, 40, True), (67, 129, False)):
+        w = torch.randn(n_out, k, generator=g).to(DEVICE, dtype)
+        b = torch.randn(n_out, generator=g).to(DEVICE, dtype) if bias else None
+        x = torch.randn(21, k, generator=g).to(DEVICE, dtype)
+        y = row_linear(x, w, b)
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+        alone = torch.cat([row_linear(x[i : i + 1], w, b) for i in range(x.shape[0])])
+        assert torch.equal(y, alone)
+        for m in (2, 5, 17):
+            assert torch.equal(row_linear(x[-m:], w, b), alone[-m:])

@@ -1,0 +1,83 @@
+"""A linear layer whose rows do not depend on how many rows share the call (CUDA, Triton).
+
+cuBLAS picks its kernel by the matrix shapes: a 1-row decode and a 5-row verify step run
+different kernels (a GEMV, a GEMM tile, split-K), so a token's projections round differently in
+the two. `row_linear(x, weight, bias)` computes `x @ weight.T (+ bias)` with one kernel whose
+tiles are fixed (`BLOCK_M` rows, `BLOCK_N` outputs, `BLOCK_K` of the reduction, chosen from
+nothing the batch decides) and no split-K: every output element is the same sequence of
+`tl.dot` accumulations over K in order, in fp32, whatever M is and wherever the row sits in its
+tile, then one rounding to the input dtype. Invariant mode (engine.invariant) uses it for the
+decode rows of every `nn.Linear` on CUDA when cuBLAS's own rows fail the row check.
+
+The weights are read in their `nn.Linear` layout (`[N, K]`, no copy); each program streams a
+`[BLOCK_N, K]` slab once for its `BLOCK_M` rows, so a verify step of up to 16 rows reads every
+weight once, as a 1-token step does. Under the Triton interpreter (TRITON_INTERPRET=1, the CPU
+test suite) products are taken as elementwise multiplies and per-element sums: the interpreter's
+`tl.dot` is numpy's BLAS matmul, whose rows round by their place in the block (see
+attention.triton)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16  # rows per program (tl.dot needs 16); a decode or verify step of up to 16 rows is one row block
+BLOCK_N = 32  # output features per program
+BLOCK_K = 64  # reduction step
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _row_linear_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr, SUM_DOT: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SUM_DOT:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif FP32_DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def supported(weight: torch.Tensor) -> bool:
+    """Whether `row_linear` can take this weight: a plain 2-D float CUDA tensor (any device
+    under the interpreter)."""
+    plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
+    on_device = weight.device.type == "cuda" or INTERPRETED
+    return plain and on_device and weight.dtype in DTYPES and weight.dim() == 2
+
+
+def row_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2d [M, K] -> [M, N] in x's dtype, each row computed as it would be alone."""
+    x = x2d.contiguous()
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _row_linear_kernel[grid](
+        x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        FP32_DOT=x.dtype == torch.float32, SUM_DOT=INTERPRETED,
+    )
+    return out
