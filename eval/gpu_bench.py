@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda")
     p.add_argument("--attn-backend", default="auto", help="hf_plookup attn_backend for plk variants")
     p.add_argument("--invariant", default="off", choices=list(INVARIANT),
-                   help="hf_plookup's invariant mode for plk variants (on: steps run eager, each token as in a 1-token step)")
+                   help="hf_plookup's invariant mode for plk variants (on: each token as in a 1-token step; "
+                        "CUDA graphs then need --attn-backend triton)")
     p.add_argument("--eager-variants", action=argparse.BooleanOptionalAction, default=True,
                    help="also run plk-greedy and plk-k{first k} with cuda_graphs=False")
     p.add_argument("--compile-variants", action=argparse.BooleanOptionalAction, default=True,

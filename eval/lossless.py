@@ -5,6 +5,7 @@ against HF greedy at batch 1).
 
     python eval/lossless.py                                   # SmolLM2-135M-Instruct, bf16, 4 documents
     python eval/lossless.py --dtype fp32 --num-docs 8 --max-new-tokens 96
+    python eval/lossless.py --device cuda --attn-backend triton --num-docs 16   # a GPU: graphs + compile
 
 Prints one line per (mode, variant): how many outputs equal the reference, where the first one
 parts, and tok/s (batch 1; prefill included).
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="prompt_lookup_num_tokens of the chain variants")
     p.add_argument("--tree-nodes", type=int, default=16, help="prompt_lookup_tree_nodes of the tree variant (k = max --k)")
     p.add_argument("--modes", nargs="+", default=["on", "off"], choices=["on", "off"], help="invariant mode settings")
+    p.add_argument("--attn-backend", default="sdpa", choices=["sdpa", "triton"],
+                   help="hf_plookup attn_backend (triton: CUDA graphs and compiled steps on a GPU)")
     common.add_threads_option(p)
     p.add_argument("--json", default=None, help="write the results here")
     return common.show_defaults(p)
@@ -65,7 +68,8 @@ def main(argv=None) -> int:
             hf.append(common.new_tokens(out, len(r), eos)[0])
     results = []
     for mode in args.modes:
-        wrapped = hf_plookup.wrap(model, invariant=mode == "on")  # the same object, rewrapped per mode
+        # the same object, rewrapped per mode
+        wrapped = hf_plookup.wrap(model, invariant=mode == "on", attn_backend=args.attn_backend)
 
         def run(ids: torch.Tensor, mask: torch.Tensor, **kw) -> tuple[list[list[int]], float]:
             t0 = time.perf_counter()

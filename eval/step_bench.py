@@ -12,13 +12,14 @@ cached tokens (pages filled with random keys/values):
   compiled+graphs  compiled forward captured in a CUDA graph (CUDA only; compile=True's path)
   hf-static        (--hf-static) HF's own forward over its StaticCache, torch.compile
                    mode="reduce-overhead", fullgraph=True, after a --context-token prefill
-  invariant        (--invariant) the eager step of invariant mode (wrap(invariant=True))
+  <mode>+invariant (--invariant) each mode again in invariant mode (wrap(invariant=True)); graph
+                   modes on attn_backend triton only (sdpa's invariant form is not captured)
 First calls (compile, capture) are reported apart from the median of --iters timed calls. On
 CUDA also the GPU kernels one un-captured forward launches (torch.profiler).
 
     python eval/step_bench.py --device cpu --dtype fp32 --models smollm2-135m --threads 2
     python eval/step_bench.py --models smollm2-135m qwen3-8b --batch-sizes 1 16 64 --hf-static
-    python eval/step_bench.py --models smollm2-135m --q 1 5 9 --modes eager compiled+graphs --invariant
+    python eval/step_bench.py --models smollm2-135m --q 1 5 9 --modes eager compiled+graphs --attn-backends triton --invariant
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: eager compiled on CPU; all four on CUDA")
     p.add_argument("--hf-static", action="store_true", help="also time HF's compiled static-cache forward")
     p.add_argument("--invariant", action="store_true",
-                   help="also time the invariant-mode step (engine.invariant; always eager), mode 'invariant'")
+                   help="also time each mode in invariant mode (engine.invariant), as '<mode>+invariant'")
     p.add_argument("--attn-backends", nargs="+", default=["sdpa"], choices=["sdpa", "triton"],
                    help="each mode runs once per backend")
     p.add_argument("--block-size", type=int, default=16)
@@ -113,9 +114,14 @@ def count_kernels(fn, device: torch.device) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache) -> list[dict]:
+def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache, invariant: bool = False) -> list[dict]:
+    """`mode`'s step on `backend` at every batch size and q; `invariant`: in invariant mode
+    (engine.invariant; the mode is then named `<mode>+invariant`)."""
+    from hf_plookup.engine.invariant import InvariantLinears
+
     gr = GraphRunner(model, cache, backend, max(args.batch_sizes), capture="graphs" in mode,
-                     compiled="compiled" in mode)
+                     compiled="compiled" in mode, invariant=InvariantLinears(model) if invariant else None)
+    mode = mode + "+invariant" if invariant else mode
     rows = []
     for b in args.batch_sizes:
         for q in args.q:
@@ -133,36 +139,6 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
                          "first_call_s": first, "kernels": kernels})
             print(f"  {mode + '/' + backend:22s} batch {b:3d} q {q:2d}: {1e3 * step:8.2f} ms  (first call {first:6.1f} s"
                   + (f", {kernels} kernels)" if kernels is not None else ")"), flush=True)
-    return rows
-
-
-def bench_invariant(model, args, device, cache: PagedKVCache) -> list[dict]:
-    """The eager step of invariant mode (what ModelRunner runs with wrap(invariant=True))."""
-    from hf_plookup.attention.metadata import attention_context
-    from hf_plookup.attention.registry import engine_attention
-    from hf_plookup.engine.invariant import InvariantLinears
-    from hf_plookup.engine.runner import ModelRunner
-
-    runner, linears = ModelRunner(model, cache, None), InvariantLinears(model)
-    rows = []
-    for b in args.batch_sizes:
-        for q in args.q:
-            plan = step_plan(b, q, args.context, args.block_size, model.config.vocab_size)
-            meta = runner.metadata(plan)
-            ids, pos = runner._tensor(plan.input_ids)[None], runner._tensor(plan.positions)[None]
-
-            def step():
-                with torch.inference_mode(), engine_attention(model), attention_context(meta), linears.active(plan, device):
-                    model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False)
-
-            t0 = time.perf_counter()
-            step()
-            sync(device)
-            first = time.perf_counter() - t0
-            s = timed(step, device, args.iters)
-            rows.append({"mode": "invariant", "attn_backend": "sdpa", "batch": b, "q": q, "step_s": s,
-                         "first_call_s": first, "kernels": count_kernels(step, device)})
-            print(f"  {'invariant/sdpa':22s} batch {b:3d} q {q:2d}: {1e3 * s:8.2f} ms  (first call {first:6.1f} s)", flush=True)
     return rows
 
 
@@ -228,8 +204,8 @@ def main(argv=None) -> int:
         for backend in args.attn_backends:
             for mode in args.modes:
                 rows += bench_mode(model, mode, backend, args, device, cache)
-        if args.invariant:
-            rows += bench_invariant(model, args, device, cache)
+                if args.invariant and not ("graphs" in mode and backend != "triton"):  # sdpa's form is not captured
+                    rows += bench_mode(model, mode, backend, args, device, cache, invariant=True)
         if args.hf_static:
             rows += bench_hf_static(model, args, device)
         result["models"].append({"model": name, "bandwidth_bound_s": bound, "rows": rows})

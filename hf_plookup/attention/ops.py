@@ -8,8 +8,9 @@ place, not become a copy of the whole cache). Two ops:
 - `hf_plookup::write_kv(k_cache!, v_cache!, slot_mapping, key, value)`: the pages are
   declared mutated, so the compiler orders it before the attention that reads them.
 - `hf_plookup::paged_attention(query, k_cache, v_cache, <step tensors>, backend, scale,
-  window, softcap) -> out`: the sdpa backend (gather + SDPA or soft-capped attention) or the
-  Triton kernel, with the step's layout passed as tensors and plain ints.
+  window, softcap, invariant) -> out`: the sdpa backend (gather + SDPA or soft-capped
+  attention) or the Triton kernel, with the step's layout passed as tensors and plain ints;
+  with `invariant`, the backend's invariant form (engine.invariant).
 
 Both have fake (meta) implementations that only state output shapes. Eager steps call the
 backends directly (a custom op's dispatch costs microseconds per layer); compiled steps go

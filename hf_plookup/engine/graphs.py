@@ -20,6 +20,12 @@ attention.ops, the metadata found through `metadata.compiled_step_context`. On C
 compiled forward is then captured like the eager one (compile first, in the warm-up, then
 capture its kernels), so a replay launches inductor's fused kernels from one graph. The
 seconds spent in first calls of new buckets (compile plus warm-up) add up in `compile_seconds`.
+
+`invariant` (an engine.invariant.InvariantLinears): every step runs in invariant mode, with the
+layout of the step padded to its bucket (`padded_plan`) made current around the forward; the
+mode's linears and attention are custom ops, opaque to the compiler. Captured graphs need the
+Triton backend's invariant form: sdpa's invariant attention lays its calls out on the host for
+each step, which a replay cannot redo.
 """
 
 from __future__ import annotations

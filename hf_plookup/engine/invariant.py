@@ -6,23 +6,32 @@ dtype, and seeded sampling does not depend on the batch.
 Pieces (the user's model outside `generate` is untouched: everything is switched on around one
 engine forward and restored after):
 
-- **attention**: `attention.invariant` (one SDPA call per decode query over exactly its keys;
-  prompt chunks per sequence, cut at fixed offsets by the scheduler).
-- **linear layers and LM head** (`InvariantLinears`): every `nn.Linear` of the model computes
-  each decode row exactly as a 1-row call (`F.linear` on `[1, K]`, the arithmetic of HF's batch-1
-  decode). How is decided once per weight shape, dtype and thread count by a check on this
-  machine (`row_strategy`): `"plain"` (the batched call, in pieces of at most `PROBE_ROWS`
-  rows) when its rows came out bitwise equal to 1-row calls for every row count 1..PROBE_ROWS
-  on random inputs, else `"rows"` (one 1-row call per row: equal by construction). Measured on
-  the project's AMD EPYC CPU (torch 2.13, MKL): bf16 linears pass the check at every shape of
-  SmolLM2, fp32 ones fail it at every row count above 1. A prompt chunk's rows run as one call
-  of that chunk alone (its rows need only be the same in every batch, not equal to 1-row calls).
+- **attention**: on sdpa, `attention.invariant` (one SDPA call per decode query over exactly its
+  keys; prompt chunks per sequence, cut at fixed offsets by the scheduler); on Triton, the
+  kernel's invariant form (`attention.triton.paged_attention(invariant=True)`: query blocks
+  and key splits of fixed sizes).
+- **linear layers and LM head** (`InvariantLinears`): every `nn.Linear` of the model goes
+  through the op `hf_plookup::invariant_linear`, which computes each decode row exactly as it
+  would be alone. How is decided once per weight shape, dtype, device and thread count by a
+  check on this machine (`row_strategy`): `"plain"` (torch's batched call, in pieces of at most
+  `PROBE_ROWS` rows) when its rows came out bitwise equal to 1-row calls for every row count
+  up to PROBE_ROWS on random inputs; else a kernel built to be row-invariant when its rows pass
+  the same check: `"numba"` (engine.row_linear, fp32 on CPU), `"triton"` (engine.triton_linear,
+  CUDA); else `"rows"` (one 1-row call per row: equal by construction). Measured on the
+  project's AMD EPYC CPU (torch 2.13, MKL): bf16 linears are "plain" at every shape of SmolLM2,
+  fp32 ones fail the plain check and run "numba". A prompt chunk's rows run as one call of that
+  chunk alone (they need only be the same in every batch, not equal to 1-row calls).
 - **everything else** (embeddings, norms, RoPE, activations, residuals, the KV write) is
-  per-row elementwise or per-row reductions in torch's CPU kernels; tests/engine/test_invariant.py
-  checks the whole forward bitwise on several architectures.
+  per-row elementwise work or per-row reductions; tests/engine/test_invariant.py checks the whole
+  forward bitwise on the tiny architectures.
 
-Not covered: projections that are not `nn.Linear` (fused MoE experts, GPT-2's `Conv1D`), and
-compiled / CUDA-graph steps (invariant steps run eager)."""
+Compiled and CUDA-graph steps (engine.graphs) run in the mode too: the linears and the
+attention are opaque ops there, and the layout of the step padded to its bucket is made
+current around the forward. Inductor fuses the rest; on CPU its kernels keep a row's
+arithmetic whatever the bucket (tested). CUDA graphs capture the Triton form only: sdpa's
+per-query calls are laid out on the host for each step, which a replayed graph cannot redo.
+
+Not covered: projections that are not `nn.Linear` (fused MoE experts, GPT-2's `Conv1D`)."""
 
 from __future__ import annotations
 
@@ -92,8 +101,8 @@ def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """How decode rows of this weight are computed, checked once per shape on random inputs:
     "plain" when the batched `F.linear` gives every row bitwise as a 1-row call does for every
     row count up to PROBE_ROWS (HF's own arithmetic, and the fastest); else "numba"
-    (engine.row_linear, float32 on CPU) when its rows pass the same check; else "rows" (one
-    1-row `F.linear` per row)."""
+    (engine.row_linear, float32 on CPU) or "triton" (engine.triton_linear, CUDA) when its rows
+    pass the same check; else "rows" (one 1-row `F.linear` per row)."""
     key = (*weight.shape, weight.dtype, weight.device, bias is None, torch.get_num_threads())
     got = _STRATEGIES.get(key)
     if got is None:
@@ -114,7 +123,7 @@ def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
 
 def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2d [M, K] -> [M, N], each row bitwise as that row alone: as `F.linear(x2d[i:i+1], weight,
-    bias)` ("plain", "rows") or as `row_linear` of it ("numba")."""
+    bias)` ("plain", "rows") or as the row-invariant kernel of it ("numba", "triton")."""
     m = x2d.shape[0]
     strategy = row_strategy(weight, bias)
     if strategy == "numba":
@@ -132,13 +141,10 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return torch.cat([F.linear(x2d[i : i + PROBE_ROWS], weight, bias) for i in range(0, m, PROBE_ROWS)])
 
 
-@torch.library.custom_op("hf_plookup::invariant_linear", mutates_args=())
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] with row-invariant arithmetic. When the rows
     are the step's packed tokens, prompt chunks run as one call each and decode rows as
-    `invariant_rows`; other row sets (the LM head's kept rows) are all decode-like. An op, so
-    that compiled steps keep it opaque (inductor would pick its own matmul) and the step's
-    layout is read when it runs, not when it is traced."""
+    `invariant_rows`; other row sets (the LM head's kept rows) are all decode-like."""
     x2d = x.reshape(-1, x.shape[-1])
     layout = current_layout()
     if layout is None or x2d.shape[0] != layout.num_tokens or not layout.has_prefill:
@@ -148,6 +154,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                  for lo, hi, is_prefill in layout.row_groups]
         y = torch.cat(parts) if len(parts) > 1 else parts[0]
     return y.reshape(*x.shape[:-1], -1)
+
+
+@torch.library.custom_op("hf_plookup::invariant_linear", mutates_args=())
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`_invariant_linear` as an op, so that compiled steps keep it opaque (inductor would pick
+    its own matmul) and the step's layout is read when it runs, not when it is traced."""
+    return _invariant_linear(x, weight, bias)
 
 
 @invariant_linear.register_fake
@@ -165,6 +178,8 @@ class InvariantLinears:
 
     @staticmethod
     def _bind(module):
+        if type(module.weight) is not torch.nn.Parameter:  # a tensor subclass (a sharded DTensor): no op for it
+            return lambda x: _invariant_linear(x, module.weight, module.bias)
         return lambda x: torch.ops.hf_plookup.invariant_linear(x, module.weight, module.bias)
 
     @contextlib.contextmanager
