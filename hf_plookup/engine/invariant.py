@@ -51,13 +51,11 @@ from . import row_linear
 # the mode, so it stays off: with the mode fp32 is faster at batch 1 (engine.row_linear: SmolLM2
 # k=4 15.0 against 13.1 tok/s) but slower from batch 4 (main job k=8 1.04x HF against 1.07-1.29x;
 # batch 8 k=4 16.4 against 23.3 tok/s). CUDA: not measured yet, off. Also off where it was not
-# measured: compiled steps, accelerate-dispatched and tensor-parallel models.
+# measured: compiled steps, the Triton backend, accelerate-dispatched and tensor-parallel models.
 INVARIANT_AUTO = {("cpu", torch.bfloat16): True, ("cpu", torch.float16): True}
 PROBE_ROWS = 16
 
-_STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "plain" | "numba" | "rows"
-
-
+_STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "plain" | "numba" | "triton" | "rows"
 INVARIANT_BACKENDS = ("sdpa", "triton")  # attention backends with an invariant form
 
 

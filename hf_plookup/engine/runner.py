@@ -60,7 +60,7 @@ class ModelRunner:
     uniform decode steps it supports (engine.graphs); everything else runs eagerly. `head`: a
     `cpu_head.HeadChooser` for the LM head of eager CPU steps (None: the model's own).
     `invariant`: an `invariant.InvariantLinears`: every step runs in invariant mode (each token
-    computed as in a 1-token step; the engine then gives no `graphs`, and `head` is not used)."""
+    computed as in a 1-token step; `head` is not used, and `graphs` runs its steps in the mode too)."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, blocks: BlockManager, backend: str = "sdpa",
                  pad_to: int | None = None, graphs=None, head: HeadChooser | None = None, invariant=None):
