@@ -86,13 +86,22 @@ def _rows_exact(fn, x: torch.Tensor) -> bool:
     return all(torch.equal(fn(x[:m]), ref[:m]) for m in range(2, x.shape[0] + 1))
 
 
-def _triton_rows(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> bool:
-    """Whether engine.triton_linear can take this weight and its rows pass the check."""
-    if importlib.util.find_spec("triton") is None:
+def _triton_supported(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
     from . import triton_linear
 
-    return triton_linear.supported(weight) and _rows_exact(lambda t: triton_linear.row_linear(t, weight, bias), x)
+    return triton_linear.supported(weight)
+
+
+def _triton_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from . import triton_linear  # imported on first use: CPU installs need not have triton
+
+    return triton_linear.row_linear(x2d, weight, bias)
+
+
+# the row-invariant linear kernels, in the order row_strategy tries them: (takes this weight, kernel)
+KERNELS = {"numba": (row_linear.supported, row_linear.row_linear), "triton": (_triton_supported, _triton_rows)}
 
 
 def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
@@ -109,12 +118,9 @@ def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
         with torch.inference_mode():
             if _rows_exact(lambda t: F.linear(t, weight, bias), x):
                 got = "plain"
-            elif row_linear.supported(weight) and _rows_exact(lambda t: row_linear.row_linear(t, weight, bias), x):
-                got = "numba"
-            elif weight.device.type == "cuda" and _triton_rows(weight, bias, x):
-                got = "triton"
             else:
-                got = "rows"
+                usable = [(name, fn) for name, (takes, fn) in KERNELS.items() if takes(weight)]
+                got = next((name for name, fn in usable if _rows_exact(lambda t: fn(t, weight, bias), x)), "rows")
         _STRATEGIES[key] = got
     return got
 
@@ -124,12 +130,8 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     bias)` ("plain", "rows") or as the row-invariant kernel of it ("numba", "triton")."""
     m = x2d.shape[0]
     strategy = row_strategy(weight, bias)
-    if strategy == "numba":
-        return row_linear.row_linear(x2d, weight, bias)
-    if strategy == "triton":
-        from . import triton_linear
-
-        return triton_linear.row_linear(x2d, weight, bias)
+    if strategy in KERNELS:
+        return KERNELS[strategy][1](x2d, weight, bias)
     if m == 1:
         return F.linear(x2d, weight, bias)
     if strategy == "rows":

@@ -51,6 +51,18 @@ def _left_pad(rows: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, t
     return ids, mask
 
 
+def _drafts_change_no_logit(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
+    """Greedy logits of `ids` with chains and with trees equal to without, bit for bit. Returns
+    the plain greedy logits [B, new, V]."""
+    plain, st = _generate(model, ids, mask, new)
+    chain, st_chain = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4)
+    tree, st_tree = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
+    assert st.invariant and st_chain.drafted > 0 and st_tree.drafter == "ngram-tree" and st_tree.drafted > 0
+    assert torch.equal(chain, plain), "a verify step's rows differ from 1-token steps"
+    assert torch.equal(tree, plain), "a tree step's rows differ from 1-token steps"
+    return plain
+
+
 @pytest.mark.parametrize("arch, dtype", CASES, ids=[f"{a}-{str(d)[6:]}" for a, d in CASES])
 def test_drafts_and_batch_change_no_logit(arch, dtype):
     hf = tiny_model(arch).to(dtype)
@@ -58,17 +70,11 @@ def test_drafts_and_batch_change_no_logit(arch, dtype):
     rows = _prompts(4)
     ids, mask = _left_pad(rows)
     new = 20
-    plain, st = _generate(model, ids, mask, new)
-    assert st.invariant
+    plain = _drafts_change_no_logit(model, ids, mask, new)
     if dtype == torch.float32:  # fp32: the mode's greedy tokens are HF's
         ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
                           return_dict_in_generate=True, output_logits=True)
         assert torch.equal(plain.argmax(-1), torch.stack(ref.logits, 1).argmax(-1))
-    chain, st_chain = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4)
-    tree, st_tree = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
-    assert st_chain.drafted > 0 and st_tree.drafter == "ngram-tree" and st_tree.drafted > 0
-    assert torch.equal(chain, plain), "a verify step's rows differ from 1-token steps"
-    assert torch.equal(tree, plain), "a tree step's rows differ from 1-token steps"
     for i in (0, 3):  # each row alone (its own prefill chunking) against the same row in the batch
         r = rows[i][None]
         alone, _ = _generate(model, r, torch.ones_like(r), new, prompt_lookup_num_tokens=4)
@@ -103,11 +109,7 @@ def test_drafted_logits_bitwise_equal_hf_batch1_greedy(arch, dtype):
 def test_padded_drafts_change_no_logit():
     """pad_drafts: every row feeds k + 1 tokens (missing drafts padded, as compiled steps do)."""
     model = hf_plookup.wrap(tiny_model("gemma3_text"), invariant=True, pad_drafts=True, max_batch_tokens=16)
-    ids, mask = _left_pad(_prompts(4))
-    plain, _ = _generate(model, ids, mask, 16)
-    for kw in ({}, {"prompt_lookup_tree_nodes": 8}):
-        drafted, st = _generate(model, ids, mask, 16, prompt_lookup_num_tokens=4, **kw)
-        assert st.drafted > 0 and torch.equal(drafted, plain), kw
+    _drafts_change_no_logit(model, *_left_pad(_prompts(4)), 16)
 
 
 def test_without_invariant_mode_fp32_verify_rows_differ():
@@ -260,10 +262,7 @@ def test_cuda_bf16_drafts_change_no_logit(arch, backend, compiled):
     try:
         ids, mask = _left_pad(_prompts(4))
         ids, mask = ids.cuda(), mask.cuda()
-        plain, st = _generate(model, ids, mask, 20)
-        chain, _ = _generate(model, ids, mask, 20, prompt_lookup_num_tokens=4)
-        tree, _ = _generate(model, ids, mask, 20, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
-        assert st.invariant and torch.equal(chain, plain) and torch.equal(tree, plain)
+        plain = _drafts_change_no_logit(model, ids, mask, 20)
         r = ids[3:4]  # the longest prompt: no padding
         alone, _ = _generate(model, r, torch.ones_like(r), 20, prompt_lookup_num_tokens=4)
         assert torch.equal(alone[0], plain[3, : alone.shape[1]])
@@ -321,18 +320,6 @@ def test_position_uniforms_and_inverse_cdf():
     assert sample_targets(probs, grid).tolist() == [1, 1, 3, 3, 3, 3]  # the CDF's intervals; p=0 never
 
 
-def _drafts_change_no_logit(model, new: int) -> None:
-    """Greedy logits of a left-padded batch of 4: with chains and with trees equal to without,
-    bit for bit."""
-    ids, mask = _left_pad(_prompts(4))
-    plain, st = _generate(model, ids, mask, new)
-    chain, st_chain = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4)
-    tree, st_tree = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
-    assert st.invariant and st_chain.drafted > 0 and st_tree.drafter == "ngram-tree" and st_tree.drafted > 0
-    assert torch.equal(chain, plain), "a verify step's rows differ from 1-token steps"
-    assert torch.equal(tree, plain), "a tree step's rows differ from 1-token steps"
-
-
 @pytest.mark.parametrize("arch, dtype", [("gemma3_text", torch.bfloat16)])  # sliding windows, bf16
 def test_compiled_steps_change_no_logit(arch, dtype):
     """Invariant mode in compiled steps (inductor on CPU): 1-token, verify and tree steps are
@@ -341,7 +328,7 @@ def test_compiled_steps_change_no_logit(arch, dtype):
     arithmetic whatever the bucket."""
     model = wrap_copy(tiny_model(arch).to(dtype), invariant=True, compile=True, max_batch_tokens=16, max_cache_tokens=1024)
     try:
-        _drafts_change_no_logit(model, new=8)
+        _drafts_change_no_logit(model, *_left_pad(_prompts(4)), 8)
         graphs = model._engine._graphs
         assert graphs.compiled and graphs.num_replays > 0 and {k[0] for k in graphs.graphs} == {1, 5, 9}
     finally:
@@ -356,7 +343,7 @@ def test_triton_backend_drafts_change_no_logit():
         pytest.skip("triton is not installed")
     model = wrap_copy(tiny_model("llama"), invariant=True, attn_backend="triton", max_batch_tokens=16, block_size=16,
                       max_cache_tokens=1024)
-    _drafts_change_no_logit(model, new=6)
+    _drafts_change_no_logit(model, *_left_pad(_prompts(4)), 6)
     assert model.last_stats.attn_backend == "triton"
 
 
