@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import hf_plookup
-from hf_plookup.attention.ops import compiled_paged_attention, paged_attention, write_kv
+from hf_plookup.attention.ops import compiled_paged_attention, paged_attention
+from hf_plookup.attention.sdpa import store_kv
 from hf_plookup.attention.sdpa import sdpa_paged_attention
 from hf_plookup.engine import graphs
 from tests.conftest import ARCHS, left_padded, tiny_model, wrap_copy
@@ -37,7 +38,7 @@ def _op_args(meta, query, backend, window, softcap):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_ops_match_eager_backend(uniform, window, softcap):
-    """write_kv + paged_attention (sdpa inside) give what the eager sdpa backend gives."""
+    """store_kv + the paged_attention op (sdpa inside) give what the eager sdpa backend gives."""
     meta, query, key, value, *_ = _paged_step(torch.float32, 16, uniform, device="cpu")
     meta.static_shapes = True  # what compiled steps run on (explicit masks, as the ops use)
     k_cache, v_cache = meta.kv_cache.layer(0)
@@ -46,7 +47,7 @@ def test_ops_match_eager_backend(uniform, window, softcap):
     written_k, written_v = k_cache.clone(), v_cache.clone()
     k_cache.copy_(ref_k)
     v_cache.copy_(ref_v)
-    write_kv(k_cache, v_cache, meta.slot_mapping, key, value)
+    store_kv(k_cache, v_cache, meta.slot_mapping, key, value)
     assert torch.equal(k_cache, written_k) and torch.equal(v_cache, written_v)
     out = paged_attention(*_op_args(meta, query, "sdpa", window, softcap))
     assert torch.equal(out, ref)
@@ -59,17 +60,15 @@ def test_triton_op_matches_sdpa_op():
     """The op's Triton branch (interpreter on CPU) against its sdpa branch."""
     pytest.importorskip("triton")
     meta, query, key, value, *_ = _paged_step(torch.float32, 16, False, device="cuda" if torch.cuda.is_available() else "cpu")
-    write_kv(*meta.kv_cache.layer(0), meta.slot_mapping, key, value)
+    store_kv(*meta.kv_cache.layer(0), meta.slot_mapping, key, value)
     a = paged_attention(*_op_args(meta, query, "sdpa", 5, None))
     b = paged_attention(*_op_args(meta, query, "triton", 5, None))
     torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
 
 
 def test_opcheck():
-    """torch.library's checks: schema, fake (meta) implementations, in-place mutation declared."""
+    """torch.library's checks: schema, fake (meta) implementation, AOT dispatch."""
     meta, query, key, value, *_ = _paged_step(torch.float32, 16, True, device="cpu")
-    torch.library.opcheck(write_kv, (*meta.kv_cache.layer(0), meta.slot_mapping, key, value),
-                          test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(paged_attention, _op_args(meta, query, "sdpa", None, None),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
@@ -93,19 +92,40 @@ def test_every_arch_traces_fullgraph(arch, monkeypatch):
     assert _equal_to_hf(model, w, 2, 4, seed=3), arch
     gr = w._engine._graphs
     assert gr.compiled and gr.graphs and gr.num_replays > 0
+    assert [i for _, i in gr._regional.layers] == list(range(model.config.num_hidden_layers))  # regional
+
+
+def test_whole_forward_compile_identical_to_hf(monkeypatch):
+    """regional=False (what runs where no decoder layer class is found): the whole forward as
+    one graph, the KV write traced into it; identical to HF greedy."""
+    monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    w = wrap_copy(model, max_cache_tokens=2048, compile=True, pad_drafts=True)
+    eng = w._engine
+    eng._graphs = graphs.GraphRunner(w, eng.cache(), "sdpa", eng.options.max_num_seqs, capture=False,
+                                     compiled=True, regional=False)
+    assert _equal_to_hf(model, w, 2, 4, seed=4)
+    assert eng._graphs._regional is None and eng._graphs.num_replays > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_inductor_compiled_identical_to_hf_and_eager(arch):
     """Inductor-compiled steps (gemma2: attention and final-logit softcap, sliding windows):
-    identical to HF greedy and to the uncompiled engine; compile time reported once per bucket."""
+    identical to HF greedy and to the uncompiled engine; compile time reported once per bucket;
+    one compiled decoder layer per bucket and kind of layer (gemma2: sliding and global) serves
+    every layer."""
+    from torch._dynamo.utils import counters
+
     model = tiny_model(arch)
     w = wrap_copy(model, max_cache_tokens=2048, compile=True)
     plain = wrap_copy(model, max_cache_tokens=2048, compile=False, pad_drafts=True)
     ids, mask = left_padded(2, seed=5)
     kw = dict(attention_mask=mask, max_new_tokens=10, prompt_lookup_num_tokens=4)
+    counters.clear()
     out = w.generate(ids, **kw)
     assert w.last_stats.compile_time > 0
+    kinds = len(set(getattr(model.config, "layer_types", None) or ["full"]))
+    assert counters["stats"]["unique_graphs"] == kinds * len(w._engine._graphs.graphs)
     assert torch.equal(out, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10))
     assert torch.equal(out, plain.generate(ids, **kw))
     again = w.generate(ids, **kw)

@@ -135,10 +135,13 @@ _CURRENT: contextvars.ContextVar[AttentionMetadata | None] = contextvars.Context
 class _CompiledStep:
     """Where a compiled step finds its metadata: torch.compile cannot trace `ContextVar.get`, but
     it can read a module-level object's attribute (it guards on it, so each graph bucket's
-    metadata object gets its own compiled graph). One compiled forward at a time, by the lock."""
+    metadata object gets its own compiled graph). One compiled forward at a time, by the lock.
+    `layer_kv`: in regional compilation (engine.regional), the running layer's pages, set inside
+    the compiled layer from its inputs, so one compiled layer serves every layer."""
 
     def __init__(self) -> None:
         self.meta: AttentionMetadata | None = None
+        self.layer_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lock = threading.Lock()
 
 
@@ -154,6 +157,7 @@ def compiled_step_context(meta: AttentionMetadata):
             yield meta
         finally:
             _COMPILED_STEP.meta = None
+            _COMPILED_STEP.layer_kv = None
 
 
 def current_metadata() -> AttentionMetadata:
@@ -177,3 +181,13 @@ def attention_context(meta: AttentionMetadata):
         yield meta
     finally:
         _CURRENT.reset(token)
+
+
+def compiled_layer_kv() -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The running layer's (k_cache, v_cache) in a regionally compiled step (engine.regional), else None."""
+    return _COMPILED_STEP.layer_kv
+
+
+def set_compiled_layer_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Called inside a compiled layer with that layer's pages (traced: the pages are the layer's inputs)."""
+    _COMPILED_STEP.layer_kv = (k_cache, v_cache)

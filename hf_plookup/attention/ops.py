@@ -1,20 +1,21 @@
-"""The KV write and paged attention as PyTorch custom ops, for compiled steps.
+"""Paged attention as a PyTorch custom op, and the attention function's work in compiled steps.
 
-`torch.compile(fullgraph=True)` traces the HF model's own forward; when its attention modules
-call the hf_plookup attention function, the step's work must be ops the compiler can keep
-opaque (it cannot trace into a Triton launch, and in-place writes into the pages must stay in
-place, not become a copy of the whole cache). Two ops:
+`torch.compile(fullgraph=True)` traces the HF model's own code (engine.graphs; one decoder layer
+at a time, engine.regional); when its attention modules call the hf_plookup attention function:
 
-- `hf_plookup::write_kv(k_cache!, v_cache!, slot_mapping, key, value)`: the pages are
-  declared mutated, so the compiler orders it before the attention that reads them.
+- the KV write stays traced code (`sdpa.store_kv`: an `index_copy_` into the layer's pages, a
+  graph input). Inductor writes the pages in place and fuses the write into the kernel that
+  computes the key (projection epilogue, RoPE, cast): no separate write kernel, no copy of the
+  cache. The attention op below takes the pages as inputs, so it is ordered after the write.
 - `hf_plookup::paged_attention(query, k_cache, v_cache, <step tensors>, backend, scale,
-  window, softcap, invariant) -> out`: the sdpa backend (gather + SDPA or soft-capped
-  attention) or the Triton kernel, with the step's layout passed as tensors and plain ints;
-  with `invariant`, the backend's invariant form (engine.invariant).
+  window, softcap, invariant) -> out` is opaque (the compiler cannot trace into a Triton
+  launch, nor into sdpa's per-query invariant calls): the sdpa backend (gather + SDPA or
+  soft-capped attention) or the Triton kernel, with the step's layout passed as tensors and
+  plain ints; with `invariant`, the backend's invariant form (engine.invariant). Its fake (meta)
+  implementation only states the output shape.
 
-Both have fake (meta) implementations that only state output shapes. Eager steps call the
-backends directly (a custom op's dispatch costs microseconds per layer); compiled steps go
-through these ops (`compiled_paged_attention`), with identical results (tests/attention/test_ops.py).
+Eager steps call the backends directly (a custom op's dispatch costs microseconds per layer);
+compiled steps go through `compiled_paged_attention`, with identical results (tests/test_compile.py).
 """
 
 from __future__ import annotations
@@ -22,20 +23,8 @@ from __future__ import annotations
 import torch
 
 from .invariant import current_layout, invariant_attend
-from .metadata import AttentionMetadata, step_mask
+from .metadata import AttentionMetadata, compiled_layer_kv, step_mask
 from .sdpa import sdpa_attend, store_kv
-
-
-@torch.library.custom_op("hf_plookup::write_kv", mutates_args=("k_cache", "v_cache"))
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
-             value: torch.Tensor) -> None:
-    """`sdpa.store_kv` as an op (the pages are mutated in place)."""
-    store_kv(k_cache, v_cache, slot_mapping, key, value)
-
-
-@write_kv.register_fake
-def _(k_cache, v_cache, slot_mapping, key, value) -> None:
-    return None
 
 
 @torch.library.custom_op("hf_plookup::paged_attention", mutates_args=())
@@ -109,8 +98,8 @@ def compiled_paged_attention(
     every layer builds the same one, keeps a single copy (common subexpressions are merged)."""
     if meta.backend not in COMPILABLE_BACKENDS:
         raise ValueError(f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, got {meta.backend!r}")
-    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
-    torch.ops.hf_plookup.write_kv(k_cache, v_cache, meta.slot_mapping, key, value)
+    k_cache, v_cache = compiled_layer_kv() or meta.kv_cache.layer(module.layer_idx)
+    store_kv(k_cache, v_cache, meta.slot_mapping, key, value)  # traced: fused with the RoPE and cast that make key
     mask = meta.tree_mask  # triton: the kernel applies the tree itself
     if meta.backend == "sdpa" and not meta.invariant:
         mask = step_mask(meta.query_pos, meta.context_lens, meta.max_context_len, sliding_window, meta.tree_mask)

@@ -30,6 +30,7 @@ each step, which a replay cannot redo.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from ..attention.probe import input_device
 from ..attention.registry import engine_attention
 from .cpu_head import fast_head, head_chooser
 from .kv_cache import PagedKVCache
+from .regional import RegionalLayers, decoder_layers
 from .runner import StepPlan
 
 
@@ -151,7 +153,7 @@ class GraphRunner:
     """Captured (or, with capture=False, eagerly run) uniform decode steps, kept across calls."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: str, max_num_seqs: int,
-                 capture: bool = True, compiled: bool = False, invariant=None):
+                 capture: bool = True, compiled: bool = False, invariant=None, regional: bool = True):
         if cache.scratch_block is None:
             raise ValueError("CUDA graphs need a cache with a scratch page (PagedKVCache(..., scratch=True))")
         self.model = model
@@ -168,7 +170,8 @@ class GraphRunner:
         self.num_replays = 0
         self.compiled = compiled
         self.compile_seconds = 0.0  # first calls of new buckets (compile + warm-up) when compiled
-        self._compiled_forward = None
+        self._compiled_forward = None  # the whole forward compiled (regional=False, or no decoder layers found)
+        self._regional = None  # engine.regional: one compiled decoder layer for all layers
         # invariant mode (an engine.invariant.InvariantLinears): every step runs under it, on the
         # padded plan; sdpa's invariant form runs per call (compiled steps), never captured
         self.invariant = invariant
@@ -184,8 +187,12 @@ class GraphRunner:
             raise_recompile_limit(4 * len(BATCH_BUCKETS) * 16)
             _import_mkldnn_quietly()
             options = {"freezing": True} if self.device.type == "cpu" and COMPILE_BACKEND == "inductor" else None
-            self._compiled_forward = torch.compile(self._logits, fullgraph=True, dynamic=False,
-                                                   backend=COMPILE_BACKEND, options=options)
+            compile_fn = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND,
+                                           options=options)
+            if regional and decoder_layers(model):
+                self._regional = RegionalLayers(model, cache, compile_fn)
+            else:
+                self._compiled_forward = compile_fn(self._logits)
 
     def supports(self, plan: StepPlan) -> bool:
         return (plan.is_decode and plan.uniform and plan.num_seqs <= self.max_batch
@@ -219,6 +226,9 @@ class GraphRunner:
         if self._compiled_forward is not None:
             with engine_attention(self.model), compiled_step_context(g.meta), mode:
                 return self._compiled_forward(ids, pos)
+        if self._regional is not None:
+            with engine_attention(self.model), compiled_step_context(g.meta), mode, self._regional.active():
+                return self._logits(ids, pos)
         with engine_attention(self.model), attention_context(g.meta), mode:
             return self._logits(ids, pos)
 
