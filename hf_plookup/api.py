@@ -202,7 +202,7 @@ def wrap(model, **options):
     `save_pretrained`, deepcopy and pickle all behave as for the plain model.
 
     Options (see `EngineOptions`): max_cache_tokens, num_blocks, block_size, max_batch_tokens,
-    max_num_seqs, cache_memory_fraction, attn_backend ("auto" | "sdpa" | "flash_attn" | "triton"),
+    max_num_seqs, cache_memory_fraction, attn_backend ("auto" | "sdpa" | "flash_attn" | "triton" | "flash_attn4"),
     compile ("auto" | True | False), cuda_graphs, pad_drafts, join_calls, tree_min_score.
     Wrapping a wrapped model again returns it; with options, its engine is rebuilt with the
     options merged.

@@ -9,7 +9,14 @@ import os
 import torch
 from transformers import AttentionInterface
 
-from .flash import FLASH_BLOCK_MULTIPLE, flash_paged_attention, flash_unavailable_reason
+from .flash import (
+    FLASH4_BLOCK_SIZE,
+    FLASH_BLOCK_MULTIPLE,
+    flash4_paged_attention,
+    flash4_unavailable_reason,
+    flash_paged_attention,
+    flash_unavailable_reason,
+)
 from .metadata import current_metadata
 from .ops import compiled_paged_attention
 from .sdpa import sdpa_paged_attention
@@ -24,12 +31,13 @@ def triton_paged_attention(*args, **kwargs):
     return fn(*args, **kwargs)
 
 
-BACKENDS = {"sdpa": sdpa_paged_attention, "flash_attn": flash_paged_attention, "triton": triton_paged_attention}
+BACKENDS = {"sdpa": sdpa_paged_attention, "flash_attn": flash_paged_attention, "triton": triton_paged_attention,
+            "flash_attn4": flash4_paged_attention}
 BACKEND_CHOICES = ("auto", *BACKENDS)  # what `attn_backend` accepts
 # backends whose attention takes a candidate tree's mask (AttentionMetadata.tree_mask)
 TREE_BACKENDS = ("sdpa", "triton")
 
-DEFAULT_BLOCK_SIZE = {"sdpa": 16, "flash_attn": FLASH_BLOCK_MULTIPLE, "triton": 16}
+DEFAULT_BLOCK_SIZE = {"sdpa": 16, "flash_attn": FLASH_BLOCK_MULTIPLE, "triton": 16, "flash_attn4": FLASH4_BLOCK_SIZE}
 
 
 def triton_unavailable_reason(devices: list[torch.device]) -> str | None:
@@ -46,7 +54,8 @@ def triton_unavailable_reason(devices: list[torch.device]) -> str | None:
 
 def resolve_backend(requested: str, devices: list[torch.device], dtypes: list[torch.dtype]) -> str:
     """The backend that will run: "auto" is flash_attn when it can run here (flash_attn imports,
-    CUDA, fp16/bf16), else sdpa. Asking for flash_attn where it cannot run is a ValueError."""
+    CUDA, fp16/bf16), else sdpa (flash_attn4 and triton are chosen by name). Asking for a backend
+    where it cannot run is a ValueError."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"attn_backend must be one of {BACKEND_CHOICES}, got {requested!r}")
     if requested == "sdpa":
@@ -56,6 +65,11 @@ def resolve_backend(requested: str, devices: list[torch.device], dtypes: list[to
         if reason is not None:
             raise ValueError(f"attn_backend='triton' cannot run: {reason}; use attn_backend='sdpa' or 'auto'")
         return "triton"
+    if requested == "flash_attn4":
+        reason = flash4_unavailable_reason(devices, dtypes)
+        if reason is not None:
+            raise ValueError(f"attn_backend='flash_attn4' cannot run: {reason}; use attn_backend='sdpa' or 'auto'")
+        return "flash_attn4"
     reason = flash_unavailable_reason(devices, dtypes)
     if requested == "flash_attn" and reason is not None:
         raise ValueError(f"attn_backend='flash_attn' cannot run: {reason}; use attn_backend='sdpa' or 'auto'")

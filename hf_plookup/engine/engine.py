@@ -40,7 +40,7 @@ class EngineOptions:
     # on CUDA of the memory left free after a warm-up forward of max_batch_tokens tokens, less
     # that forward's peak (see kv_cache.default_num_tokens)
     cache_memory_fraction: float = 0.25
-    attn_backend: str = "auto"  # "auto" (flash_attn if it can run here, else sdpa) | "sdpa" | "flash_attn" | "triton"
+    attn_backend: str = "auto"  # "auto" (flash_attn if it can run here, else sdpa) | "sdpa" | "flash_attn" | "triton" | "flash_attn4"
     cuda_graphs: bool = True  # capture verify steps in CUDA graphs (CUDA only; implies pad_drafts)
     pad_drafts: bool = False  # every sequence of a verify step feeds k + 1 tokens (missing drafts padded)
     join_calls: bool = True  # concurrent generate calls join the running loop when their configs allow

@@ -96,6 +96,49 @@ def fake_flash(monkeypatch):
     return mod
 
 
+def _fake_fa4_varlen(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                     min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
+                     softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0,
+                     **rest):
+    """FlashAttention-4's `flash_attn.cute.flash_attn_varlen_func` as its docstring and argument
+    checks state it: with `page_table` (int32 [B, pages]) keys come from the pages, counted by
+    `seqused_k`, and `cu_seqlens_k` is refused; q is [B, Tq, H, D] or packed with `cu_seqlens_q`;
+    windows of negative sizes mean none; returns (out, lse)."""
+    assert cu_seqlens_k is None and page_table.dtype == torch.int32 and seqused_k.dtype == torch.int32
+    assert k.shape[:2] == v.shape[:2] and page_table.stride(-1) == 1 and q.is_contiguous()
+    window = tuple(-1 if w is None else w for w in window_size)
+    if cu_seqlens_q is None:
+        rows = [(b, slice(None)) for b in range(q.shape[0])]
+    else:
+        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (page_table.shape[0] + 1,)
+        rows = [(b, slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))) for b in range(page_table.shape[0])]
+    out = torch.empty_like(q)
+    for b, r in rows:
+        qb = q[b] if cu_seqlens_q is None else q[r]
+        assert max_seqlen_q is None or qb.shape[0] <= max_seqlen_q
+        sk = int(seqused_k[b])
+        o = _ref_attend(qb, _pages(k, page_table[b], sk), _pages(v, page_table[b], sk), softmax_scale, causal,
+                        window, softcap)
+        if cu_seqlens_q is None:
+            out[b] = o
+        else:
+            out[r] = o
+    return out, None
+
+
+@pytest.fixture
+def fake_flash4(monkeypatch):
+    """flash_attn.cute importable (as the FA4 stand-in) and allowed on this CPU."""
+    parent = types.ModuleType("flash_attn")
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_varlen_func = _fake_fa4_varlen
+    parent.cute = cute
+    monkeypatch.setitem(sys.modules, "flash_attn", parent)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setattr(registry, "flash4_unavailable_reason", lambda devices, dtypes: None)
+    return cute
+
+
 def test_stand_in_matches_dense_reference():
     """The stand-in kernel itself (contiguous, no paging) against the sdpa tests' reference."""
     g = torch.Generator().manual_seed(0)
@@ -128,14 +171,29 @@ def test_flash_attn_where_it_cannot_run(llama):
 
 
 def test_unavailable_reasons(monkeypatch):
-    mod = types.ModuleType("flash_attn")
-    mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)  # "installed"
-    monkeypatch.setitem(sys.modules, "flash_attn", mod)
-    from hf_plookup.attention.flash import flash_unavailable_reason
+    from hf_plookup.attention.flash import flash4_unavailable_reason, flash_unavailable_reason
 
+    mod = types.ModuleType("flash_attn")
+    mod.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)  # "installed"
+    mod.__path__ = []
+    monkeypatch.setitem(sys.modules, "flash_attn", mod)
+    # FA4 alone installs a bare `flash_attn` package (no FA2 kernels): flash_attn cannot run
+    assert "do not import" in flash_unavailable_reason([torch.device("cuda", 0)], [torch.bfloat16])
+    assert "not installed" in flash4_unavailable_reason([torch.device("cuda", 0)], [torch.bfloat16])
+    mod.flash_attn_varlen_func, mod.flash_attn_with_kvcache = _fake_varlen, _fake_kvcache
     assert "CUDA" in flash_unavailable_reason([torch.device("cpu")], [torch.bfloat16])
     assert "bfloat16" in flash_unavailable_reason([torch.device("cuda", 0)], [torch.float32])
     assert flash_unavailable_reason([torch.device("cuda", 0)], [torch.bfloat16]) is None
+
+    cute = types.ModuleType("flash_attn.cute")
+    cute.__spec__ = importlib.machinery.ModuleSpec("flash_attn.cute", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    assert "CUDA" in flash4_unavailable_reason([torch.device("cpu")], [torch.bfloat16])
+    assert "bfloat16" in flash4_unavailable_reason([torch.device("cuda", 0)], [torch.float32])
+    for capability, ok in (((8, 0), False), ((9, 0), True), ((10, 0), True), ((12, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        reason = flash4_unavailable_reason([torch.device("cuda", 0)], [torch.bfloat16])
+        assert (reason is None) == ok and (ok or "Hopper" in reason), (capability, reason)
 
 
 def test_flash_block_size(fake_flash, llama):
@@ -219,6 +277,28 @@ def test_flash_backend_engine_identical_to_hf(fake_flash, arch):
         for batch, k in ((1, 4), (3, 4), (2, None)):
             assert _hf_equal(model, w, batch, k), (arch, pad, batch, k)
         assert w.last_stats.attn_backend == "flash_attn"
+
+
+@pytest.mark.parametrize("arch", ["mistral"])
+def test_flash4_backend_engine_identical_to_hf(fake_flash4, arch):
+    """The engine on the FlashAttention-4 backend (packed prefill chunks and unpadded drafts with
+    cu_seqlens_q, uniform verify steps as [B, Tq, H, D]; mistral: sliding window) in fp32, and the
+    static-buffer path CUDA graphs replay."""
+    model = tiny_model(arch)
+    for pad in (False, True):
+        w = wrap_copy(model, attn_backend="flash_attn4", max_cache_tokens=2048, pad_drafts=pad)
+        assert w._engine.options.block_size == 128
+        for batch, k in ((1, 4), (3, 4), (2, None)):
+            assert _hf_equal(model, w, batch, k), (arch, pad, batch, k)
+        assert w.last_stats.attn_backend == "flash_attn4"
+    gr = _eager_graph_runner(w, "flash_attn4")
+    assert _hf_equal(model, w, 3, 4) and gr.num_replays > 0
+
+
+def test_flash4_where_it_cannot_run(llama):
+    """Named where it cannot run: a ValueError saying why (here: not installed, or not CUDA)."""
+    with pytest.raises(ValueError, match="attn_backend='flash_attn4' cannot run: "):
+        wrap_copy(llama, attn_backend="flash_attn4")
 
 
 # -- padded verify steps ---------------------------------------------------------------------------

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
+from hf_plookup.attention.flash import flash4_unavailable_reason, flash_unavailable_reason
+
 HAS_CUDA = torch.cuda.is_available()
-HAS_FLASH = HAS_CUDA and importlib.util.find_spec("flash_attn") is not None
+HAS_FLASH = HAS_CUDA and flash_unavailable_reason([torch.device("cuda")], [torch.bfloat16]) is None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,3 +22,10 @@ def pytest_collection_modifyitems(config, items):
 def needs_flash():
     if not HAS_FLASH:
         pytest.skip("flash_attn is not installed")
+
+
+@pytest.fixture
+def needs_flash4():
+    reason = flash4_unavailable_reason([torch.device("cuda")], [torch.bfloat16]) if HAS_CUDA else "needs a CUDA device"
+    if reason is not None:
+        pytest.skip(reason)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_plookup
-from hf_plookup.attention.flash import flash_paged_attention
+from hf_plookup.attention.flash import flash4_paged_attention, flash_paged_attention
 from hf_plookup.attention.metadata import AttentionMetadata
 from hf_plookup.attention.sdpa import sdpa_paged_attention
 from tests.attention.test_sdpa import _dense_reference, _Layer
@@ -94,14 +94,17 @@ def test_flash_fp32_refused_and_auto_falls_back():
     assert wrap_copy(model)._engine.options.attn_backend == "sdpa"  # fp32: auto -> sdpa
 
 
-def test_flash_bf16_close_to_sdpa(needs_flash):
-    """bf16 greedy on flash_attn vs sdpa: the same model, two kernels; outputs may part after a
-    near-tie, so only the first tokens are required to agree on most rows."""
+@pytest.mark.parametrize("backend", ["flash_attn", "flash_attn4"])
+def test_flash_bf16_close_to_sdpa(backend, request):
+    """bf16 greedy on flash_attn (FA2) or flash_attn4 vs sdpa, with CUDA graphs: the same model,
+    two kernels; outputs may part after a near-tie, so only the first tokens are required to
+    agree on most rows."""
+    request.getfixturevalue("needs_flash" if backend == "flash_attn" else "needs_flash4")
     model = tiny_model("qwen3").to(device="cuda", dtype=torch.bfloat16)
-    flash = wrap_copy(model, max_cache_tokens=8192, attn_backend="flash_attn")
+    flash = wrap_copy(model, max_cache_tokens=8192, attn_backend=backend)
     sdpa = wrap_copy(model, max_cache_tokens=8192, attn_backend="sdpa")
     a, b = _generate(flash, 8, 4, 5, 16), _generate(sdpa, 8, 4, 5, 16)
-    assert flash.last_stats.attn_backend == "flash_attn"
+    assert flash.last_stats.attn_backend == backend
     width = a.shape[1] - 16
     assert (a[:, width : width + 4] == b[:, width : width + 4]).all(dim=1).float().mean() >= 0.75
 
@@ -165,17 +168,21 @@ def _paged_step(dtype, bs, uniform, device="cuda"):
     return meta, query, key, value, qs, full_k, full_v, new
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flash_attn"])
+PAGED = {"sdpa": (sdpa_paged_attention, torch.float32, 16, 2e-5, None),
+         "flash_attn": (flash_paged_attention, torch.bfloat16, 256, 2e-2, "needs_flash"),
+         "flash_attn4": (flash4_paged_attention, torch.bfloat16, 128, 2e-2, "needs_flash4")}
+
+
+@pytest.mark.parametrize("backend", sorted(PAGED))
 @pytest.mark.parametrize("uniform", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_paged_backends_match_dense_on_gpu(backend, uniform, window, softcap, request):
-    if backend == "flash_attn":
-        request.getfixturevalue("needs_flash")
-    dtype, bs, tol = (torch.bfloat16, 256, 2e-2) if backend == "flash_attn" else (torch.float32, 16, 2e-5)
+    fn, dtype, bs, tol, fixture = PAGED[backend]
+    if fixture:
+        request.getfixturevalue(fixture)
     meta, query, key, value, qs, full_k, full_v, new = _paged_step(dtype, bs, uniform)
     meta.backend = backend
-    fn = flash_paged_attention if backend == "flash_attn" else sdpa_paged_attention
     out = fn(_Layer(), query, key, value, meta, scaling=0.125, sliding_window=window, softcap=softcap)
     off = 0
     for i, n in enumerate(new):
