@@ -12,6 +12,9 @@ cached tokens (pages filled with random keys/values):
   compiled+graphs  compiled forward captured in a CUDA graph (CUDA only; compile=True's path)
   hf-static        (--hf-static) HF's own forward over its StaticCache, torch.compile
                    mode="reduce-overhead", fullgraph=True, after a --context-token prefill
+  /regional, /whole  what a compiled mode compiles: one decoder layer reused for every layer
+                   (engine.regional; what captured steps run) or the whole forward as one graph
+                   (uncaptured steps); --both-scopes times each compiled mode with the other too
   <mode>+invariant (--invariant) each mode again in invariant mode (wrap(invariant=True)); graph
                    modes on attn_backend triton only (sdpa's invariant form is not captured)
 First calls (compile, capture) are reported apart from the median of --iters timed calls. On
@@ -40,6 +43,7 @@ if __package__ in (None, ""):  # run as a script: make hf_plookup and eval impor
 
 from eval.lib.common import add_threads_option, show_defaults  # noqa: E402
 from eval.gpu_bench import DTYPES, MODELS, build_model, copy_bandwidth, sync  # noqa: E402
+from hf_plookup.attention.ops import COMPILABLE_BACKENDS  # noqa: E402
 from hf_plookup.attention.registry import register  # noqa: E402
 from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket  # noqa: E402
 from hf_plookup.engine.kv_cache import PagedKVCache, layer_specs  # noqa: E402
@@ -59,9 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=None, choices=MODES,
                    help="default: eager compiled on CPU; all four on CUDA")
     p.add_argument("--hf-static", action="store_true", help="also time HF's compiled static-cache forward")
+    p.add_argument("--both-scopes", action="store_true",
+                   help="also time compiled modes with the other compile scope: '<mode>/whole' beside "
+                        "'compiled+graphs/regional', '<mode>/regional' beside 'compiled/whole'")
     p.add_argument("--invariant", action="store_true",
                    help="also time each mode in invariant mode (engine.invariant), as '<mode>+invariant'")
-    p.add_argument("--attn-backends", nargs="+", default=["sdpa"], choices=["sdpa", "triton"],
+    p.add_argument("--attn-backends", nargs="+", default=["sdpa"], choices=["sdpa", "triton", "flash_attn", "flash_attn4"],
                    help="each mode runs once per backend")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=20, help="timed calls per (mode, batch, q); the median counts")
@@ -114,14 +121,21 @@ def count_kernels(fn, device: torch.device) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache, invariant: bool = False) -> list[dict]:
+def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache, invariant: bool = False,
+               swap_scope: bool = False) -> list[dict]:
     """`mode`'s step on `backend` at every batch size and q; `invariant`: in invariant mode
-    (engine.invariant; the mode is then named `<mode>+invariant`)."""
+    (engine.invariant; the mode is then named `<mode>+invariant`). Compiled modes are named
+    `<mode>/regional` (one decoder layer compiled for all, engine.regional: what captured steps
+    run) or `<mode>/whole` (the whole forward as one graph: uncaptured steps); `swap_scope`: the
+    scope the engine would not use for the mode."""
     from hf_plookup.engine.invariant import InvariantLinears
 
-    gr = GraphRunner(model, cache, backend, max(args.batch_sizes), capture="graphs" in mode,
-                     compiled="compiled" in mode, invariant=InvariantLinears(model) if invariant else None)
+    capture, compiled = "graphs" in mode, "compiled" in mode
+    regional = capture != swap_scope
+    gr = GraphRunner(model, cache, backend, max(args.batch_sizes), capture=capture, compiled=compiled,
+                     invariant=InvariantLinears(model) if invariant else None, regional=regional)
     mode = mode + "+invariant" if invariant else mode
+    mode = mode + ("/regional" if regional else "/whole") if compiled else mode
     rows = []
     for b in args.batch_sizes:
         for q in args.q:
@@ -203,7 +217,12 @@ def main(argv=None) -> int:
         rows = []
         for backend in args.attn_backends:
             for mode in args.modes:
+                if "compiled" in mode and backend not in COMPILABLE_BACKENDS:
+                    print(f"  {mode}/{backend}: skipped (compiled steps run attn_backend {COMPILABLE_BACKENDS})")
+                    continue
                 rows += bench_mode(model, mode, backend, args, device, cache)
+                if args.both_scopes and "compiled" in mode:
+                    rows += bench_mode(model, mode, backend, args, device, cache, swap_scope=True)
                 if args.invariant and not ("graphs" in mode and backend != "triton"):  # sdpa's form is not captured
                     rows += bench_mode(model, mode, backend, args, device, cache, invariant=True)
         if args.hf_static:
