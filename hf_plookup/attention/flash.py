@@ -85,6 +85,22 @@ def window_size(sliding_window: int | None) -> tuple[int, int]:
     return (sliding_window - 1, 0) if sliding_window else (-1, -1)
 
 
+def _write_and_prepare(module, query, key, value, meta, scaling, sliding_window, softcap):
+    """Write the step's K/V; return the queries (`[B, Tq, H, D]` for uniform steps, else packed
+    `[T, H, D]`), the layer's pages and the keyword arguments FA2 and FA4 share."""
+    q, k_cache, v_cache = write_and_pack(meta, module.layer_idx, query, key, value)  # q [T, H, D]
+    h, d = query.shape[1], query.shape[3]
+    if meta.uniform:
+        q = q.reshape(meta.num_seqs, meta.max_query_len, h, d)
+    kw = dict(
+        softmax_scale=scaling if scaling is not None else d**-0.5,
+        causal=True,
+        window_size=window_size(sliding_window),
+        softcap=float(softcap) if softcap else 0.0,
+    )
+    return q.contiguous(), k_cache, v_cache, kw
+
+
 def flash_paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D] after RoPE
@@ -95,27 +111,17 @@ def flash_paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Returns `[1, T, H, D]`."""
+    """FA2 over the pages. Returns `[1, T, H, D]`."""
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-    q, k_cache, v_cache = write_and_pack(meta, module.layer_idx, query, key, value)  # q [T, H, D]
-    h, t, d = query.shape[1], query.shape[2], query.shape[3]
-    kw = dict(
-        softmax_scale=scaling if scaling is not None else d**-0.5,
-        causal=True,
-        window_size=window_size(sliding_window),
-        softcap=float(softcap) if softcap else 0.0,
-        block_table=meta.block_tables,
-    )
+    q, k_cache, v_cache, kw = _write_and_prepare(module, query, key, value, meta, scaling, sliding_window, softcap)
     if meta.uniform:
-        q = q.reshape(meta.num_seqs, meta.max_query_len, h, d)  # [B, Tq, H, D]
-        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=meta.cache_seqlens, **kw)
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=meta.cache_seqlens,
+                                      block_table=meta.block_tables, **kw)
     else:
-        out = flash_attn_varlen_func(
-            q.contiguous(), k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
-            meta.max_query_len, meta.max_context_len, **kw,
-        )  # [T, H, D]
-    return out.reshape(1, t, h, d).to(query.dtype)
+        out = flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_query_len,
+                                     meta.max_context_len, block_table=meta.block_tables, **kw)  # [T, H, D]
+    return out.reshape(1, query.shape[2], query.shape[1], query.shape[3]).to(query.dtype)  # [1, T, H, D]
 
 
 def flash4_paged_attention(
@@ -128,23 +134,12 @@ def flash4_paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """FlashAttention-4 over the pages. Returns `[1, T, H, D]`."""
+    """FlashAttention-4 over the pages (one varlen call with a page table). Returns `[1, T, H, D]`."""
     from flash_attn.cute import flash_attn_varlen_func
 
-    q, k_cache, v_cache = write_and_pack(meta, module.layer_idx, query, key, value)  # q [T, H, D]
-    h, t, d = query.shape[1], query.shape[2], query.shape[3]
-    kw = dict(
-        softmax_scale=scaling if scaling is not None else d**-0.5,
-        causal=True,
-        window_size=window_size(sliding_window),
-        softcap=float(softcap) if softcap else 0.0,
-        page_table=meta.block_tables,
-        seqused_k=meta.cache_seqlens,
-    )
-    if meta.uniform:
-        q = q.reshape(meta.num_seqs, meta.max_query_len, h, d)  # [B, Tq, H, D]
-        out, _ = flash_attn_varlen_func(q.contiguous(), k_cache, v_cache, **kw)
-    else:
-        out, _ = flash_attn_varlen_func(q.contiguous(), k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q,
-                                        max_seqlen_q=meta.max_query_len, **kw)  # [T, H, D]
-    return out.reshape(1, t, h, d).to(query.dtype)
+    q, k_cache, v_cache, kw = _write_and_prepare(module, query, key, value, meta, scaling, sliding_window, softcap)
+    if not meta.uniform:
+        kw.update(cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_query_len)
+    out, _ = flash_attn_varlen_func(q, k_cache, v_cache, page_table=meta.block_tables, seqused_k=meta.cache_seqlens,
+                                    **kw)
+    return out.reshape(1, query.shape[2], query.shape[1], query.shape[3]).to(query.dtype)  # [1, T, H, D]
