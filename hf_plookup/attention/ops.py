@@ -5,7 +5,7 @@ at a time, engine.regional); when its attention modules call the hf_plookup atte
 
 - the KV write stays traced code (`sdpa.store_kv`: an `index_copy_` into the layer's pages, a
   graph input). Inductor writes the pages in place and fuses the write into the kernel that
-  computes the key (projection epilogue, RoPE, cast): no separate write kernel, no copy of the
+  computes the key from its projection (RoPE, cast): no separate write kernel, no copy of the
   cache. The attention op below takes the pages as inputs, so it is ordered after the write.
 - `hf_plookup::paged_attention(query, k_cache, v_cache, <step tensors>, backend, scale,
   window, softcap, invariant) -> out` is opaque (the compiler cannot trace into a Triton
@@ -93,9 +93,11 @@ def compiled_paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """The attention function's work in a compiled step: the two ops above. Returns `[1, T, H, D]`.
-    The sdpa mask is built here, in traced code: the compiler fuses it into one kernel and, as
-    every layer builds the same one, keeps a single copy (common subexpressions are merged)."""
+    """The attention function's work in a compiled step: the traced KV write into the layer's
+    pages (in a regionally compiled layer, the pages it was given), then the op above. Returns
+    `[1, T, H, D]`. The sdpa mask is built here, in traced code: the compiler fuses it into a
+    kernel and, in a whole-forward graph where every layer builds the same one, keeps a single
+    copy (common subexpressions are merged)."""
     if meta.backend not in COMPILABLE_BACKENDS:
         raise ValueError(f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, got {meta.backend!r}")
     k_cache, v_cache = compiled_layer_kv() or meta.kv_cache.layer(module.layer_idx)

@@ -17,9 +17,9 @@ CUDA (tests/gpu).
 `compiled=True` runs that forward through `torch.compile(fullgraph=True, dynamic=False)`
 (inductor), the attention as the custom op of attention.ops, the metadata found through
 `metadata.compiled_step_context`. Captured steps compile one decoder layer per bucket and run
-every layer through it (engine.regional: a tenth of the compile time or less); uncaptured ones
-compile the whole forward per bucket, as they would otherwise pay dynamo's guard checks once per
-layer and step (on a CPU, 87 against 65 ms for a SmolLM2 1-token step) and lose frozen weights. On CUDA the
+every layer through it (engine.regional; SmolLM2 on a CPU: 4-14 s per bucket against 70-80 s);
+uncaptured ones compile the whole forward per bucket, as they would otherwise run dynamo's guard
+checks once per layer and step (about 0.2 ms a call on a CPU) and lose frozen weights. On CUDA the
 compiled forward is then captured like the eager one (compile first, in the warm-up, then
 capture its kernels), so a replay launches inductor's fused kernels from one graph. The
 seconds spent in first calls of new buckets (compile plus warm-up) add up in `compile_seconds`.
@@ -132,10 +132,12 @@ def padded_plan(arrays: dict[str, np.ndarray]) -> StepPlan:
 
 
 def raise_recompile_limit(n: int) -> None:
-    """Let dynamo keep `n` compiled graphs of one function (one per bucket; its default is 8)."""
+    """Let dynamo keep `n` compiled graphs of one function (one per bucket, and per kind of layer
+    in regional compilation; its default is 8) and as many in all (its default is 256)."""
     import torch._dynamo.config as cfg
 
-    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+    # the names changed across torch versions
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(cfg, name) and getattr(cfg, name) < n:
             setattr(cfg, name, n)
 
@@ -191,7 +193,8 @@ class GraphRunner:
 
             if backend not in COMPILABLE_BACKENDS:
                 raise ValueError(f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, got {backend!r}")
-            raise_recompile_limit(4 * len(BATCH_BUCKETS) * 16)
+            # q values x kinds of layer (regional) x batch buckets x context buckets, generously
+            raise_recompile_limit(4 * 4 * len(BATCH_BUCKETS) * 16)
             _import_mkldnn_quietly()
             options = {"freezing": True} if self.device.type == "cpu" and COMPILE_BACKEND == "inductor" else None
             compile_fn = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND,
