@@ -150,9 +150,9 @@ _DTYPES = {**{name: torch.int32 for name in _INT32}, "tree_mask": torch.bool}
 class _Graph:
     inputs: dict[str, torch.Tensor]  # static buffers, shapes of pad_plan's arrays
     meta: AttentionMetadata  # built on the static buffers
+    arrays: dict[str, np.ndarray]  # pad_plan's arrays the buffers hold (the step's layout)
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [Bb*q, V] static output of the graph
-    arrays: dict[str, np.ndarray] | None = None  # pad_plan's arrays last copied into the buffers
 
 
 class GraphRunner:
@@ -221,20 +221,18 @@ class GraphRunner:
             cache_seqlens=inputs["cache_seqlens"], block_tables=inputs["block_tables"], static_shapes=True,
             tree_mask=inputs.get("tree_mask"), invariant=self.invariant is not None,
         )
-        return _Graph(inputs, meta)
+        return _Graph(inputs, meta, arrays)
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=None,
                          use_cache=False, logits_to_keep=0)
         return out.logits[0]
 
-    def _forward(self, g: _Graph, arrays: dict[str, np.ndarray] | None = None) -> torch.Tensor:
-        """The model on the static buffers (holding `arrays`, by default the last ones put there);
-        logits of every fed row, [Bb*q, V]."""
-        arrays = g.arrays if arrays is None else arrays
+    def _forward(self, g: _Graph) -> torch.Tensor:
+        """The model on the static buffers (holding `g.arrays`); logits of every fed row, [Bb*q, V]."""
         g.meta._masks.clear()  # masks are rebuilt from the buffers inside the forward (and the graph)
         ids, pos = g.inputs["input_ids"], g.inputs["positions"]
-        mode = fast_head(self.head) if self.invariant is None else self.invariant.active(padded_plan(arrays), self.device)
+        mode = fast_head(self.head) if self.invariant is None else self.invariant.active(padded_plan(g.arrays), self.device)
         if self._compiled_forward is not None:
             with engine_attention(self.model), compiled_step_context(g.meta), mode:
                 return self._compiled_forward(ids, pos)
@@ -244,15 +242,15 @@ class GraphRunner:
         with engine_attention(self.model), attention_context(g.meta), mode:
             return self._logits(ids, pos)
 
-    def _capture(self, g: _Graph, arrays: dict[str, np.ndarray]) -> None:
+    def _capture(self, g: _Graph) -> None:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(g, arrays)  # warm-up: lazy inits, cuBLAS handles, flash-attn's first call
+            self._forward(g)  # warm-up: lazy inits, cuBLAS handles, flash-attn's first call
         torch.cuda.current_stream(self.device).wait_stream(side)
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self.pool):
-            g.logits = self._forward(g, arrays)
+            g.logits = self._forward(g)
         if self.pool is None:
             self.pool = g.graph.pool()
 
@@ -269,21 +267,21 @@ class GraphRunner:
             t0 = time.perf_counter()
             g = self._static(arrays, bb, q, lkb)
             if self.capture:
-                self._capture(g, arrays)
+                self._capture(g)
             elif self.compiled:
-                self._forward(g, arrays)  # compile now, so compile_seconds holds it
+                self._forward(g)  # compile now, so compile_seconds holds it
             self.graphs[key] = g
             if self.compiled:
                 self.compile_seconds += time.perf_counter() - t0
         else:
             for name, a in arrays.items():
                 g.inputs[name].copy_(torch.from_numpy(a), non_blocking=True)
-        g.arrays = arrays
+            g.arrays = arrays
         keep = torch.from_numpy(plan.keep).to(self.device, non_blocking=True)
         if self.capture:
             g.graph.replay()
             logits = g.logits
         else:
-            logits = self._forward(g, arrays)
+            logits = self._forward(g)
         self.num_replays += 1
         return logits.index_select(0, keep)
