@@ -7,12 +7,13 @@ blocks by the call's shapes, and a masked key placed between visible ones moves 
 into other vector lanes (measured on this project's CPU: rows of a 5-query call differ from
 1-query calls in fp32 and bf16). So, by construction:
 
-- **decode tokens** (1-token, verify and tree steps): one SDPA call per query, `q [1, H, 1, D]`
-  over exactly its visible keys in position order, `[1, H_kv, L, D]`, no mask: the call HF's own
-  batch-1 decode makes. A sequence's keys are gathered once per layer into HF's layout and each
-  of its chain tokens reads a run of them (a view: the kernel reads rows of D contiguous values
-  either way). A tree node's keys
-  are the context then its ancestors, which is what the same token sees in a chain.
+- **decode tokens** (1-token, verify and tree steps), on CPU: `engine.cpu_kernels.attend`, one
+  query head over exactly its visible keys read in place from the pages, in position order, with
+  one fixed order of arithmetic per query. A tree node's keys are the context then its ancestors,
+  which is what the same token sees in a chain. Elsewhere (or without the compiled kernels): one
+  SDPA call per query, `q [1, H, 1, D]` over exactly its keys in position order, `[1, H_kv, L,
+  D]`, no mask: the call HF's own batch-1 decode makes. A sequence's keys are gathered once per
+  layer into HF's layout and each of its chain tokens reads a run of them.
 - **prompt chunks**: one call per sequence and chunk over exactly that sequence's keys. The
   scheduler cuts prompts at fixed offsets in invariant mode (`Scheduler(aligned_prefill=True)`),
   so a prompt's chunks, and with them its keys and values, do not depend on the other rows.
@@ -28,6 +29,8 @@ import contextvars
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ..engine import cpu_kernels
 
 
 class InvariantLayout:
@@ -59,6 +62,7 @@ class InvariantLayout:
         # the query groups attention runs one SDPA call for: (packed offset, queries), prompt chunks first
         self.query_groups = [(lo, n) for lo, n, _, _ in prefill] + [(t, 1) for t, _, _, _ in decode]
         self._keys: dict = {}  # window -> keys(window)
+        self._runs: dict = {}  # window -> decode_runs(window)
 
     def keys(self, window: int | None):
         """Per window, which keys each query group reads, gathered once per step and layer.
@@ -96,9 +100,7 @@ class InvariantLayout:
                     m &= k > q - window
                 masks.append(torch.from_numpy(m).to(self.device))
         shared: dict[int, tuple[int, np.ndarray]] = {}  # sequence -> (base, cache positions it holds)
-        for _, b, pos, cpos in self.decode:
-            if window:
-                cpos = cpos[self.positions[b, cpos] > pos - window]
+        for _, b, cpos in self.visible(window):
             if b not in shared:
                 run = max((c for _, bb, _, c in self.decode if bb == b), key=len)  # the longest query's keys
                 shared[b] = (add_base(self.kv_slots[b, run]), run)
@@ -110,6 +112,36 @@ class InvariantLayout:
                 views.append((add_base(self.kv_slots[b, cpos]), 0, len(cpos)))
         idx = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(self.device)
         got = self._keys[window] = (idx, bases, views, masks)
+        return got
+
+
+    def visible(self, window: int | None):
+        """Per decode token, the cache positions it reads (in order) under `window`."""
+        for t, b, pos, cpos in self.decode:
+            yield t, b, (cpos[self.positions[b, cpos] > pos - window] if window else cpos)
+
+    def decode_runs(self, window: int | None):
+        """The decode tokens' keys as `cpu_kernels.attend` takes them, built once per step and window:
+        (tokens [Td] packed index, seq [Td], run_lo [Td], run_hi [Td], extra_off [Td+1], extra [E]).
+        A token's keys are the run of cache positions run_lo..run_hi-1 (its context, and for a chain
+        the chunk up to itself), then `extra` (a tree node's ancestors and itself)."""
+        got = self._runs.get(window)
+        if got is None:
+            n = len(self.decode)
+            tokens, seq, lo, hi = (np.zeros(n, np.int64) for _ in range(4))
+            extra_off = np.zeros(n + 1, np.int64)
+            extras = []
+            for i, (t, b, cpos) in enumerate(self.visible(window)):
+                tokens[i], seq[i] = t, b
+                if len(cpos):
+                    run = int(np.sum(cpos == cpos[0] + np.arange(len(cpos))))  # cpos is sorted: a run, then the rest
+                    lo[i], hi[i] = cpos[0], cpos[0] + run
+                    extras.append(cpos[run:])
+                    extra_off[i + 1] = extra_off[i] + len(cpos) - run
+                else:
+                    extra_off[i + 1] = extra_off[i]
+            extra = np.concatenate(extras) if extras else np.zeros(0, np.int64)
+            got = self._runs[window] = (tokens, seq, lo, hi, extra_off, extra)
         return got
 
 
@@ -169,8 +201,21 @@ def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torc
                      scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """Packed queries `[1, H, T, D]` over one layer's pages `[num_blocks, block_size, H_kv, D]`
     (K/V already written) -> `[1, T, H, D]`, each query computed as described above."""
+    window = sliding_window if sliding_window else None
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
+    groups = range(len(layout.query_groups))
+    if layout.decode and k_cache.device.type == "cpu" and k_cache.dtype in cpu_kernels.DTYPES and cpu_kernels.available():
+        tokens, seq, lo, hi, extra_off, extra = layout.decode_runs(window)
+        q = query[0].transpose(0, 1)  # [T, H, D]
+        q = q if len(tokens) == layout.num_tokens else q[torch.from_numpy(tokens)]
+        o = cpu_kernels.attend(q.to(k_cache.dtype), k_cache, v_cache, layout.kv_slots, seq, lo, hi, extra_off, extra,
+                               scale, softcap).to(query.dtype)
+        if len(tokens) == layout.num_tokens:
+            return o[None]
+        out[torch.from_numpy(tokens)] = o
+        groups = range(len(layout.prefill))  # the prompt chunks are left
     h_kv, d = k_cache.shape[-2:]
-    idx, bases, views, masks = layout.keys(sliding_window if sliding_window else None)
+    idx, bases, views, masks = layout.keys(window)
     k_all = k_cache.view(-1, h_kv, d).index_select(0, idx)  # [sum L, H_kv, D]
     v_all = v_cache.view(-1, h_kv, d).index_select(0, idx)
     if k_all.dtype != query.dtype:
@@ -178,12 +223,12 @@ def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torc
     # each base as HF's cache holds keys: [1, H_kv, L, D], contiguous; a group reads a run of L
     k_bases = [k_all[o : o + n].transpose(0, 1).contiguous()[None] for o, n in bases]
     v_bases = [v_all[o : o + n].transpose(0, 1).contiguous()[None] for o, n in bases]
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
-    for g, ((lo, n), (base, start, L)) in enumerate(zip(layout.query_groups, views)):
+    for g in groups:
+        (lo_t, n), (base, start, L) = layout.query_groups[g], views[g]
         k = k_bases[base][:, :, start : start + L]
         v = v_bases[base][:, :, start : start + L]
         mask = masks[g] if g < len(masks) else None
         causal = g < len(masks) and mask is None and n > 1
-        o = _attend_one(query[:, :, lo : lo + n], k, v, mask, causal, scale, softcap)  # [1, H, n, D]
-        out[lo : lo + n] = o[0].transpose(0, 1)
+        o = _attend_one(query[:, :, lo_t : lo_t + n], k, v, mask, causal, scale, softcap)  # [1, H, n, D]
+        out[lo_t : lo_t + n] = o[0].transpose(0, 1)
     return out[None]

@@ -42,17 +42,17 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.invariant import build_layout, current_layout, invariant_layout
-from . import row_linear
+from . import cpu_kernels, row_linear
 
-# Where invariant="auto" turns the mode on, by (device type, dtype); measured on the project's CPU
-# (README "Lossless prompt lookup"): without it bf16 prompt lookup parted from plain greedy on 2 of
-# 4 documents, so bf16/fp16 are on (their verify steps cost about 2x: one SDPA call per query).
-# fp32 parts from plain greedy only by rounding and its plain greedy is HF's bit for bit without
-# the mode, so it stays off: with the mode fp32 is faster at batch 1 (engine.row_linear: SmolLM2
-# k=4 15.0 against 13.1 tok/s) but slower from batch 4 (main job k=8 1.04x HF against 1.07-1.29x;
-# batch 8 k=4 16.4 against 23.3 tok/s). CUDA: not measured yet, off. Also off where it was not
-# measured: compiled steps, the Triton backend, accelerate-dispatched and tensor-parallel models.
-INVARIANT_AUTO = {("cpu", torch.bfloat16): True, ("cpu", torch.float16): True}
+# Where invariant="auto" turns the mode on, by (device type, dtype). On CPU the mode runs decode
+# and verify steps through engine.cpu_kernels, which are faster than torch's kernels for every row
+# count of such a step, so it is on for float32 and bfloat16 wherever those kernels were built
+# (INVARIANT_AUTO_NEEDS_KERNELS); bfloat16 and float16 without them stay on too (slower, but
+# without the mode their prompt lookup can part from plain greedy). CUDA: not measured, off. Also
+# off where it was not measured: compiled steps, the Triton backend, accelerate-dispatched and
+# tensor-parallel models.
+INVARIANT_AUTO = {("cpu", torch.float32): True, ("cpu", torch.bfloat16): True, ("cpu", torch.float16): True}
+INVARIANT_AUTO_NEEDS_KERNELS = {("cpu", torch.float32)}
 PROBE_ROWS = 16
 
 _STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "plain" | "numba" | "triton" | "rows"
@@ -71,7 +71,9 @@ def resolve_invariant(requested, devices: list[torch.device], dtypes: list[torch
     if requested == "auto":
         measured = (backend == "sdpa" and not (compiled or hooked or distributed) and len(devices) == 1
                     and len(dtypes) == 1)
-        return reason is None and measured and INVARIANT_AUTO.get((devices[0].type, dtypes[0]), False)
+        key = (devices[0].type, dtypes[0])
+        kernels = key not in INVARIANT_AUTO_NEEDS_KERNELS or cpu_kernels.available()
+        return reason is None and measured and kernels and INVARIANT_AUTO.get(key, False)
     return bool(requested)
 
 
@@ -100,8 +102,14 @@ def _triton_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return triton_linear.row_linear(x2d, weight, bias)
 
 
-# the row-invariant linear kernels, in the order row_strategy tries them: (takes this weight, kernel)
-KERNELS = {"numba": (row_linear.supported, row_linear.row_linear), "triton": (_triton_supported, _triton_rows)}
+# the row-invariant linear kernels: (takes this weight, kernel). row_strategy tries FIRST_KERNELS
+# before torch's own call (they are faster than it at every decode row count), the rest after it.
+KERNELS = {"cpu": (cpu_kernels.supported, cpu_kernels.linear), "numba": (row_linear.supported, row_linear.row_linear),
+           "triton": (_triton_supported, _triton_rows)}
+FIRST_KERNELS = ("cpu",)
+# a prompt chunk of more rows than this runs torch's float32 call (MKL's GEMM is as fast from about
+# here on); the "cpu" kernel takes shorter chunks and every bfloat16 one
+PREFILL_TORCH_ROWS = 64
 
 
 def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
@@ -115,12 +123,12 @@ def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     if got is None:
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(PROBE_ROWS, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        plain = ("plain", F.linear)
+        first = [(name, KERNELS[name][1]) for name in FIRST_KERNELS if KERNELS[name][0](weight)]
+        rest = [(name, fn) for name, (takes, fn) in KERNELS.items() if name not in FIRST_KERNELS and takes(weight)]
         with torch.inference_mode():
-            if _rows_exact(lambda t: F.linear(t, weight, bias), x):
-                got = "plain"
-            else:
-                usable = [(name, fn) for name, (takes, fn) in KERNELS.items() if takes(weight)]
-                got = next((name for name, fn in usable if _rows_exact(lambda t: fn(t, weight, bias), x)), "rows")
+            got = next((name for name, fn in [*first, plain, *rest] if _rows_exact(lambda t: fn(t, weight, bias), x)),
+                       "rows")
         _STRATEGIES[key] = got
     return got
 
@@ -141,6 +149,15 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return torch.cat([F.linear(x2d[i : i + PROBE_ROWS], weight, bias) for i in range(0, m, PROBE_ROWS)])
 
 
+def prefill_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One prompt chunk's rows (the same in every batch, as the scheduler cuts chunks at fixed
+    offsets): the "cpu" kernel where it is the weight's strategy, except for long float32 chunks,
+    else torch's call."""
+    if (row_strategy(weight, bias) == "cpu" and (weight.dtype != torch.float32 or x2d.shape[0] <= PREFILL_TORCH_ROWS)):
+        return cpu_kernels.linear(x2d, weight, bias)
+    return F.linear(x2d, weight, bias)
+
+
 def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] with row-invariant arithmetic. When the rows
     are the step's packed tokens, prompt chunks run as one call each and decode rows as
@@ -150,7 +167,7 @@ def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if layout is None or x2d.shape[0] != layout.num_tokens or not layout.has_prefill:
         y = invariant_rows(x2d, weight, bias)
     else:
-        parts = [F.linear(x2d[lo:hi], weight, bias) if is_prefill else invariant_rows(x2d[lo:hi], weight, bias)
+        parts = [prefill_rows(x2d[lo:hi], weight, bias) if is_prefill else invariant_rows(x2d[lo:hi], weight, bias)
                  for lo, hi, is_prefill in layout.row_groups]
         y = torch.cat(parts) if len(parts) > 1 else parts[0]
     return y.reshape(*x.shape[:-1], -1)
@@ -180,7 +197,15 @@ class InvariantLinears:
     def _bind(module):
         if type(module.weight) is not torch.nn.Parameter:  # a tensor subclass (a sharded DTensor): no op for it
             return lambda x: _invariant_linear(x, module.weight, module.bias)
-        return lambda x: torch.ops.hf_plookup.invariant_linear(x, module.weight, module.bias)
+
+        def forward(x):
+            # the op only where a compiled step traces the forward (it keeps the call opaque);
+            # eager steps call the function itself (an op call costs more than a small kernel)
+            if torch.compiler.is_compiling():
+                return torch.ops.hf_plookup.invariant_linear(x, module.weight, module.bias)
+            return _invariant_linear(x, module.weight, module.bias)
+
+        return forward
 
     @contextlib.contextmanager
     def active(self, plan, device: torch.device):

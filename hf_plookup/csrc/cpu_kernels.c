@@ -1,0 +1,569 @@
+/* Row-invariant CPU kernels for decode, verify and tree steps (engine.cpu_kernels drives them).
+ *
+ * Both kernels give every output one fixed order of arithmetic that depends only on the
+ * operand sizes (K for a linear output, the visible keys for an attention query), never on
+ * how many rows share the call, where a row sits in it or which thread computes it. So a
+ * token's logits in a k+1-token verify step are bitwise those of a 1-token step.
+ *
+ * linear_range: out[m, n] = dot(x[m], w[n]) (+ bias[n]) for n in [n_lo, n_hi), every m.
+ *   The dot product runs in 8 fp32 lanes (lane l sums k = l, l+8, l+16, ... with one FMA
+ *   each, in order), then the lanes are added in one fixed tree (hsum8). Tiles of up to 4
+ *   rows x 3 outputs share each weight load between rows; a tile's shape changes which
+ *   outputs are computed together, never an output's arithmetic. Each weight row is read
+ *   from memory once per call, for all rows: a step of 5 tokens streams the weights as a
+ *   step of 1 does. bf16 weights and inputs are widened in registers (a bf16 is the high half
+ *   of an fp32) and the fp32 result is rounded once (to nearest even), after the bias.
+ *
+ * attend_range: one query head over its visible keys, read in place from the paged cache
+ *   ([slots, H_kv, D], flat), in position order: scores (8-lane dot, fixed hsum), optional
+ *   tanh soft-capping, softmax with one max and one sum in fixed order, then the weighted sum
+ *   of values, each output element accumulated key by key.
+ *
+ * Threads: a small pool of its own (below) hands out output columns or query heads, 48 columns
+ * or one head at a time, to `threads` threads, the caller being one of them. Workers spin briefly
+ * between calls (a step makes hundreds of calls microseconds apart), then sleep.
+ *
+ * An x86-64 CPU with AVX2 and FMA runs the vector code; any other CPU runs a plain C version
+ * with the same lane structure (the check is made once, at load).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* ------------------------------------------------------------------ bf16 helpers (portable) */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load1(const void* p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+static inline void store1(void* p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(v);
+    else ((float*)p)[i] = v;
+}
+
+/* ------------------------------------------------------------------ portable version */
+
+/* dot of n values in 8 lanes, lanes summed as hsum8 does */
+static float dot8_c(const void* a, const void* b, int64_t n, int bf16) {
+    float acc[8] = {0};
+    for (int64_t k = 0; k < n; k++) acc[k & 7] = fmaf(load1(a, k, bf16), load1(b, k, bf16), acc[k & 7]);
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+static void linear_c(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t n_lo,
+                     int64_t n_hi, void* out, int64_t N, int bf16) {
+    for (int64_t n = n_lo; n < n_hi; n++)
+        for (int64_t m = 0; m < M; m++) {
+            const char* xr = (const char*)x + m * K * (bf16 ? 2 : 4);
+            const char* wr = (const char*)w + n * K * (bf16 ? 2 : 4);
+            float s = dot8_c(wr, xr, K, bf16);
+            if (bias) s += load1(bias, n, bf16);
+            store1(out, m * N + n, s, bf16);
+        }
+}
+
+/* ------------------------------------------------------------------ AVX2 + FMA version */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define AVX2 __attribute__((target("avx2,fma")))
+#define HAVE_AVX2_PATH 1
+
+AVX2 static inline float hsum8(__m256 v) { /* ((0+4)+(2+6)) + ((1+5)+(3+7)) */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static inline __m256 ld_f32(const void* p, int64_t i) { return _mm256_loadu_ps((const float*)p + i); }
+AVX2 static inline __m256 ld_bf16(const void* p, int64_t i) {
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+/* the first `rem` (< 8) values, zeros after: a zero lane adds 0 * 0 to its sum */
+AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
+    float tmp[8] = {0};
+    for (int j = 0; j < rem; j++) tmp[j] = load1(p, i + j, bf16);
+    return _mm256_loadu_ps(tmp);
+}
+
+/* A tile: MB rows of x times NB weight rows. PF: prefetch the weight rows two tiles ahead
+ * (the first row tile of each column group streams them from memory). */
+#define TILE(NAME, LD, ESZ, BF, MB, NB, PF)                                                             \
+    AVX2 static void NAME(const void* x, const void* w, int64_t K, int64_t m0, int64_t n0, float* acc_out) { \
+        __m256 acc[MB][NB];                                                                             \
+        for (int i = 0; i < MB; i++)                                                                    \
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();                               \
+        int64_t k = 0;                                                                                  \
+        for (; k + 8 <= K; k += 8) {                                                                    \
+            __m256 wv[NB];                                                                              \
+            for (int j = 0; j < NB; j++) wv[j] = LD(w, (n0 + j) * K + k);                               \
+            if (PF && !(k & 15))                                                                        \
+                for (int j = 0; j < NB; j++)                                                            \
+                    _mm_prefetch((const char*)w + ((n0 + 2 * NB + j) * K + k) * ESZ, _MM_HINT_T0);      \
+            for (int i = 0; i < MB; i++) {                                                              \
+                __m256 xv = LD(x, (m0 + i) * K + k);                                                    \
+                for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);         \
+            }                                                                                           \
+        }                                                                                               \
+        if (k < K) {                                                                                    \
+            int rem = (int)(K - k);                                                                     \
+            __m256 wv[NB];                                                                              \
+            for (int j = 0; j < NB; j++) wv[j] = ld_part(w, (n0 + j) * K + k, rem, BF);                 \
+            for (int i = 0; i < MB; i++) {                                                              \
+                __m256 xv = ld_part(x, (m0 + i) * K + k, rem, BF);                                      \
+                for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);         \
+            }                                                                                           \
+        }                                                                                               \
+        for (int i = 0; i < MB; i++)                                                                    \
+            for (int j = 0; j < NB; j++) acc_out[i * NB + j] = hsum8(acc[i][j]);                        \
+    }
+
+#define TILES(T, LD, ESZ, BF)                                                                           \
+    TILE(T##_4x3p, LD, ESZ, BF, 4, 3, 1) TILE(T##_3x3p, LD, ESZ, BF, 3, 3, 1)                           \
+    TILE(T##_2x3p, LD, ESZ, BF, 2, 3, 1) TILE(T##_1x3p, LD, ESZ, BF, 1, 3, 1)                           \
+    TILE(T##_4x3, LD, ESZ, BF, 4, 3, 0) TILE(T##_3x3, LD, ESZ, BF, 3, 3, 0)                             \
+    TILE(T##_2x3, LD, ESZ, BF, 2, 3, 0) TILE(T##_1x3, LD, ESZ, BF, 1, 3, 0)                             \
+    TILE(T##_4x1, LD, ESZ, BF, 4, 1, 0) TILE(T##_3x1, LD, ESZ, BF, 3, 1, 0)                             \
+    TILE(T##_2x1, LD, ESZ, BF, 2, 1, 0) TILE(T##_1x1, LD, ESZ, BF, 1, 1, 0)                             \
+    typedef void (*T##_tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, float*);            \
+    static const T##_tile_fn T##_cols3p[5] = {0, T##_1x3p, T##_2x3p, T##_3x3p, T##_4x3p};                \
+    static const T##_tile_fn T##_cols3[5] = {0, T##_1x3, T##_2x3, T##_3x3, T##_4x3};                     \
+    static const T##_tile_fn T##_cols1[5] = {0, T##_1x1, T##_2x1, T##_3x1, T##_4x1};                     \
+    AVX2 static void T##_linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias,   \
+                                int64_t n_lo, int64_t n_hi, void* out, int64_t N) {                     \
+        float acc[12];                                                                                  \
+        int64_t n = n_lo;                                                                               \
+        while (n < n_hi) {                                                                              \
+            int nb = n + 3 <= n_hi ? 3 : 1;                                                             \
+            for (int64_t m = 0; m < M;) {                                                               \
+                int mb = M - m >= 4 ? 4 : (int)(M - m);                                                 \
+                if (nb == 1) T##_cols1[mb](x, w, K, m, n, acc);                                         \
+                else if (m == 0 && n + 9 <= n_hi) T##_cols3p[mb](x, w, K, m, n, acc);                   \
+                else T##_cols3[mb](x, w, K, m, n, acc);                                                 \
+                for (int i = 0; i < mb; i++)                                                            \
+                    for (int j = 0; j < nb; j++) {                                                      \
+                        float s = acc[i * nb + j];                                                      \
+                        if (bias) s += load1(bias, n + j, BF);                                          \
+                        store1(out, (m + i) * N + n + j, s, BF);                                        \
+                    }                                                                                   \
+                m += mb;                                                                                \
+            }                                                                                           \
+            n += nb;                                                                                    \
+        }                                                                                               \
+    }
+
+TILES(f32, ld_f32, 4, 0)
+TILES(bf16, ld_bf16, 2, 1)
+
+/* s[j] = dot(q, key j) for an fp32 query and fp32 or bf16 keys at element offsets rows[j]: each dot in
+ * 8 lanes over D, then hsum8. Four keys at a time (independent sums, each the same arithmetic). */
+#define KEY(P, J) (bf16 ? ld_bf16(P, rows[J] + d) : ld_f32(P, rows[J] + d))
+AVX2 static void scores_avx2(const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D, int bf16,
+                             float* s) {
+    int64_t j = 0, dm = D & ~(int64_t)7;
+    int rem = (int)(D - dm);
+    for (; j + 4 <= L; j += 4) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t d = 0;
+        for (; d < dm; d += 8) {
+            __m256 qv = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(qv, KEY(kb, j), a0);
+            a1 = _mm256_fmadd_ps(qv, KEY(kb, j + 1), a1);
+            a2 = _mm256_fmadd_ps(qv, KEY(kb, j + 2), a2);
+            a3 = _mm256_fmadd_ps(qv, KEY(kb, j + 3), a3);
+        }
+        if (rem) {
+            __m256 qv = ld_part(q, d, rem, 0);
+            a0 = _mm256_fmadd_ps(qv, ld_part(kb, rows[j] + d, rem, bf16), a0);
+            a1 = _mm256_fmadd_ps(qv, ld_part(kb, rows[j + 1] + d, rem, bf16), a1);
+            a2 = _mm256_fmadd_ps(qv, ld_part(kb, rows[j + 2] + d, rem, bf16), a2);
+            a3 = _mm256_fmadd_ps(qv, ld_part(kb, rows[j + 3] + d, rem, bf16), a3);
+        }
+        s[j] = hsum8(a0), s[j + 1] = hsum8(a1), s[j + 2] = hsum8(a2), s[j + 3] = hsum8(a3);
+    }
+    for (; j < L; j++) {
+        __m256 a0 = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d < dm; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), KEY(kb, j), a0);
+        if (rem) a0 = _mm256_fmadd_ps(ld_part(q, d, rem, 0), ld_part(kb, rows[j] + d, rem, bf16), a0);
+        s[j] = hsum8(a0);
+    }
+}
+#undef KEY
+
+/* exp(x) for x <= 0 (softmax after the max is taken): 2^n * p(r), r in [-ln2/2, ln2/2], a degree-6
+ * polynomial (relative error about 2e-7); exp(-88) and below flush to 0 */
+AVX2 static inline __m256 exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+AVX2 static void softmax_avx2(float* s, int64_t L) { /* in place; s[j] <- exp(s[j] - max) / sum */
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+    __m256 vmx = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8) {
+        __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (j < L) {
+        float tmp[8];
+        for (int i = 0; i < 8; i++) tmp[i] = j + i < L ? s[j + i] - mx : -INFINITY;
+        __m256 e = exp_neg(_mm256_loadu_ps(tmp));
+        _mm256_storeu_ps(tmp, e);
+        for (int i = 0; j + i < L; i++) s[j + i] = tmp[i];
+        sum = _mm256_add_ps(sum, e);
+    }
+    float inv = 1.0f / hsum8(sum);
+    for (j = 0; j < L; j++) s[j] *= inv;
+}
+
+/* out_d = sum_j p[j] * v_j[d], key by key (one FMA chain per element), 64 values of D at a time */
+AVX2 static void weighted_sum_avx2(const float* p, const void* vbase, const int64_t* rows, int64_t L,
+                                   int64_t D, int bf16, float* out) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        int64_t nd = D - d0 < 64 ? D - d0 : 64;
+        __m256 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+        if (nd == 64) {
+            for (int64_t j = 0; j < L; j++) {
+                __m256 pj = _mm256_set1_ps(p[j]);
+                int64_t off = rows[j] + d0;
+                for (int c = 0; c < 8; c++)
+                    acc[c] = _mm256_fmadd_ps(pj, bf16 ? ld_bf16(vbase, off + c * 8) : ld_f32(vbase, off + c * 8), acc[c]);
+            }
+        } else {
+            for (int64_t j = 0; j < L; j++) {
+                __m256 pj = _mm256_set1_ps(p[j]);
+                int64_t off = rows[j] + d0;
+                for (int c = 0; c * 8 < nd; c++) {
+                    int rem = (int)(nd - c * 8);
+                    __m256 v = rem >= 8 ? (bf16 ? ld_bf16(vbase, off + c * 8) : ld_f32(vbase, off + c * 8))
+                                        : ld_part(vbase, off + c * 8, rem, bf16);
+                    acc[c] = _mm256_fmadd_ps(pj, v, acc[c]);
+                }
+            }
+        }
+        float tmp[64];
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(tmp + c * 8, acc[c]);
+        memcpy(out + d0, tmp, (size_t)nd * sizeof(float));
+    }
+}
+#else
+#define HAVE_AVX2_PATH 0
+#endif
+
+static int use_avx2 = 0;
+
+/* ------------------------------------------------------------------ entry points */
+
+static void linear_range(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t n_lo,
+                         int64_t n_hi, void* out, int64_t N, int64_t bf16) {
+#if HAVE_AVX2_PATH
+    if (use_avx2) {
+        if (bf16) bf16_linear(x, M, w, K, bias, n_lo, n_hi, out, N);
+        else f32_linear(x, M, w, K, bias, n_lo, n_hi, out, N);
+        return;
+    }
+#endif
+    linear_c(x, M, w, K, bias, n_lo, n_hi, out, N, (int)bf16);
+}
+
+static void softmax_c(float* s, int64_t L) {
+    float mx = -INFINITY, acc[8] = {0};
+    for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+    for (int64_t j = 0; j < L; j++) {
+        s[j] = expf(s[j] - mx);
+        acc[j & 7] += s[j];
+    }
+    float inv = 1.0f / (((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])));
+    for (int64_t j = 0; j < L; j++) s[j] *= inv;
+}
+
+/* dot(q, key), fp32 query, fp32 or bf16 key, in the lanes of scores_avx2 */
+static float qk_c(const float* q, const void* k, int64_t D, int bf16) {
+    float acc[8] = {0};
+    for (int64_t d = 0; d < D; d++) acc[d & 7] = fmaf(q[d], load1(k, d, bf16), acc[d & 7]);
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+static void weighted_sum_c(const float* p, const void* vbase, const int64_t* rows, int64_t L, int64_t D, int bf16,
+                           float* out) {
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int64_t j = 0; j < L; j++)
+        for (int64_t d = 0; d < D; d++) out[d] = fmaf(p[j], load1(vbase, rows[j] + d, bf16), out[d]);
+}
+
+/* Query heads [i_lo, i_hi) of a step, item i = (token i / H, head i % H).
+ *   q [T, H, D] and out [T, H, D]: fp32, or bf16 when bf16;
+ *   k_cache / v_cache: one layer's pages, flat [slots, H_kv, D] (fp32, or bf16 when bf16);
+ *   token t reads cache positions run_lo[t] .. run_hi[t]-1, then extra[extra_off[t] .. extra_off[t+1]-1],
+ *   cache position c of its sequence being flat slot kv_slots[seq[t] * Lk + c];
+ *   softcap 0: none. Returns 0, or -1 when scratch memory could not be had. */
+static int64_t attend_range(const void* q, int64_t H, int64_t D, const void* k_cache, const void* v_cache,
+                            int64_t H_kv, const int64_t* kv_slots, int64_t Lk, const int64_t* seq,
+                            const int64_t* run_lo, const int64_t* run_hi, const int64_t* extra_off,
+                            const int64_t* extra, float scale, float softcap, void* out, int64_t i_lo, int64_t i_hi,
+                            int64_t bf16) {
+    int64_t group = H / H_kv;
+    int b16 = (int)bf16;
+    for (int64_t i = i_lo; i < i_hi; i++) {
+        int64_t t = i / H, h = i % H, kvh = h / group;
+        int64_t n_run = run_hi[t] - run_lo[t], n_extra = extra_off[t + 1] - extra_off[t], L = n_run + n_extra;
+        int64_t* rows = (int64_t*)malloc((size_t)L * sizeof(int64_t) + (size_t)(L + 2 * D) * sizeof(float));
+        if (!rows) return -1;
+        float *s = (float*)(rows + L), *qf = s + L, *o = qf + D;
+        const int64_t* slots = kv_slots + seq[t] * Lk;
+        for (int64_t j = 0; j < L; j++) { /* element offset of each key's D values */
+            int64_t c = j < n_run ? run_lo[t] + j : extra[extra_off[t] + j - n_run];
+            rows[j] = (slots[c] * H_kv + kvh) * D;
+        }
+        for (int64_t d = 0; d < D; d++) qf[d] = load1(q, (t * H + h) * D + d, b16);
+        const char* kb = (const char*)k_cache;
+        int64_t esz = b16 ? 2 : 4;
+#if HAVE_AVX2_PATH
+        if (use_avx2) scores_avx2(qf, k_cache, rows, L, D, b16, s);
+#endif
+        for (int64_t j = 0; j < L; j++) {
+#if HAVE_AVX2_PATH
+            float sc = use_avx2 ? s[j] : qk_c(qf, kb + rows[j] * esz, D, b16);
+#else
+            float sc = qk_c(qf, kb + rows[j] * esz, D, b16);
+#endif
+            sc *= scale;
+            if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+            s[j] = sc;
+        }
+#if HAVE_AVX2_PATH
+        if (use_avx2) {
+            softmax_avx2(s, L);
+            weighted_sum_avx2(s, v_cache, rows, L, D, b16, o);
+        } else
+#endif
+        {
+            softmax_c(s, L);
+            weighted_sum_c(s, v_cache, rows, L, D, b16, o);
+        }
+        for (int64_t d = 0; d < D; d++) store1(out, (t * H + h) * D + d, o[d], b16);
+        free(rows);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ thread pool */
+
+typedef void (*task_fn)(void* ctx, int64_t part);
+
+typedef struct {
+    task_fn fn;
+    void* ctx;
+    int64_t parts;
+    atomic_long next; /* the next part to claim */
+    atomic_long done; /* parts finished */
+} job_t;
+
+#define MAX_WORKERS 255
+#define SPIN_NS 200000 /* how long a worker polls for the next job before it sleeps */
+
+/* Parts are claimed one at a time by whoever is free, the caller included: a worker the OS has
+ * not scheduled yet (a busy machine) leaves its share to the others instead of stalling the call. */
+static struct {
+    pthread_mutex_t job_mu; /* one job at a time (callers from several Python threads queue here) */
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    atomic_long gen;  /* bumped once per job */
+    atomic_int sleepers;
+    atomic_int busy;  /* workers between taking the job pointer and letting it go */
+    _Atomic(job_t*) job;
+    int workers;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, 0};
+
+static inline void relax(int64_t spins) {
+    if ((spins & 63) == 63) sched_yield(); /* let a descheduled worker run on a busy machine */
+#if defined(__x86_64__) || defined(__i386__)
+    else __builtin_ia32_pause();
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void work_on(job_t* j) {
+    int64_t p;
+    while ((p = atomic_fetch_add(&j->next, 1)) < j->parts) {
+        j->fn(j->ctx, p);
+        atomic_fetch_add_explicit(&j->done, 1, memory_order_release);
+    }
+}
+
+static void* worker_main(void* arg) {
+    long seen = (long)(intptr_t)arg; /* the last job before this worker was made */
+    for (;;) {
+        long g;
+        int64_t since = now_ns(), spins = 0;
+        while ((g = atomic_load_explicit(&pool.gen, memory_order_acquire)) == seen) {
+            relax(++spins);
+            if ((spins & 255) || now_ns() - since < SPIN_NS) continue;
+            pthread_mutex_lock(&pool.mu);
+            atomic_fetch_add(&pool.sleepers, 1);
+            while (atomic_load(&pool.gen) == seen) pthread_cond_wait(&pool.wake, &pool.mu);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = g;
+        atomic_fetch_add(&pool.busy, 1);
+        job_t* j = atomic_load(&pool.job);
+        if (j) work_on(j);
+        atomic_fetch_sub(&pool.busy, 1);
+    }
+    return NULL;
+}
+
+static void after_fork_child(void) { /* the workers did not come along */
+    pool.workers = 0;
+    atomic_store(&pool.busy, 0);
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.job, NULL);
+    pthread_mutex_init(&pool.job_mu, NULL);
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+}
+
+/* fn(ctx, p) for p = 0 .. parts-1 on up to `threads` threads, the caller one of them */
+static void run_parallel(task_fn fn, void* ctx, int64_t parts, int64_t threads) {
+    if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
+    if (threads <= 1 || parts <= 1) {
+        for (int64_t p = 0; p < parts; p++) fn(ctx, p);
+        return;
+    }
+    pthread_mutex_lock(&pool.job_mu);
+    while (pool.workers < threads - 1) {
+        pthread_t th;
+        if (pthread_create(&th, NULL, worker_main, (void*)(intptr_t)atomic_load(&pool.gen)) != 0) break;
+        pthread_detach(th);
+        pool.workers++;
+    }
+    job_t j = {fn, ctx, parts, 0, 0};
+    atomic_store(&pool.job, &j);
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+    if (atomic_load(&pool.sleepers)) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+    work_on(&j);
+    for (int64_t spins = 0; atomic_load_explicit(&j.done, memory_order_acquire) < parts;) relax(++spins);
+    atomic_store(&pool.job, NULL); /* then wait for workers still holding it: j lives on this stack */
+    for (int64_t spins = 0; atomic_load(&pool.busy) > 0;) relax(++spins);
+    pthread_mutex_unlock(&pool.job_mu);
+}
+
+/* ------------------------------------------------------------------ entry points (ctypes) */
+
+#define BLOCK_N 48 /* output columns per unit of work: a multiple of the 3-column tiles */
+
+typedef struct {
+    const void *x, *w, *bias;
+    void* out;
+    int64_t M, K, N, bf16;
+} linear_job;
+
+static void linear_part(void* ctx, int64_t part) { /* output columns [48 part, 48 part + 48) */
+    linear_job* j = (linear_job*)ctx;
+    int64_t n_lo = part * BLOCK_N, n_hi = n_lo + BLOCK_N < j->N ? n_lo + BLOCK_N : j->N;
+    linear_range(j->x, j->M, j->w, j->K, j->bias, n_lo, n_hi, j->out, j->N, j->bf16);
+}
+
+/* out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]); fp32, or bf16 (all four) when bf16; bias may be NULL */
+void linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t N, void* out, int64_t bf16,
+            int64_t threads) {
+    linear_job j = {x, w, bias, out, M, K, N, bf16};
+    run_parallel(linear_part, &j, (N + BLOCK_N - 1) / BLOCK_N, threads);
+}
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int64_t *kv_slots, *seq, *run_lo, *run_hi, *extra_off, *extra;
+    void* out;
+    int64_t T, H, D, H_kv, Lk, bf16;
+    float scale, softcap;
+    atomic_long failed;
+} attend_job;
+
+static void attend_part(void* ctx, int64_t part) { /* one query head of one token */
+    attend_job* j = (attend_job*)ctx;
+    if (attend_range(j->q, j->H, j->D, j->k_cache, j->v_cache, j->H_kv, j->kv_slots, j->Lk, j->seq, j->run_lo,
+                     j->run_hi, j->extra_off, j->extra, j->scale, j->softcap, j->out, part, part + 1, j->bf16))
+        atomic_store(&j->failed, 1);
+}
+
+/* attention of T tokens (see attend_range); returns 0, or -1 when scratch memory could not be had */
+int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, const void* k_cache, const void* v_cache, int64_t H_kv,
+               const int64_t* kv_slots, int64_t Lk, const int64_t* seq, const int64_t* run_lo, const int64_t* run_hi,
+               const int64_t* extra_off, const int64_t* extra, float scale, float softcap, void* out, int64_t bf16,
+               int64_t threads) {
+    attend_job j = {q, k_cache, v_cache, kv_slots, seq, run_lo, run_hi, extra_off, extra, out,
+                    T, H, D, H_kv, Lk, bf16, scale, softcap, 0};
+    run_parallel(attend_part, &j, T * H, threads);
+    return atomic_load(&j.failed) ? -1 : 0;
+}
+
+int64_t uses_avx2(void) { return use_avx2; }
+
+/* ------------------------------------------------------------------ module */
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_cpu_kernels",
+    .m_doc = "Row-invariant CPU kernels, called through ctypes (engine.cpu_kernels).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__cpu_kernels(void) {
+#if HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    pthread_atfork(NULL, NULL, after_fork_child);
+    return PyModule_Create(&module);
+}

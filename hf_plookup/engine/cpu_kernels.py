@@ -1,0 +1,127 @@
+"""Row-invariant CPU kernels for decode, verify and tree steps: a linear layer and paged attention.
+
+A verify step of k+1 tokens on a CPU should cost about what a 1-token step costs: both read
+every weight once, and for a handful of rows the arithmetic is cheap. MKL's `F.linear` does
+not behave so for few rows (it picks a kernel by the row count and splits rows between
+threads, so each row also rounds differently in a 1-row and a 5-row call). The C kernels in
+`hf_plookup/csrc/cpu_kernels.c` (built at install as `hf_plookup._cpu_kernels`) do:
+
+- `linear(x, weight, bias)`: each weight row is streamed once per call for all rows, and each
+  output is one dot product in a fixed order (8 fp32 lanes over K, the lanes added in one fixed
+  tree), so row i of an M-row call is bitwise that row alone, at any M and thread count.
+  float32 and bfloat16 (widened in registers, fp32 accumulation, rounded once at the output).
+- `attend(...)`: one query head over exactly its visible keys, read in place from the pages in
+  position order, with one fixed order of arithmetic per query: chains, tree nodes (the
+  context, then the node's ancestors), GQA, sliding windows (the caller trims the keys) and
+  tanh soft-capping.
+
+Threads: the kernels split their work over `torch.get_num_threads()` threads of a small pool
+of their own (numba's OpenMP layer beside torch's OpenMP runtime took milliseconds a call).
+They are called through ctypes, which lets go of the GIL while they run.
+
+Worked example (fp32, 2 threads): a 5-row call gives each row bitwise as a 1-row call does::
+
+    >>> w = torch.randn(1536, 576); x = torch.randn(5, 576)
+    >>> torch.equal(linear(x, w, None)[3:4], linear(x[3:4], w, None))
+    True
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+try:
+    from .. import _cpu_kernels as _ext
+except ImportError:  # built without a C compiler: the callers fall back (engine.invariant.row_strategy)
+    _ext = None
+
+DTYPES = (torch.float32, torch.bfloat16)
+_LIB = None
+
+
+def _lib():
+    """The C entry points with their signatures (None without the build)."""
+    global _LIB
+    if _LIB is None and _ext is not None:
+        lib = ctypes.CDLL(_ext.__file__)
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        lib.linear.restype = None
+        lib.linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64]
+        lib.attend.restype = i64
+        lib.attend.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, i64, i64]
+        lib.uses_avx2.restype = i64
+        _LIB = lib
+    return _LIB
+
+
+def available() -> bool:
+    """Whether the compiled kernels were built and load."""
+    return _lib() is not None
+
+
+def uses_avx2() -> bool:
+    """Whether the AVX2/FMA path runs (else the portable C path)."""
+    return available() and bool(_lib().uses_avx2())
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+
+
+def supported(weight: torch.Tensor) -> bool:
+    """Whether `linear` takes this weight: a plain 2-D float32/bfloat16 CPU tensor (not a tensor
+    subclass such as a sharded DTensor) and the kernels built (`linear` and `attend` may be called
+    once this or `available()` said so)."""
+    return _plain(weight) and weight.dtype in DTYPES and weight.dim() == 2 and available()
+
+
+def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x2d, weight, bias)` for x2d [M, K] in weight's dtype (float32 or bfloat16), each
+    row computed as it would be alone. `supported(weight)` must hold."""
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    if x2d.dtype != weight.dtype:
+        raise TypeError(f"x is {x2d.dtype}, weight is {weight.dtype}: cpu_kernels.linear needs one dtype")
+    w = weight.contiguous()
+    b = None if bias is None else bias.to(w.dtype).contiguous()
+    m, k = x2d.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=w.dtype)
+    if m:  # (the kernel reads and writes raw memory: autograd never sees it, as in inference)
+        _LIB.linear(x2d.data_ptr(), m, w.data_ptr(), k, None if b is None else b.data_ptr(), n, out.data_ptr(),
+                    w.dtype == torch.bfloat16, torch.get_num_threads())
+    return out
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: np.ndarray, seq: np.ndarray,
+           run_lo: np.ndarray, run_hi: np.ndarray, extra_off: np.ndarray, extra: np.ndarray, scale: float,
+           softcap: float | None) -> torch.Tensor:
+    """Attention of T query tokens over one layer's pages, each query over exactly its keys.
+
+    q [T, H, D] (the cache's dtype, float32 or bfloat16); k_cache / v_cache [num_blocks,
+    block_size, H_kv, D]; kv_slots [B, Lk] int64 flat slot of each cache position of a
+    sequence; per token t: its sequence seq[t], the run of cache positions run_lo[t] ..
+    run_hi[t] - 1 it reads, then extra[extra_off[t] : extra_off[t + 1]] (a tree node's
+    ancestors and itself). Returns [T, H, D] in q's dtype.
+
+    Example: one sequence with 3 cached tokens feeding a 2-token chain (positions 3 and 4):
+    seq = [0, 0], run_lo = [0, 0], run_hi = [4, 5], extra_off = [0, 0, 0], extra = [].
+    """
+    t, h, d = q.shape
+    h_kv = k_cache.shape[-2]
+    if q.dtype != k_cache.dtype or k_cache.dtype not in DTYPES or k_cache.shape[-1] != d or h % h_kv:
+        raise ValueError(f"attend: q {tuple(q.shape)} {q.dtype} does not fit pages {tuple(k_cache.shape)} {k_cache.dtype}")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    slots, *per_token = (np.ascontiguousarray(a, dtype=np.int64) for a in (kv_slots, seq, run_lo, run_hi, extra_off, extra))
+    failed = _LIB.attend(q.data_ptr(), t, h, d, k_cache.data_ptr(), v_cache.data_ptr(), h_kv, slots.ctypes.data,
+                         slots.shape[-1], *(a.ctypes.data for a in per_token), scale, softcap or 0.0, out.data_ptr(),
+                         int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    if failed:
+        raise MemoryError("cpu_kernels.attend: no memory for the attention scores")
+    return out

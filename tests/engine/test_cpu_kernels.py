@@ -1,0 +1,161 @@
+"""engine.cpu_kernels against float64 references, and their invariance as properties: a row's (a
+query's) bits never depend on the row count, its place in the call, the other rows or the
+thread count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_plookup.engine import cpu_kernels as ck
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def test_kernels_are_built():
+    """The package was installed with its C kernels (a C compiler was found): the fast CPU path."""
+    assert ck.available()
+
+
+def _threads(n):
+    class _Ctx:
+        def __enter__(self):
+            self.old = torch.get_num_threads()
+            torch.set_num_threads(n)
+
+        def __exit__(self, *exc):
+            torch.set_num_threads(self.old)
+
+    return _Ctx()
+
+
+def test_linear_literal():
+    x = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 0.0]])
+    w = torch.tensor([[1.0, 0.0, 1.0], [2.0, 1.0, -1.0]])
+    b = torch.tensor([0.25, -0.5])
+    assert ck.linear(x, w, b).tolist() == [[4.25, 0.5], [0.75, -0.5]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 64), k=st.integers(1, 300), n=st.integers(1, 160), dtype=st.sampled_from(["fp32", "bf16"]),
+       bias=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_linear_rows_are_invariant(m, k, n, dtype, bias, threads, seed):
+    """Every row of an M-row call equals that row alone, at another place of another call and
+    under another thread count; values match a float64 reference."""
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dt)
+    w = torch.randn(n, k, generator=g).to(dt)
+    b = torch.randn(n, generator=g).to(dt) if bias else None
+    with _threads(threads):
+        full = ck.linear(x, w, b)
+    i = int(torch.randint(m, (1,), generator=g))
+    assert torch.equal(ck.linear(x[i : i + 1], w, b), full[i : i + 1])
+    perm = torch.randperm(m, generator=g)
+    assert torch.equal(ck.linear(x[perm], w, b), full[perm])
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    if dt == torch.float32:
+        torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5 * k**0.5)
+    else:  # one rounding to bf16 of an fp32 sum: within 1 bf16 ulp (plus the sum's own error)
+        torch.testing.assert_close(full.double(), ref, rtol=2**-7, atol=1e-4 * k**0.5)
+
+
+def test_linear_rejects_mixed_dtypes():
+    with pytest.raises(TypeError, match="x is torch.float32, weight is torch.bfloat16"):
+        ck.linear(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)
+
+
+def _dense_reference(q, kc, vc, kv_slots, seq, lo, hi, xoff, extra, scale, softcap):
+    """Each token's attention in float64 over exactly its keys."""
+    t, h, d = q.shape
+    h_kv = kc.shape[-2]
+    out = torch.empty(t, h, d, dtype=torch.float64)
+    kf, vf = kc.reshape(-1, h_kv, d).double(), vc.reshape(-1, h_kv, d).double()
+    for i in range(t):
+        cpos = np.concatenate([np.arange(lo[i], hi[i]), extra[xoff[i] : xoff[i + 1]]])
+        slots = torch.from_numpy(kv_slots[seq[i], cpos])
+        k = kf[slots].repeat_interleave(h // h_kv, 1)  # [L, H, D]
+        v = vf[slots].repeat_interleave(h // h_kv, 1)
+        s = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        out[i] = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+    return out
+
+
+def _paged(seed, dtype, num_seqs=3, h=6, h_kv=2, d=40, block=16, ctx=70):
+    g = torch.Generator().manual_seed(seed)
+    pages = num_seqs * (-(-ctx // block)) + 1
+    kc = torch.randn(pages, block, h_kv, d, generator=g).to(dtype)
+    vc = torch.randn(pages, block, h_kv, d, generator=g).to(dtype)
+    tables = 1 + torch.randperm(pages - 1, generator=g).numpy()[: num_seqs * (-(-ctx // block))].reshape(num_seqs, -1)
+    pos = np.arange(ctx)
+    kv_slots = tables[:, pos // block] * block + pos % block
+    return g, kc, vc, kv_slots
+
+
+def test_attend_literal_chain():
+    """One sequence, one head: 2 cached keys and a 2-token chain at cache positions 2 and 3."""
+    kc = torch.zeros(2, 4, 1, 2)
+    vc = torch.zeros(2, 4, 1, 2)
+    kc[1, :, 0] = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    vc[1, :, 0] = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [4.0, 0.0]])
+    kv_slots = np.array([[4, 5, 6, 7]])  # page 1
+    q = torch.tensor([[[0.0, 0.0]], [[0.0, 0.0]]])  # zero queries: uniform weights over the visible keys
+    out = ck.attend(q, kc, vc, kv_slots, np.array([0, 0]), np.array([0, 0]), np.array([3, 4]), np.array([0, 0, 0]),
+                    np.zeros(0, np.int64), 1.0, None)
+    torch.testing.assert_close(out[:, 0], torch.tensor([[1.0, 1.0], [7 / 4, 3 / 4]]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(dtype=st.sampled_from(["fp32", "bf16"]), window=st.sampled_from([None, 9, 40]), softcap=st.sampled_from([None, 5.0]),
+       tree=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, tree, threads, seed):
+    """Chains or trees over paged keys (GQA 6/2, D=40, sliding window, soft-capping): each query
+    equals a float64 reference, and bitwise itself when computed alone or under another thread
+    count."""
+    dt = DTYPES[dtype]
+    g, kc, vc, kv_slots = _paged(seed, dt)
+    seq, lo, hi, xoff, extra = [], [], [], [0], []
+    for b, start in enumerate((60, 33, 5)):
+        n = 1 + int(torch.randint(5, (1,), generator=g))
+        parents = [-1] + [int(torch.randint(j, (1,), generator=g)) for j in range(1, n)] if tree else list(range(-1, n - 1))
+        for j in range(n):
+            anc, a = [], j
+            while a >= 0:
+                anc.append(a)
+                a = parents[a]
+            anc = sorted(anc)
+            pos = start + len(anc) - 1  # the node's position id (a chain: start + j)
+            if tree:
+                run_lo, run_hi, ext = 0, start, [start + a for a in anc]
+            else:
+                run_lo, run_hi, ext = 0, start + j + 1, []
+            if window:  # positions: the context's are its cache positions, a node's start + depth
+                run_lo = max(run_lo, pos - window + 1)
+                run_hi = max(run_hi, run_lo)
+                ext = [c for c, a in zip(ext, anc) if start + sum(1 for x in anc if x <= a) - 1 > pos - window]
+            seq.append(b), lo.append(run_lo), hi.append(run_hi), extra.extend(ext), xoff.append(xoff[-1] + len(ext))
+    arrays = [np.array(a, dtype=np.int64) for a in (seq, lo, hi, xoff, extra)]
+    t = len(seq)
+    q = torch.randn(t, 6, 40, generator=g).to(dt)
+    with _threads(threads):
+        out = ck.attend(q, kc, vc, kv_slots, *arrays, 0.17, softcap)
+    ref = _dense_reference(q, kc, vc, kv_slots, *arrays, 0.17, softcap)
+    tol = 1e-5 if dt == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    i = int(torch.randint(t, (1,), generator=g))
+    seq_a, lo_a, hi_a, xoff_a, extra_a = arrays
+    alone = ck.attend(q[i : i + 1], kc, vc, kv_slots, seq_a[i : i + 1], lo_a[i : i + 1], hi_a[i : i + 1],
+                      np.array([0, xoff_a[i + 1] - xoff_a[i]]), extra_a[xoff_a[i] : xoff_a[i + 1]], 0.17, softcap)
+    assert torch.equal(alone[0], out[i])
+
+
+def test_attend_rejects_a_query_that_does_not_fit_the_pages():
+    kc = torch.zeros(2, 4, 2, 8)
+    with pytest.raises(ValueError, match="does not fit pages"):
+        ck.attend(torch.zeros(1, 3, 8), kc, kc, np.zeros((1, 4), np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                  np.ones(1, np.int64), np.zeros(2, np.int64), np.zeros(0, np.int64), 1.0, None)
