@@ -48,23 +48,30 @@ def build_parser() -> argparse.ArgumentParser:
     return common.show_defaults(p)
 
 
-def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0) -> tuple[int, int, float, int]:
+def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
+           max_new_tokens: int | None = None) -> tuple[int, int, float, int]:
     """(new tokens, forwards, proposer seconds, draft tokens fed) of decoding `out` after `prompt`
     with `proposer`'s drafts, accepted as greedy verification accepts them (trees scored with the
     row's running acceptance rate, nodes below `min_score` left out, as in the engine). The first
-    token comes from the prefill."""
+    token comes from the prefill. `max_new_tokens`: the row's length limit, which caps its drafts
+    as the engine caps them (a row may emit at most that many tokens); None: len(out), the limit of
+    a row that ran to it. A row that ended at EOS before its limit had drafts capped by the limit,
+    not by where it ended: give the limit to count its steps as the engine ran them."""
     from hf_plookup.drafting.suffix import SuffixIndex
     from hf_plookup.drafting.tree import TreeProposer, accept_tree, acceptance_estimate, walk_rejected
 
     full = np.array(prompt + out, dtype=np.int64)[None]
     n0, total = len(prompt), len(out)
+    limit = total if max_new_tokens is None else max_new_tokens
+    if limit < total:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is below the {total} tokens of `out`")
     t, forwards, spent = 1, 1, 0.0  # the prefill forward emits out[0]
     n_acc = n_rej = 0  # the row's acceptance record, which sets its trees' decay as in the engine
     fed = 0
     index = SuffixIndex(1, full.shape[1])
     while t < total:
         length = np.array([n0 + t], dtype=np.int64)
-        cap = np.array([total - t - 1], dtype=np.int64)
+        cap = np.array([limit - t - 1], dtype=np.int64)  # the tokens the row may still emit, less the verified one
         t0 = time.perf_counter()
         if isinstance(proposer, TreeProposer):
             tokens, parents, num = proposer.propose(full, length, cap, index=index, min_score=min_score,
@@ -82,7 +89,7 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0) 
             picks[0] = truth[0]
             for i in range(m):
                 p = int(parents[0, i])
-                if p in depth_ok and tokens[0, i] == truth[depth_ok[p]]:
+                if p in depth_ok and depth_ok[p] < len(truth) and tokens[0, i] == truth[depth_ok[p]]:
                     d = depth_ok[p] + 1
                     depth_ok[i + 1] = d
                     picks[i + 1] = truth[d] if d < len(truth) else -1
@@ -91,7 +98,7 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0) 
             n_rej += walk_rejected(path, parents[0, :m])
         else:
             accepted = 0
-            while accepted < m and drafts[0, accepted] == out[t + accepted]:
+            while accepted < m and t + accepted < total and drafts[0, accepted] == out[t + accepted]:
                 accepted += 1
         n_acc += accepted
         t += accepted + 1

@@ -1,0 +1,135 @@
+"""The live engine's forwards against `eval/draft_replay.py`'s count on the same text.
+
+Greedy verification accepts a draft exactly when it equals the token the row emits next, so a
+row's number of forwards is fixed by its text and by what the drafter is given at each step (the
+row's tokens so far, its budget near the end of the row, the tree's per-row decay and min score).
+`eval.draft_replay.replay` replays a finished text through the drafters offline; the engine must
+take exactly as many forwards and feed exactly as many drafts on the text it produced itself,
+chains and trees, rows that run to `max_new_tokens` and rows that end at EOS (whose budget is
+still their length limit, not where they happened to end). A difference means the live path
+(what the engine hands the drafter, budgets, stopping, acceptance record, compaction) drifted
+from the drafters' own behaviour, which the replay's published counts pin down.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval.draft_replay import replay
+from hf_plookup import embedded
+from hf_plookup.drafting.ngram import NgramProposer
+from hf_plookup.drafting.tree import TreeProposer
+from tests.conftest import PAD, tiny_model, wrap_copy
+
+# (k, tree nodes): chains of 4 and 8, the issue's 16-node tree at k=8, and small trees, whose
+# node budget binds (which nodes are kept then depends on the row's acceptance record)
+DRAFTERS = [(4, None), (8, None), (8, 16), (4, 4), (8, 4)]
+
+
+def _proposer(k: int, nodes: int | None, ngram: int = 2):
+    return TreeProposer(k, nodes, ngram) if nodes else NgramProposer(k, ngram)
+
+
+def _replayed(prompts, outs, k, nodes, max_new_tokens):
+    """(new tokens, forwards, drafts fed) of the replay summed over rows."""
+    tokens = forwards = fed = 0
+    for p, o in zip(prompts, outs):
+        a, b, _, f = replay(p, o, _proposer(k, nodes), 0.0, max_new_tokens=max_new_tokens)
+        tokens, forwards, fed = tokens + a, forwards + b, fed + f
+    return tokens, forwards, fed
+
+
+def _live(wrapped, prompts, k, nodes, max_new_tokens, eos):
+    """Run the engine on `prompts` (left-padded); (its rows' new tokens, the call's stats)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=k, eos_token_id=eos,
+              pad_token_id=PAD)
+    if nodes:
+        kw["prompt_lookup_tree_nodes"] = nodes
+    out = wrapped.generate(ids, attention_mask=mask, **kw)[:, width:]
+    stats = wrapped.last_stats
+    assert not stats.delegated and stats.drafter == ("ngram-tree" if nodes else "ngram")
+    rows = []
+    for row in out.tolist():
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        rows.append(row[: max_new_tokens])
+    assert sum(len(r) for r in rows) == stats.new_tokens
+    return rows, stats
+
+
+def _branching_prompt(model, seed: int) -> list[int]:
+    """Four phrases that end in the same two tokens, each followed by the model's own greedy
+    continuation of it, then two of them again: the row's suffix has earlier occurrences with
+    different continuations (trees branch, the node budget binds and the row's acceptance record
+    decides which nodes are kept), and the model continues as it did before (drafts are accepted)."""
+    g = torch.Generator().manual_seed(seed)
+    last2 = torch.randint(3, 96, (2,), generator=g)
+    segments = []
+    for _ in range(4):
+        p = torch.randint(3, 96, (1, 6), generator=g)
+        p[0, -2:] = last2
+        cont = model.generate(p, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=PAD)[0, 6:]
+        segments.append(p[0].tolist() + cont.tolist())
+    return sum(segments, []) + segments[1] + segments[0][:6]
+
+
+@pytest.fixture(scope="module")
+def copying():
+    """A sliding-window model (it sees its last 4 tokens, so its greedy text keeps returning to
+    the same runs) and three branching prompts of different lengths."""
+    model = tiny_model("mistral", sliding_window=4)
+    prompts = [_branching_prompt(model, seed) for seed in (0, 2, 3)]
+    prompts[1] = prompts[1][5:]  # rows of different lengths
+    return model, wrap_copy(model, max_cache_tokens=4096, block_size=8, tree_min_score=0.0), prompts
+
+
+@pytest.mark.parametrize("k, nodes", DRAFTERS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_live_forwards_equal_replay(copying, k, nodes, batch):
+    """Rows that run to max_new_tokens (47: the last steps' budget cuts drafts short)."""
+    _, wrapped, prompts = copying
+    prompts = prompts[:batch]
+    outs, stats = _live(wrapped, prompts, k, nodes, 47, None)
+    assert stats.accepted >= 10 * batch, stats.as_dict()  # the text is copied: drafts matter here
+    tokens, forwards, fed = _replayed(prompts, outs, k, nodes, 47)
+    assert (stats.new_tokens, stats.row_steps, stats.drafted) == (tokens, forwards, fed), stats.as_dict()
+    assert stats.tokens_per_forward == tokens / forwards
+
+
+@pytest.mark.parametrize("k, nodes", DRAFTERS)
+def test_live_forwards_equal_replay_when_eos_ends_the_row(copying, k, nodes):
+    """A row that stops at EOS long before max_new_tokens: its drafts were capped by the length
+    limit (48), which the replay is given (capped at the text's own end instead, the replay feeds
+    fewer drafts near the end, and on real text can take a different number of forwards)."""
+    _, wrapped, prompts = copying
+    plain, _ = _live(wrapped, prompts[:1], k, nodes, 48, None)
+    eos = plain[0][20]  # a token the row reaches about halfway (its first occurrence ends the row)
+    outs, stats = _live(wrapped, prompts[:1], k, nodes, 48, eos)
+    assert outs[0][-1] == eos and len(outs[0]) < 48
+    tokens, forwards, fed = _replayed(prompts[:1], outs, k, nodes, 48)
+    assert (stats.new_tokens, stats.row_steps, stats.drafted) == (tokens, forwards, fed), stats.as_dict()
+
+
+@pytest.mark.slow
+def test_smollm2_live_tokens_per_forward_equal_replay():
+    """SmolLM2-135M-Instruct, fp32, batch 1, one builtin document: chain k=8 and the 16-node tree
+    (tree_min_score=0) take the replay's forwards on the text they produced."""
+    name = "smollm2-135m"
+    if not embedded.is_available(name):
+        pytest.skip(f"{name} package not installed")
+    from eval.bench import builtin_prompts
+
+    model, tokenizer = embedded.load_embedded(name, dtype=torch.float32)
+    wrapped = wrap_copy(model, tree_min_score=0)
+    prompt = builtin_prompts(tokenizer, 1)[0]
+    eos = int(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, int)
+              else model.generation_config.eos_token_id[0])
+    for k, nodes in ((8, None), (8, 16)):
+        outs, stats = _live(wrapped, [prompt], k, nodes, 64, eos)
+        tokens, forwards, fed = _replayed([prompt], outs, k, nodes, 64)
+        assert (stats.new_tokens, stats.row_steps, stats.drafted) == (tokens, forwards, fed), (k, nodes, stats.as_dict())
+        assert stats.tokens_per_forward > 1.5
