@@ -39,32 +39,33 @@ except ImportError:  # built without a C compiler: the callers fall back (engine
     _ext = None
 
 DTYPES = (torch.float32, torch.bfloat16)
-_LIB = None
 
 
-def _lib():
+def _load():
     """The C entry points with their signatures (None without the build)."""
-    global _LIB
-    if _LIB is None and _ext is not None:
-        lib = ctypes.CDLL(_ext.__file__)
+    if _ext is not None:
+        lib = ctypes.CDLL(_ext.__file__)  # the extension module already imported: no second copy
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         lib.linear.restype = None
         lib.linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64]
         lib.attend.restype = i64
         lib.attend.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, i64, i64]
         lib.uses_avx2.restype = i64
-        _LIB = lib
-    return _LIB
+        return lib
+    return None
+
+
+_LIB = _load()
 
 
 def available() -> bool:
     """Whether the compiled kernels were built and load."""
-    return _lib() is not None
+    return _LIB is not None
 
 
 def uses_avx2() -> bool:
     """Whether the AVX2/FMA path runs (else the portable C path)."""
-    return available() and bool(_lib().uses_avx2())
+    return available() and bool(_LIB.uses_avx2())
 
 
 def _plain(t: torch.Tensor) -> bool:

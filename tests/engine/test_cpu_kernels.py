@@ -159,3 +159,33 @@ def test_attend_rejects_a_query_that_does_not_fit_the_pages():
     with pytest.raises(ValueError, match="does not fit pages"):
         ck.attend(torch.zeros(1, 3, 8), kc, kc, np.zeros((1, 4), np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
                   np.ones(1, np.int64), np.zeros(2, np.int64), np.zeros(0, np.int64), 1.0, None)
+
+
+def test_concurrent_callers_and_thread_counts():
+    """Python threads calling the kernels at once (each call splitting its work over the pool)
+    get what a lone call gets; the pool grows and shrinks with torch's thread count."""
+    import threading
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 96, generator=g)
+    xs = [torch.randn(1 + i % 7, 96, generator=g) for i in range(8)]
+    want = [ck.linear(x, w, None) for x in xs]
+    errors = []
+
+    def caller(i):
+        try:
+            for r in range(40):
+                j = (i + r) % len(xs)
+                if not torch.equal(ck.linear(xs[j], w, None), want[j]):
+                    errors.append((i, r))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    for threads in (4, 2, 1):
+        with _threads(threads):
+            callers = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+            for c in callers:
+                c.start()
+            for c in callers:
+                c.join()
+    assert errors == []
