@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'compiled+graphs/regional', '<mode>/regional' beside 'compiled/whole'")
     p.add_argument("--invariant", action="store_true",
                    help="also time each mode in invariant mode (engine.invariant), as '<mode>+invariant'")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also split the eager invariant step's time by kind of work (CPU): the C kernels, the "
+                        "linears' Python path, norms, the rest of the forward, and the drafter and greedy "
+                        "sampling that run between steps")
     p.add_argument("--attn-backends", nargs="+", default=["sdpa"], choices=["sdpa", "triton", "flash_attn", "flash_attn4"],
                    help="each mode runs once per backend")
     p.add_argument("--block-size", type=int, default=16)
@@ -156,6 +160,81 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
     return rows
 
 
+class _Timer:
+    """Inclusive wall time of calls of `fn` (a drop-in wrapper), summed."""
+
+    def __init__(self, fn):
+        self.fn, self.total = fn, 0.0
+
+    def __call__(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*a, **kw)
+        finally:
+            self.total += time.perf_counter() - t0
+
+
+def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
+    """Where a CPU step's time goes, eager invariant mode (what wrap runs on CPU), per batch and q:
+    the linear kernel and the attention kernel (engine.cpu_kernels), the linears' Python path
+    around the kernel (module call, layout, strategy), RMS/layer norms (HF's modules, whole), the
+    rest of the forward (RoPE, residuals, activations, HF's module overhead, the step's layout), and
+    per step of generation the n-gram drafter (k=q-1 over --context tokens of history) and greedy
+    sampling (argmax of the q kept rows). Timers wrap the calls, so the step is a little slower here
+    than in the table above."""
+    from hf_plookup.drafting.ngram import NgramProposer
+    from hf_plookup.engine import cpu_kernels
+    from hf_plookup.engine import invariant as inv_mod
+    from hf_plookup.engine.invariant import InvariantLinears
+
+    inv = InvariantLinears(model)
+    gr = GraphRunner(model, cache, "sdpa", max(args.batch_sizes), capture=False, compiled=False, invariant=inv)
+    norms = [m for m in model.modules() if "norm" in type(m).__name__.lower()]
+    rows = []
+    lin_k, att_k = cpu_kernels.linear, cpu_kernels.attend
+    try:
+        cpu_kernels.linear, cpu_kernels.attend = _Timer(lin_k), _Timer(att_k)
+        inv_mod.KERNELS["cpu"] = (inv_mod.KERNELS["cpu"][0], cpu_kernels.linear)
+        inv.forwards = [_Timer(f) for f in inv.forwards]
+        norm_t = {}
+        for m in norms:
+            norm_t[m] = _Timer(m.forward)
+            m.forward = norm_t[m]
+        for b in args.batch_sizes:
+            for q in args.q:
+                plan = step_plan(b, q, args.context, args.block_size, model.config.vocab_size)
+                gr.run(plan)
+                timers = [cpu_kernels.linear, cpu_kernels.attend, *inv.forwards, *norm_t.values()]
+                for t in timers:
+                    t.total = 0.0
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    logits = gr.run(plan)
+                step = (time.perf_counter() - t0) / args.iters
+                lin = cpu_kernels.linear.total / args.iters
+                att = cpu_kernels.attend.total / args.iters
+                lin_py = sum(f.total for f in inv.forwards) / args.iters - lin
+                nrm = sum(t.total for t in norm_t.values()) / args.iters
+                hist = np.random.default_rng(0).integers(3, 1000, size=(b, args.context))
+                prop = NgramProposer(max(q - 1, 1))
+                lengths = np.full(b, args.context)
+                draft = timed(lambda: prop.propose(hist, lengths), device, args.iters)
+                sample = timed(lambda: logits.argmax(-1).tolist(), device, args.iters)
+                part = {"linear kernel": lin, "attention kernel": att, "linears' Python path": lin_py, "norms": nrm,
+                        "rest of the forward": step - lin - att - lin_py - nrm, "drafter": draft, "greedy sampling": sample}
+                rows.append({"mode": "breakdown", "batch": b, "q": q, "step_s": step, "parts_s": part})
+                print(f"  breakdown batch {b:3d} q {q:2d}: step {1e3 * step:7.2f} ms = "
+                      + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in part.items() if k not in ("drafter", "greedy sampling"))
+                      + f"; between steps: drafter {1e3 * draft:.2f}, greedy sampling {1e3 * sample:.2f} ms", flush=True)
+    finally:
+        cpu_kernels.linear, cpu_kernels.attend = lin_k, att_k
+        inv_mod.KERNELS["cpu"] = (inv_mod.KERNELS["cpu"][0], lin_k)
+        for m in norms:
+            if "forward" in vars(m):
+                del m.forward
+    return rows
+
+
 def bench_hf_static(model, args, device) -> list[dict]:
     """HF's forward over a StaticCache of --context + 128 tokens (what static-cache generate
     allocates for 128 new tokens), compiled the way HF's static-cache generate compiles it. Each
@@ -227,6 +306,8 @@ def main(argv=None) -> int:
                     rows += bench_mode(model, mode, backend, args, device, cache, invariant=True)
         if args.hf_static:
             rows += bench_hf_static(model, args, device)
+        if args.breakdown and device.type == "cpu":
+            rows += breakdown(model, args, device, cache)
         result["models"].append({"model": name, "bandwidth_bound_s": bound, "rows": rows})
         out.write_text(json.dumps(result, indent=1) + "\n")
         del model, cache

@@ -88,6 +88,9 @@ static void linear_c(const void* x, int64_t M, const void* w, int64_t K, const v
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
+#ifndef PF_TILES
+#define PF_TILES 2 /* how many 3-row tiles ahead the first row tile prefetches weights */
+#endif
 #define HAVE_AVX2_PATH 1
 
 AVX2 static inline float hsum8(__m256 v) { /* ((0+4)+(2+6)) + ((1+5)+(3+7)) */
@@ -122,7 +125,7 @@ AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
             for (int j = 0; j < NB; j++) wv[j] = LD(w, (n0 + j) * K + k);                               \
             if (PF && !(k & 15))                                                                        \
                 for (int j = 0; j < NB; j++)                                                            \
-                    _mm_prefetch((const char*)w + ((n0 + 2 * NB + j) * K + k) * ESZ, _MM_HINT_T0);      \
+                    _mm_prefetch((const char*)w + ((n0 + PF_TILES * NB + j) * K + k) * ESZ, _MM_HINT_T0);      \
             for (int i = 0; i < MB; i++) {                                                              \
                 __m256 xv = LD(x, (m0 + i) * K + k);                                                    \
                 for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);         \
@@ -179,39 +182,36 @@ TILES(f32, ld_f32, 4, 0)
 TILES(bf16, ld_bf16, 2, 1)
 
 /* s[j] = dot(q, key j) for an fp32 query and fp32 or bf16 keys at element offsets rows[j]: each dot in
- * 8 lanes over D, then hsum8. Four keys at a time (independent sums, each the same arithmetic). */
+ * 8 lanes over D, then hsum8. Eight keys at a time (independent sums, each the same arithmetic). */
 #define KEY(P, J) (bf16 ? ld_bf16(P, rows[J] + d) : ld_f32(P, rows[J] + d))
+#define KEY_PART(P, J) ld_part(P, rows[J] + d, rem, bf16)
 AVX2 static void scores_avx2(const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D, int bf16,
                              float* s) {
     int64_t j = 0, dm = D & ~(int64_t)7;
     int rem = (int)(D - dm);
-    for (; j + 4 <= L; j += 4) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; j + 8 <= L; j += 8) {
+        __m256 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
         int64_t d = 0;
         for (; d < dm; d += 8) {
             __m256 qv = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(qv, KEY(kb, j), a0);
-            a1 = _mm256_fmadd_ps(qv, KEY(kb, j + 1), a1);
-            a2 = _mm256_fmadd_ps(qv, KEY(kb, j + 2), a2);
-            a3 = _mm256_fmadd_ps(qv, KEY(kb, j + 3), a3);
+            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, KEY(kb, j + u), a[u]);
         }
         if (rem) {
             __m256 qv = ld_part(q, d, rem, 0);
-            a0 = _mm256_fmadd_ps(qv, ld_part(kb, rows[j] + d, rem, bf16), a0);
-            a1 = _mm256_fmadd_ps(qv, ld_part(kb, rows[j + 1] + d, rem, bf16), a1);
-            a2 = _mm256_fmadd_ps(qv, ld_part(kb, rows[j + 2] + d, rem, bf16), a2);
-            a3 = _mm256_fmadd_ps(qv, ld_part(kb, rows[j + 3] + d, rem, bf16), a3);
+            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, KEY_PART(kb, j + u), a[u]);
         }
-        s[j] = hsum8(a0), s[j + 1] = hsum8(a1), s[j + 2] = hsum8(a2), s[j + 3] = hsum8(a3);
+        for (int u = 0; u < 8; u++) s[j + u] = hsum8(a[u]);
     }
     for (; j < L; j++) {
         __m256 a0 = _mm256_setzero_ps();
         int64_t d = 0;
         for (; d < dm; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), KEY(kb, j), a0);
-        if (rem) a0 = _mm256_fmadd_ps(ld_part(q, d, rem, 0), ld_part(kb, rows[j] + d, rem, bf16), a0);
+        if (rem) a0 = _mm256_fmadd_ps(ld_part(q, d, rem, 0), KEY_PART(kb, j), a0);
         s[j] = hsum8(a0);
     }
 }
+#undef KEY_PART
 #undef KEY
 
 /* exp(x) for x <= 0 (softmax after the max is taken): 2^n * p(r), r in [-ln2/2, ln2/2], a degree-6
@@ -333,7 +333,8 @@ static void weighted_sum_c(const float* p, const void* vbase, const int64_t* row
         for (int64_t d = 0; d < D; d++) out[d] = fmaf(p[j], load1(vbase, rows[j] + d, bf16), out[d]);
 }
 
-/* Query heads [i_lo, i_hi) of a step, item i = (token i / H, head i % H).
+/* Query heads of a step: item i = (token t0 + i / G, head kvh * G + i % G) for i in [i_lo, i_hi),
+ * G = H / H_kv the query heads of KV head kvh.
  *   q [T, H, D] and out [T, H, D]: fp32, or bf16 when bf16;
  *   k_cache / v_cache: one layer's pages, flat [slots, H_kv, D] (fp32, or bf16 when bf16);
  *   token t reads cache positions run_lo[t] .. run_hi[t]-1, then extra[extra_off[t] .. extra_off[t+1]-1],
@@ -342,12 +343,12 @@ static void weighted_sum_c(const float* p, const void* vbase, const int64_t* row
 static int64_t attend_range(const void* q, int64_t H, int64_t D, const void* k_cache, const void* v_cache,
                             int64_t H_kv, const int64_t* kv_slots, int64_t Lk, const int64_t* seq,
                             const int64_t* run_lo, const int64_t* run_hi, const int64_t* extra_off,
-                            const int64_t* extra, float scale, float softcap, void* out, int64_t i_lo, int64_t i_hi,
-                            int64_t bf16) {
+                            const int64_t* extra, float scale, float softcap, void* out, int64_t t0, int64_t kvh,
+                            int64_t i_lo, int64_t i_hi, int64_t bf16) {
     int64_t group = H / H_kv;
     int b16 = (int)bf16;
     for (int64_t i = i_lo; i < i_hi; i++) {
-        int64_t t = i / H, h = i % H, kvh = h / group;
+        int64_t t = t0 + i / group, h = kvh * group + i % group;
         int64_t n_run = run_hi[t] - run_lo[t], n_extra = extra_off[t + 1] - extra_off[t], L = n_run + n_extra;
         int64_t* rows = (int64_t*)malloc((size_t)L * sizeof(int64_t) + (size_t)(L + 2 * D) * sizeof(float));
         if (!rows) return -1;
@@ -527,24 +528,48 @@ typedef struct {
     void* out;
     int64_t T, H, D, H_kv, Lk, bf16;
     float scale, softcap;
+    const int64_t* starts; /* [R+1] first token of each run of tokens of one sequence */
+    int64_t chunks;        /* parts per (run, KV head) */
     atomic_long failed;
 } attend_job;
 
-static void attend_part(void* ctx, int64_t part) { /* one query head of one token */
+/* Part p = (run r, KV head kvh, chunk c): the tokens of one sequence in this step times the query
+ * heads of one KV head, in order, cut into `chunks` pieces. A part reads one KV head of one
+ * sequence's keys, which then stay in cache for all its queries (grouping changes which queries
+ * run together, never a query's arithmetic). */
+static void attend_part(void* ctx, int64_t part) {
     attend_job* j = (attend_job*)ctx;
-    if (attend_range(j->q, j->H, j->D, j->k_cache, j->v_cache, j->H_kv, j->kv_slots, j->Lk, j->seq, j->run_lo,
-                     j->run_hi, j->extra_off, j->extra, j->scale, j->softcap, j->out, part, part + 1, j->bf16))
+    int64_t c = part % j->chunks, grp = part / j->chunks, r = grp / j->H_kv, kvh = grp % j->H_kv;
+    int64_t n = (j->starts[r + 1] - j->starts[r]) * (j->H / j->H_kv);
+    int64_t lo = n * c / j->chunks, hi = n * (c + 1) / j->chunks;
+    if (lo < hi && attend_range(j->q, j->H, j->D, j->k_cache, j->v_cache, j->H_kv, j->kv_slots, j->Lk, j->seq,
+                                j->run_lo, j->run_hi, j->extra_off, j->extra, j->scale, j->softcap, j->out,
+                                j->starts[r], kvh, lo, hi, j->bf16))
         atomic_store(&j->failed, 1);
 }
 
-/* attention of T tokens (see attend_range); returns 0, or -1 when scratch memory could not be had */
+/* attention of T tokens (see attend_range; a sequence's tokens are consecutive); returns 0, or -1
+ * when scratch memory could not be had */
 int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, const void* k_cache, const void* v_cache, int64_t H_kv,
                const int64_t* kv_slots, int64_t Lk, const int64_t* seq, const int64_t* run_lo, const int64_t* run_hi,
                const int64_t* extra_off, const int64_t* extra, float scale, float softcap, void* out, int64_t bf16,
                int64_t threads) {
+    if (T <= 0) return 0;
+    int64_t* starts = (int64_t*)malloc((size_t)(T + 1) * sizeof(int64_t));
+    if (!starts) return -1;
+    int64_t runs = 0;
+    for (int64_t t = 0; t < T; t++)
+        if (t == 0 || seq[t] != seq[t - 1]) starts[runs++] = t;
+    starts[runs] = T;
+    /* enough parts to keep every thread busy, each as large as that allows */
+    int64_t groups = runs * H_kv, want = 4 * (threads > 1 ? threads : 1), chunks = (want + groups - 1) / groups;
+    int64_t most = (T / runs + 1) * (H / H_kv);
+    if (threads <= 1) chunks = 1;
+    if (chunks > most) chunks = most;
     attend_job j = {q, k_cache, v_cache, kv_slots, seq, run_lo, run_hi, extra_off, extra, out,
-                    T, H, D, H_kv, Lk, bf16, scale, softcap, 0};
-    run_parallel(attend_part, &j, T * H, threads);
+                    T, H, D, H_kv, Lk, bf16, scale, softcap, starts, chunks, 0};
+    run_parallel(attend_part, &j, groups * chunks, threads);
+    free(starts);
     return atomic_load(&j.failed) ? -1 : 0;
 }
 
