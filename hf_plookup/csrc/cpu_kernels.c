@@ -181,39 +181,6 @@ AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
 TILES(f32, ld_f32, 4, 0)
 TILES(bf16, ld_bf16, 2, 1)
 
-/* s[j] = dot(q, key j) for an fp32 query and fp32 or bf16 keys at element offsets rows[j]: each dot in
- * 8 lanes over D, then hsum8. Eight keys at a time (independent sums, each the same arithmetic). */
-#define KEY(P, J) (bf16 ? ld_bf16(P, rows[J] + d) : ld_f32(P, rows[J] + d))
-#define KEY_PART(P, J) ld_part(P, rows[J] + d, rem, bf16)
-AVX2 static void scores_avx2(const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D, int bf16,
-                             float* s) {
-    int64_t j = 0, dm = D & ~(int64_t)7;
-    int rem = (int)(D - dm);
-    for (; j + 8 <= L; j += 8) {
-        __m256 a[8];
-        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
-        int64_t d = 0;
-        for (; d < dm; d += 8) {
-            __m256 qv = _mm256_loadu_ps(q + d);
-            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, KEY(kb, j + u), a[u]);
-        }
-        if (rem) {
-            __m256 qv = ld_part(q, d, rem, 0);
-            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, KEY_PART(kb, j + u), a[u]);
-        }
-        for (int u = 0; u < 8; u++) s[j + u] = hsum8(a[u]);
-    }
-    for (; j < L; j++) {
-        __m256 a0 = _mm256_setzero_ps();
-        int64_t d = 0;
-        for (; d < dm; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), KEY(kb, j), a0);
-        if (rem) a0 = _mm256_fmadd_ps(ld_part(q, d, rem, 0), KEY_PART(kb, j), a0);
-        s[j] = hsum8(a0);
-    }
-}
-#undef KEY_PART
-#undef KEY
-
 /* exp(x) for x <= 0 (softmax after the max is taken): 2^n * p(r), r in [-ln2/2, ln2/2], a degree-6
  * polynomial (relative error about 2e-7); exp(-88) and below flush to 0 */
 AVX2 static inline __m256 exp_neg(__m256 x) {
@@ -257,37 +224,103 @@ AVX2 static void softmax_avx2(float* s, int64_t L) { /* in place; s[j] <- exp(s[
     for (j = 0; j < L; j++) s[j] *= inv;
 }
 
-/* out_d = sum_j p[j] * v_j[d], key by key (one FMA chain per element), 64 values of D at a time */
-AVX2 static void weighted_sum_avx2(const float* p, const void* vbase, const int64_t* rows, int64_t L,
-                                   int64_t D, int bf16, float* out) {
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        int64_t nd = D - d0 < 64 ? D - d0 : 64;
-        __m256 acc[8];
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-        if (nd == 64) {
-            for (int64_t j = 0; j < L; j++) {
-                __m256 pj = _mm256_set1_ps(p[j]);
-                int64_t off = rows[j] + d0;
-                for (int c = 0; c < 8; c++)
-                    acc[c] = _mm256_fmadd_ps(pj, bf16 ? ld_bf16(vbase, off + c * 8) : ld_f32(vbase, off + c * 8), acc[c]);
-            }
-        } else {
-            for (int64_t j = 0; j < L; j++) {
-                __m256 pj = _mm256_set1_ps(p[j]);
-                int64_t off = rows[j] + d0;
-                for (int c = 0; c * 8 < nd; c++) {
-                    int rem = (int)(nd - c * 8);
-                    __m256 v = rem >= 8 ? (bf16 ? ld_bf16(vbase, off + c * 8) : ld_f32(vbase, off + c * 8))
-                                        : ld_part(vbase, off + c * 8, rem, bf16);
-                    acc[c] = _mm256_fmadd_ps(pj, v, acc[c]);
-                }
-            }
-        }
-        float tmp[64];
-        for (int c = 0; c < 8; c++) _mm256_storeu_ps(tmp + c * 8, acc[c]);
-        memcpy(out + d0, tmp, (size_t)nd * sizeof(float));
+/* NH query heads of one token (they share a KV head) over the same L keys at element offsets rows[j]:
+ * s[h][j] = dot(q[h], key j) in 8 lanes over D then hsum8; keys KB at a time, each key read once for
+ * all NH heads (independent sums, each with the same arithmetic whatever NH and KB). */
+#define LDX(P, OFF, REM) ((REM) ? ld_part(P, OFF, REM, bf16) : (bf16 ? ld_bf16(P, OFF) : ld_f32(P, OFF)))
+#define SCORES(NAME, NH, KB)                                                                            \
+    AVX2 static void NAME(const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D,     \
+                          int bf16, float* s) {                                                         \
+        int64_t j = 0;                                                                                  \
+        for (; j + KB <= L; j += KB) {                                                                  \
+            __m256 a[NH][KB];                                                                           \
+            for (int h = 0; h < NH; h++)                                                                \
+                for (int u = 0; u < KB; u++) a[h][u] = _mm256_setzero_ps();                             \
+            int64_t d = 0;                                                                              \
+            for (; d + 8 <= D; d += 8) {                                                                \
+                __m256 kv[KB];                                                                          \
+                for (int u = 0; u < KB; u++) kv[u] = LDX(kb, rows[j + u] + d, 0);                       \
+                for (int h = 0; h < NH; h++) {                                                          \
+                    __m256 qv = _mm256_loadu_ps(q + h * D + d);                                         \
+                    for (int u = 0; u < KB; u++) a[h][u] = _mm256_fmadd_ps(qv, kv[u], a[h][u]);         \
+                }                                                                                       \
+            }                                                                                           \
+            if (d < D) { /* the last D % 8 values: zero lanes after them */                             \
+                int rem = (int)(D - d);                                                                 \
+                for (int u = 0; u < KB; u++) {                                                          \
+                    __m256 kv = LDX(kb, rows[j + u] + d, rem);                                          \
+                    for (int h = 0; h < NH; h++)                                                        \
+                        a[h][u] = _mm256_fmadd_ps(ld_part(q + h * D, d, rem, 0), kv, a[h][u]);          \
+                }                                                                                       \
+            }                                                                                           \
+            for (int h = 0; h < NH; h++)                                                                \
+                for (int u = 0; u < KB; u++) s[h * L + j + u] = hsum8(a[h][u]);                         \
+        }                                                                                               \
+        for (; j < L; j++) {                                                                            \
+            __m256 a[NH];                                                                               \
+            for (int h = 0; h < NH; h++) a[h] = _mm256_setzero_ps();                                    \
+            int64_t d = 0;                                                                              \
+            for (; d + 8 <= D; d += 8) {                                                                \
+                __m256 k0 = LDX(kb, rows[j] + d, 0);                                                    \
+                for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), k0, a[h]); \
+            }                                                                                           \
+            if (d < D) {                                                                                \
+                int rem = (int)(D - d);                                                                 \
+                __m256 k0 = LDX(kb, rows[j] + d, rem);                                                  \
+                for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(ld_part(q + h * D, d, rem, 0), k0, a[h]); \
+            }                                                                                           \
+            for (int h = 0; h < NH; h++) s[h * L + j] = hsum8(a[h]);                                    \
+        }                                                                                               \
     }
-}
+
+/* o[h][d] = sum_j p[h][j] * v_j[d], key by key (one FMA chain per element), 32 values of D at a
+ * time, each value row read once for all NH heads */
+#define WSUM(NAME, NH)                                                                                  \
+    AVX2 static void NAME(const float* p, const void* vb, const int64_t* rows, int64_t L, int64_t D,     \
+                          int bf16, float* o) {                                                         \
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {                                                        \
+            int64_t nd = D - d0 < 32 ? D - d0 : 32;                                                     \
+            int nv = (int)((nd + 7) / 8), rem = (int)(nd % 8);                                          \
+            __m256 acc[NH][4];                                                                          \
+            for (int h = 0; h < NH; h++)                                                                \
+                for (int c = 0; c < 4; c++) acc[h][c] = _mm256_setzero_ps();                            \
+            if (nd == 32) /* whole vectors */                                                           \
+                for (int64_t j = 0; j < L; j++) {                                                       \
+                    __m256 pj[NH];                                                                      \
+                    for (int h = 0; h < NH; h++) pj[h] = _mm256_set1_ps(p[h * L + j]);                  \
+                    for (int c = 0; c < 4; c++) {                                                       \
+                        __m256 v = LDX(vb, rows[j] + d0 + c * 8, 0);                                    \
+                        for (int h = 0; h < NH; h++) acc[h][c] = _mm256_fmadd_ps(pj[h], v, acc[h][c]);  \
+                    }                                                                                   \
+                }                                                                                       \
+            else                                                                                        \
+                for (int64_t j = 0; j < L; j++)                                                         \
+                    for (int c = 0; c < nv; c++) {                                                      \
+                        __m256 v = LDX(vb, rows[j] + d0 + c * 8, c == nv - 1 ? rem : 0);                \
+                        for (int h = 0; h < NH; h++)                                                    \
+                            acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * L + j]), v, acc[h][c]);    \
+                    }                                                                                   \
+            for (int h = 0; h < NH; h++) {                                                              \
+                float tmp[32];                                                                          \
+                for (int c = 0; c < 4; c++) _mm256_storeu_ps(tmp + c * 8, acc[h][c]);                   \
+                memcpy(o + h * D + d0, tmp, (size_t)nd * sizeof(float));                               \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+SCORES(scores1, 1, 8)
+SCORES(scores2, 2, 4)
+SCORES(scores3, 3, 3)
+WSUM(wsum1, 1)
+WSUM(wsum2, 2)
+WSUM(wsum3, 3)
+#undef LDX
+
+typedef void (*scores_fn)(const float*, const void*, const int64_t*, int64_t, int64_t, int, float*);
+typedef void (*wsum_fn)(const float*, const void*, const int64_t*, int64_t, int64_t, int, float*);
+static const scores_fn scores_avx2[4] = {0, scores1, scores2, scores3};
+static const wsum_fn wsum_avx2[4] = {0, wsum1, wsum2, wsum3};
+#define MAX_NH 3 /* query heads computed together (one pass over a KV head's keys) */
 #else
 #define HAVE_AVX2_PATH 0
 #endif
@@ -333,8 +366,9 @@ static void weighted_sum_c(const float* p, const void* vbase, const int64_t* row
         for (int64_t d = 0; d < D; d++) out[d] = fmaf(p[j], load1(vbase, rows[j] + d, bf16), out[d]);
 }
 
-/* Query heads of a step: item i = (token t0 + i / G, head kvh * G + i % G) for i in [i_lo, i_hi),
- * G = H / H_kv the query heads of KV head kvh.
+/* Tokens t0 + i for i in [i_lo, i_hi), each with query heads h_lo .. h_hi - 1 (all of one KV head:
+ * heads kvh * G .. kvh * G + G - 1, G = H / H_kv), nh of them at a time (one pass over the keys
+ * serves them all).
  *   q [T, H, D] and out [T, H, D]: fp32, or bf16 when bf16;
  *   k_cache / v_cache: one layer's pages, flat [slots, H_kv, D] (fp32, or bf16 when bf16);
  *   token t reads cache positions run_lo[t] .. run_hi[t]-1, then extra[extra_off[t] .. extra_off[t+1]-1],
@@ -343,48 +377,52 @@ static void weighted_sum_c(const float* p, const void* vbase, const int64_t* row
 static int64_t attend_range(const void* q, int64_t H, int64_t D, const void* k_cache, const void* v_cache,
                             int64_t H_kv, const int64_t* kv_slots, int64_t Lk, const int64_t* seq,
                             const int64_t* run_lo, const int64_t* run_hi, const int64_t* extra_off,
-                            const int64_t* extra, float scale, float softcap, void* out, int64_t t0, int64_t kvh,
-                            int64_t i_lo, int64_t i_hi, int64_t bf16) {
-    int64_t group = H / H_kv;
+                            const int64_t* extra, float scale, float softcap, void* out, int64_t t0, int64_t h_lo,
+                            int64_t h_hi, int64_t i_lo, int64_t i_hi, int64_t nh, int64_t bf16) {
+    int64_t kvh = h_lo / (H / H_kv);
     int b16 = (int)bf16;
+    int64_t esz = b16 ? 2 : 4;
     for (int64_t i = i_lo; i < i_hi; i++) {
-        int64_t t = t0 + i / group, h = kvh * group + i % group;
+        int64_t t = t0 + i;
         int64_t n_run = run_hi[t] - run_lo[t], n_extra = extra_off[t + 1] - extra_off[t], L = n_run + n_extra;
-        int64_t* rows = (int64_t*)malloc((size_t)L * sizeof(int64_t) + (size_t)(L + 2 * D) * sizeof(float));
+        int64_t* rows = (int64_t*)malloc((size_t)L * sizeof(int64_t) + (size_t)MAX_NH * (L + 2 * D) * sizeof(float));
         if (!rows) return -1;
-        float *s = (float*)(rows + L), *qf = s + L, *o = qf + D;
+        float *s = (float*)(rows + L), *qf = s + MAX_NH * L, *o = qf + MAX_NH * D;
         const int64_t* slots = kv_slots + seq[t] * Lk;
         for (int64_t j = 0; j < L; j++) { /* element offset of each key's D values */
             int64_t c = j < n_run ? run_lo[t] + j : extra[extra_off[t] + j - n_run];
             rows[j] = (slots[c] * H_kv + kvh) * D;
         }
-        for (int64_t d = 0; d < D; d++) qf[d] = load1(q, (t * H + h) * D + d, b16);
-        const char* kb = (const char*)k_cache;
-        int64_t esz = b16 ? 2 : 4;
+        for (int64_t h0 = h_lo; h0 < h_hi; h0 += nh) {
+            int64_t n = h_hi - h0 < nh ? h_hi - h0 : nh;
+            for (int64_t h = 0; h < n; h++)
+                for (int64_t d = 0; d < D; d++) qf[h * D + d] = load1(q, (t * H + h0 + h) * D + d, b16);
 #if HAVE_AVX2_PATH
-        if (use_avx2) scores_avx2(qf, k_cache, rows, L, D, b16, s);
+            if (use_avx2) scores_avx2[n](qf, k_cache, rows, L, D, b16, s);
+            else
 #endif
-        for (int64_t j = 0; j < L; j++) {
+                for (int64_t h = 0; h < n; h++)
+                    for (int64_t j = 0; j < L; j++) s[h * L + j] = qk_c(qf + h * D, (const char*)k_cache + rows[j] * esz, D, b16);
+            for (int64_t h = 0; h < n; h++) {
+                float* sh = s + h * L;
+                for (int64_t j = 0; j < L; j++) {
+                    float sc = sh[j] * scale;
+                    sh[j] = softcap > 0.0f ? softcap * tanhf(sc / softcap) : sc;
+                }
 #if HAVE_AVX2_PATH
-            float sc = use_avx2 ? s[j] : qk_c(qf, kb + rows[j] * esz, D, b16);
-#else
-            float sc = qk_c(qf, kb + rows[j] * esz, D, b16);
+                if (use_avx2) softmax_avx2(sh, L);
+                else
 #endif
-            sc *= scale;
-            if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-            s[j] = sc;
+                    softmax_c(sh, L);
+            }
+#if HAVE_AVX2_PATH
+            if (use_avx2) wsum_avx2[n](s, v_cache, rows, L, D, b16, o);
+            else
+#endif
+                for (int64_t h = 0; h < n; h++) weighted_sum_c(s + h * L, v_cache, rows, L, D, b16, o + h * D);
+            for (int64_t h = 0; h < n; h++)
+                for (int64_t d = 0; d < D; d++) store1(out, (t * H + h0 + h) * D + d, o[h * D + d], b16);
         }
-#if HAVE_AVX2_PATH
-        if (use_avx2) {
-            softmax_avx2(s, L);
-            weighted_sum_avx2(s, v_cache, rows, L, D, b16, o);
-        } else
-#endif
-        {
-            softmax_c(s, L);
-            weighted_sum_c(s, v_cache, rows, L, D, b16, o);
-        }
-        for (int64_t d = 0; d < D; d++) store1(out, (t * H + h) * D + d, o[d], b16);
         free(rows);
     }
     return 0;
@@ -529,22 +567,27 @@ typedef struct {
     int64_t T, H, D, H_kv, Lk, bf16;
     float scale, softcap;
     const int64_t* starts; /* [R+1] first token of each run of tokens of one sequence */
-    int64_t chunks;        /* parts per (run, KV head) */
+    int64_t chunks;        /* token pieces per (run, head piece) */
+    int64_t hsplit;        /* pieces the query heads of a KV head are cut into */
+    int64_t nh;            /* query heads per pass over the keys */
     atomic_long failed;
 } attend_job;
 
-/* Part p = (run r, KV head kvh, chunk c): the tokens of one sequence in this step times the query
- * heads of one KV head, in order, cut into `chunks` pieces. A part reads one KV head of one
- * sequence's keys, which then stay in cache for all its queries (grouping changes which queries
- * run together, never a query's arithmetic). */
+/* Part p = (run r, head piece, token piece c): a piece of one sequence's tokens in this step, each with
+ * a piece of the query heads of one KV head. That KV head's keys then stay in cache for all the part's
+ * queries (which queries run together never changes a query's arithmetic). */
 static void attend_part(void* ctx, int64_t part) {
     attend_job* j = (attend_job*)ctx;
-    int64_t c = part % j->chunks, grp = part / j->chunks, r = grp / j->H_kv, kvh = grp % j->H_kv;
-    int64_t n = (j->starts[r + 1] - j->starts[r]) * (j->H / j->H_kv);
+    int64_t group = j->H / j->H_kv;
+    int64_t c = part % j->chunks, hp = part / j->chunks % (j->H_kv * j->hsplit), r = part / j->chunks / (j->H_kv * j->hsplit);
+    int64_t kvh = hp / j->hsplit, piece = hp % j->hsplit;
+    int64_t h_lo = kvh * group + group * piece / j->hsplit, h_hi = kvh * group + group * (piece + 1) / j->hsplit;
+    int64_t n = j->starts[r + 1] - j->starts[r];
     int64_t lo = n * c / j->chunks, hi = n * (c + 1) / j->chunks;
-    if (lo < hi && attend_range(j->q, j->H, j->D, j->k_cache, j->v_cache, j->H_kv, j->kv_slots, j->Lk, j->seq,
-                                j->run_lo, j->run_hi, j->extra_off, j->extra, j->scale, j->softcap, j->out,
-                                j->starts[r], kvh, lo, hi, j->bf16))
+    if (lo < hi && h_lo < h_hi &&
+        attend_range(j->q, j->H, j->D, j->k_cache, j->v_cache, j->H_kv, j->kv_slots, j->Lk, j->seq, j->run_lo,
+                     j->run_hi, j->extra_off, j->extra, j->scale, j->softcap, j->out, j->starts[r], h_lo, h_hi, lo,
+                     hi, j->nh, j->bf16))
         atomic_store(&j->failed, 1);
 }
 
@@ -557,18 +600,25 @@ int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, const void* k_cac
     if (T <= 0) return 0;
     int64_t* starts = (int64_t*)malloc((size_t)(T + 1) * sizeof(int64_t));
     if (!starts) return -1;
-    int64_t runs = 0;
+    int64_t runs = 0, longest = 0;  /* sequences, and the most tokens one feeds */
     for (int64_t t = 0; t < T; t++)
         if (t == 0 || seq[t] != seq[t - 1]) starts[runs++] = t;
     starts[runs] = T;
-    /* enough parts to keep every thread busy, each as large as that allows */
-    int64_t groups = runs * H_kv, want = 4 * (threads > 1 ? threads : 1), chunks = (want + groups - 1) / groups;
-    int64_t most = (T / runs + 1) * (H / H_kv);
-    if (threads <= 1) chunks = 1;
-    if (chunks > most) chunks = most;
+    for (int64_t r = 0; r < runs; r++) longest = starts[r + 1] - starts[r] > longest ? starts[r + 1] - starts[r] : longest;
+    /* enough parts to keep every thread busy (a few each: parts differ in length), each as large as
+     * that allows; where the tokens are too few for that, heads go one at a time */
+    int64_t groups = runs * H_kv, want = threads > 1 ? 4 * threads : 1, group = H / H_kv, hsplit = 1;
+    int64_t chunks = (want + groups - 1) / groups;
+    if (chunks > longest) { /* too few tokens: cut the heads of a KV head too */
+        chunks = longest;
+        hsplit = (want + groups * chunks - 1) / (groups * chunks);
+        hsplit = hsplit < group ? hsplit : group;
+    }
+    int64_t nh = (group + hsplit - 1) / hsplit;
+    nh = nh < MAX_NH ? nh : MAX_NH;
     attend_job j = {q, k_cache, v_cache, kv_slots, seq, run_lo, run_hi, extra_off, extra, out,
-                    T, H, D, H_kv, Lk, bf16, scale, softcap, starts, chunks, 0};
-    run_parallel(attend_part, &j, groups * chunks, threads);
+                    T, H, D, H_kv, Lk, bf16, scale, softcap, starts, chunks, hsplit, nh, 0};
+    run_parallel(attend_part, &j, groups * hsplit * chunks, threads);
     free(starts);
     return atomic_load(&j.failed) ? -1 : 0;
 }
