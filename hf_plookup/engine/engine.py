@@ -83,14 +83,15 @@ class EngineOptions:
 # Where compile="auto" turns compiled steps on, by device type (measured: README "Compiled steps").
 COMPILE_AUTO = {"cuda": True, "cpu": False}
 # tree_min_score by device type. A node is worth feeding when its score beats the share of a step
-# one more token costs times the tokens a step yields: on the CPU (SmolLM2 fp32, 2 cores) a token
-# adds about 9% to a 1-token step and a step yields about 2 tokens, so 0.2 at batch 1 (draft
-# replays: README "Candidate trees"), raised with the batch by drafting.tree.batch_min_score with a
-# step's fixed cost worth STEP_FIXED_TOKENS tokens (step_bench: 5 tokens cost 1.35x one, so about
-# 11); on CUDA a verify step's tokens cost little and graph steps are padded to the whole budget
-# anyway, so every node is fed. A tree_min_score set by the user is used as is.
-TREE_MIN_SCORE = {"cpu": 0.2, "cuda": 0.0}
-STEP_FIXED_TOKENS = {"cpu": 11.0}
+# one more token costs times the tokens a step yields: on the CPU, where verify steps run through
+# engine.cpu_kernels (SmolLM2 fp32, 2 cores, eval/step_bench.py: a 1-token step 48 ms, 5 tokens 57,
+# 9 tokens 72), a fed token adds about 5% to a 1-token step and a step yields about 2 tokens, so
+# 0.1 at batch 1, raised with the batch by drafting.tree.batch_min_score with a step's fixed cost
+# worth STEP_FIXED_TOKENS tokens (48 = c (F + 1), 57 = c (F + 5): F about 19); on CUDA a verify
+# step's tokens cost little and graph steps are padded to the whole budget anyway, so every node
+# is fed. A tree_min_score set by the user is used as is.
+TREE_MIN_SCORE = {"cpu": 0.1, "cuda": 0.0}
+STEP_FIXED_TOKENS = {"cpu": 19.0}
 
 
 def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str, hooked: bool = False) -> bool:

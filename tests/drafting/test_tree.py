@@ -503,7 +503,7 @@ def test_source_arguments_checked(llama, kwargs, err, match):
 def test_tree_min_score_prunes_and_is_checked(llama):
     """The per-device default prunes unlikely nodes on CPU (smaller trees, same tokens)."""
     engine = wrap_copy(llama)._engine
-    assert (engine.tree_min_score, engine.step_fixed_tokens) == (0.2, 11.0)  # CPU defaults (engine.TREE_MIN_SCORE)
+    assert (engine.tree_min_score, engine.step_fixed_tokens) == (0.1, 19.0)  # CPU defaults (engine.TREE_MIN_SCORE)
     assert wrap_copy(llama, tree_min_score=0.3)._engine.step_fixed_tokens is None  # the user's value as is
     model = tiny_model("gemma2")
     ids = _branchy(model)
