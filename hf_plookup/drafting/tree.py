@@ -26,7 +26,7 @@ __all__ = ["TreeProposer", "accept_tree", "acceptance_estimate", "ancestor_mask"
 
 # candidates (earlier occurrences) per row and kind of source (own row, others) before ranking;
 # each costs a few cache misses (its link and its tokens), so large batches get fewer: at most
-# CANDIDATE_WORK per step over the batch, never under MIN_CANDIDATES (README "Candidate trees":
+# CANDIDATE_WORK per step over the batch, never under MIN_CANDIDATES (docs/results.md "Candidate trees":
 # draft replays give under 1% fewer tokens per forward at 16-24 candidates than at 64, and
 # proposer_bench's 256 rows of 8k tokens, 24 candidates each, take under 1 ms per step on 2 cores)
 MAX_CANDIDATES = 64

@@ -80,7 +80,7 @@ class EngineOptions:
             raise ValueError(f"attn_backend must be one of {BACKEND_CHOICES}, got {self.attn_backend!r}")
 
 
-# Where compile="auto" turns compiled steps on, by device type (measured: README "Compiled steps").
+# Where compile="auto" turns compiled steps on, by device type (measured: docs/results.md, "GPU: compiled steps").
 COMPILE_AUTO = {"cuda": True, "cpu": False}
 # tree_min_score by device type. A node is worth feeding when its score beats the share of a step
 # one more token costs times the tokens a step yields: on the CPU, where verify steps run through
