@@ -6,21 +6,23 @@ dtype, and seeded sampling does not depend on the batch.
 Pieces (the user's model outside `generate` is untouched: everything is switched on around one
 engine forward and restored after):
 
-- **attention**: on sdpa, `attention.invariant` (one SDPA call per decode query over exactly its
-  keys; prompt chunks per sequence, cut at fixed offsets by the scheduler); on Triton, the
+- **attention**: on sdpa, `attention.invariant` (on CPU the decode queries through
+  `engine.cpu_kernels.attend`, elsewhere one SDPA call per decode query over exactly its keys;
+  prompt chunks per sequence, cut at fixed offsets by the scheduler); on Triton, the
   kernel's invariant form (`attention.triton.paged_attention(invariant=True)`: query blocks
   and key splits of fixed sizes).
 - **linear layers and LM head** (`InvariantLinears`): every `nn.Linear` of the model goes
   through the op `hf_plookup::invariant_linear`, which computes each decode row exactly as it
   would be alone. How is decided once per weight shape, dtype, device and thread count by a
-  check on this machine (`row_strategy`): `"plain"` (torch's batched call, in pieces of at most
-  `PROBE_ROWS` rows) when its rows came out bitwise equal to 1-row calls for every row count
-  up to PROBE_ROWS on random inputs; else a kernel built to be row-invariant when its rows pass
-  the same check: `"numba"` (engine.row_linear, fp32 on CPU), `"triton"` (engine.triton_linear,
-  CUDA); else `"rows"` (one 1-row call per row: equal by construction). Measured on the
-  project's AMD EPYC CPU (torch 2.13, MKL): bf16 linears are "plain" at every shape of SmolLM2,
-  fp32 ones fail the plain check and run "numba". A prompt chunk's rows run as one call of that
-  chunk alone (they need only be the same in every batch, not equal to 1-row calls).
+  check on this machine (`row_strategy`: rows of 2..PROBE_ROWS-row calls bitwise equal to 1-row
+  calls on random inputs), the first that passes of: `"cpu"` (engine.cpu_kernels, fp32/bf16 on
+  CPU: row-invariant by construction and faster than torch's call at every decode row count),
+  `"plain"` (torch's batched call, in pieces of at most `PROBE_ROWS` rows), `"numba"`
+  (engine.row_linear, fp32 on CPU where the C kernels were not built), `"triton"`
+  (engine.triton_linear, CUDA); else `"rows"` (one 1-row call per row: equal by construction).
+  A prompt chunk's rows run as one call of that chunk alone (they need only be the same in every
+  batch, not equal to 1-row calls): the "cpu" kernel for bf16 and for fp32 chunks of up to
+  PREFILL_TORCH_ROWS rows, else torch's call.
 - **everything else** (embeddings, norms, RoPE, activations, residuals, the KV write) is
   per-row elementwise work or per-row reductions; tests/engine/test_invariant.py checks the whole
   forward bitwise on the tiny architectures.
@@ -55,7 +57,7 @@ INVARIANT_AUTO = {("cpu", torch.float32): True, ("cpu", torch.bfloat16): True, (
 INVARIANT_AUTO_NEEDS_KERNELS = {("cpu", torch.float32)}
 PROBE_ROWS = 16
 
-_STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "plain" | "numba" | "triton" | "rows"
+_STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "cpu" | "plain" | "numba" | "triton" | "rows"
 INVARIANT_BACKENDS = ("sdpa", "triton")  # attention backends with an invariant form
 
 
@@ -113,11 +115,11 @@ PREFILL_TORCH_ROWS = 64
 
 
 def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    """How decode rows of this weight are computed, checked once per shape on random inputs:
-    "plain" when the batched `F.linear` gives every row bitwise as a 1-row call does for every
-    row count up to PROBE_ROWS (HF's own arithmetic, and the fastest); else "numba"
-    (engine.row_linear, float32 on CPU) or "triton" (engine.triton_linear, CUDA) when its rows
-    pass the same check; else "rows" (one 1-row `F.linear` per row)."""
+    """How decode rows of this weight are computed, checked once per shape on random inputs: the
+    first of "cpu" (engine.cpu_kernels, float32/bfloat16 on CPU), "plain" (the batched `F.linear`,
+    HF's own arithmetic), "numba" (engine.row_linear, float32 on CPU) and "triton"
+    (engine.triton_linear, CUDA) that takes the weight and gives every row bitwise as a 1-row
+    call does for every row count up to PROBE_ROWS; else "rows" (one 1-row `F.linear` per row)."""
     key = (*weight.shape, weight.dtype, weight.device, bias is None, torch.get_num_threads())
     got = _STRATEGIES.get(key)
     if got is None:

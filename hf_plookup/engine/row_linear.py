@@ -16,7 +16,7 @@ For the handful of rows of a decode or verify step this is faster than MKL on th
 (SmolLM2-135M's 211 linear weights, 2 threads: 27 ms against 49 ms for 1 row, 35 against 88 for
 5 rows, 81 against 96 for 16; eval/step_bench.py measures it in a whole step), because it
 streams each weight row once for all M rows. Used by invariant mode (engine.invariant) for
-float32; numba has no bfloat16 arithmetic.
+float32 where the C kernels of engine.cpu_kernels were not built; numba has no bfloat16 arithmetic.
 """
 
 from __future__ import annotations
