@@ -83,13 +83,13 @@ class EngineOptions:
 # Where compile="auto" turns compiled steps on, by device type (measured: docs/results.md, "GPU: compiled steps").
 COMPILE_AUTO = {"cuda": True, "cpu": False}
 # tree_min_score by device type. A node is worth feeding when its score beats the share of a step
-# one more token costs times the tokens a step yields: on the CPU, where verify steps run through
-# engine.cpu_kernels (SmolLM2 fp32, 2 cores, eval/step_bench.py: a 1-token step 48 ms, 5 tokens 57,
-# 9 tokens 72), a fed token adds about 5% to a 1-token step and a step yields about 2 tokens, so
-# 0.1 at batch 1, raised with the batch by drafting.tree.batch_min_score with a step's fixed cost
-# worth STEP_FIXED_TOKENS tokens (48 = c (F + 1), 57 = c (F + 5): F about 19); on CUDA a verify
-# step's tokens cost little and graph steps are padded to the whole budget anyway, so every node
-# is fed. A tree_min_score set by the user is used as is.
+# one more token costs times the tokens a step yields. On the CPU, where verify steps run through
+# engine.cpu_kernels, a step of N fed tokens costs about c (F + N) with F about 19 (README "A step's
+# cost on this CPU": 5 tokens cost about 1.2x one), so a fed token adds about 5% to a 1-token step;
+# a step yields about 2 tokens, hence 0.1 at batch 1, raised with the batch by
+# drafting.tree.batch_min_score with the step's fixed cost STEP_FIXED_TOKENS = F. On CUDA a verify
+# step's tokens cost little and graph steps are padded to the whole budget anyway, so every node is
+# fed. A tree_min_score set by the user is used as is.
 TREE_MIN_SCORE = {"cpu": 0.1, "cuda": 0.0}
 STEP_FIXED_TOKENS = {"cpu": 19.0}
 
