@@ -114,7 +114,6 @@ class InvariantLayout:
         got = self._keys[window] = (idx, bases, views, masks)
         return got
 
-
     def visible(self, window: int | None):
         """Per decode token, the cache positions it reads (in order) under `window`."""
         for t, b, pos, cpos in self.decode:
@@ -122,17 +121,17 @@ class InvariantLayout:
 
     def decode_runs(self, window: int | None):
         """The decode tokens' keys as `cpu_kernels.attend` takes them, built once per step and window:
-        (tokens [Td] packed index, seq [Td], run_lo [Td], run_hi [Td], extra_off [Td+1], extra [E]).
+        (seq [Td], run_lo [Td], run_hi [Td], extra_off [Td+1], extra [E]), Td in packed order.
         A token's keys are the run of cache positions run_lo..run_hi-1 (its context, and for a chain
         the chunk up to itself), then `extra` (a tree node's ancestors and itself)."""
         got = self._runs.get(window)
         if got is None:
             n = len(self.decode)
-            tokens, seq, lo, hi = (np.zeros(n, np.int64) for _ in range(4))
+            seq, lo, hi = (np.zeros(n, np.int64) for _ in range(3))
             extra_off = np.zeros(n + 1, np.int64)
             extras = []
-            for i, (t, b, cpos) in enumerate(self.visible(window)):
-                tokens[i], seq[i] = t, b
+            for i, (_, b, cpos) in enumerate(self.visible(window)):
+                seq[i] = b
                 if len(cpos):
                     run = int(np.sum(cpos == cpos[0] + np.arange(len(cpos))))  # cpos is sorted: a run, then the rest
                     lo[i], hi[i] = cpos[0], cpos[0] + run
@@ -141,7 +140,7 @@ class InvariantLayout:
                 else:
                     extra_off[i + 1] = extra_off[i]
             extra = np.concatenate(extras) if extras else np.zeros(0, np.int64)
-            got = self._runs[window] = (tokens, seq, lo, hi, extra_off, extra)
+            got = self._runs[window] = (seq, lo, hi, extra_off, extra)
         return got
 
 
@@ -202,18 +201,12 @@ def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torc
     """Packed queries `[1, H, T, D]` over one layer's pages `[num_blocks, block_size, H_kv, D]`
     (K/V already written) -> `[1, T, H, D]`, each query computed as described above."""
     window = sliding_window if sliding_window else None
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
-    groups = range(len(layout.query_groups))
-    if layout.decode and k_cache.device.type == "cpu" and k_cache.dtype in cpu_kernels.DTYPES and cpu_kernels.available():
-        tokens, seq, lo, hi, extra_off, extra = layout.decode_runs(window)
-        q = query[0].transpose(0, 1)  # [T, H, D]
-        q = q if len(tokens) == layout.num_tokens else q[torch.from_numpy(tokens)]
-        o = cpu_kernels.attend(q.to(k_cache.dtype), k_cache, v_cache, layout.kv_slots, seq, lo, hi, extra_off, extra,
-                               scale, softcap).to(query.dtype)
-        if len(tokens) == layout.num_tokens:
-            return o[None]
-        out[torch.from_numpy(tokens)] = o
-        groups = range(len(layout.prefill))  # the prompt chunks are left
+    # a decode step (the scheduler never mixes prompt chunks into one) on CPU: the C kernel
+    if not layout.prefill and k_cache.device.type == "cpu" and k_cache.dtype in cpu_kernels.DTYPES and cpu_kernels.available():
+        seq, lo, hi, extra_off, extra = layout.decode_runs(window)
+        q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, H, D]
+        return cpu_kernels.attend(q, k_cache, v_cache, layout.kv_slots, seq, lo, hi, extra_off, extra, scale,
+                                  softcap).to(query.dtype)[None]
     h_kv, d = k_cache.shape[-2:]
     idx, bases, views, masks = layout.keys(window)
     k_all = k_cache.view(-1, h_kv, d).index_select(0, idx)  # [sum L, H_kv, D]
@@ -223,12 +216,12 @@ def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torc
     # each base as HF's cache holds keys: [1, H_kv, L, D], contiguous; a group reads a run of L
     k_bases = [k_all[o : o + n].transpose(0, 1).contiguous()[None] for o, n in bases]
     v_bases = [v_all[o : o + n].transpose(0, 1).contiguous()[None] for o, n in bases]
-    for g in groups:
-        (lo_t, n), (base, start, L) = layout.query_groups[g], views[g]
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
+    for g, ((lo, n), (base, start, L)) in enumerate(zip(layout.query_groups, views)):
         k = k_bases[base][:, :, start : start + L]
         v = v_bases[base][:, :, start : start + L]
         mask = masks[g] if g < len(masks) else None
         causal = g < len(masks) and mask is None and n > 1
-        o = _attend_one(query[:, :, lo_t : lo_t + n], k, v, mask, causal, scale, softcap)  # [1, H, n, D]
-        out[lo_t : lo_t + n] = o[0].transpose(0, 1)
+        o = _attend_one(query[:, :, lo : lo + n], k, v, mask, causal, scale, softcap)  # [1, H, n, D]
+        out[lo : lo + n] = o[0].transpose(0, 1)
     return out[None]

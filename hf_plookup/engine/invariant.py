@@ -155,7 +155,7 @@ def prefill_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """One prompt chunk's rows (the same in every batch, as the scheduler cuts chunks at fixed
     offsets): the "cpu" kernel where it is the weight's strategy, except for long float32 chunks,
     else torch's call."""
-    if (row_strategy(weight, bias) == "cpu" and (weight.dtype != torch.float32 or x2d.shape[0] <= PREFILL_TORCH_ROWS)):
+    if row_strategy(weight, bias) == "cpu" and (weight.dtype != torch.float32 or x2d.shape[0] <= PREFILL_TORCH_ROWS):
         return cpu_kernels.linear(x2d, weight, bias)
     return F.linear(x2d, weight, bias)
 
