@@ -66,9 +66,9 @@ static inline void store1(void* p, int64_t i, float v, int bf16) {
 /* ------------------------------------------------------------------ portable version */
 
 /* dot of n values in 8 lanes, lanes summed as hsum8 does */
-static float dot8_c(const void* a, const void* b, int64_t n, int bf16) {
+static float dot8_c(const void* a, int a_bf16, const void* b, int b_bf16, int64_t n) {
     float acc[8] = {0};
-    for (int64_t k = 0; k < n; k++) acc[k & 7] = fmaf(load1(a, k, bf16), load1(b, k, bf16), acc[k & 7]);
+    for (int64_t k = 0; k < n; k++) acc[k & 7] = fmaf(load1(a, k, a_bf16), load1(b, k, b_bf16), acc[k & 7]);
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
@@ -76,9 +76,9 @@ static void linear_c(const void* x, int64_t M, const void* w, int64_t K, const v
                      int64_t n_hi, void* out, int64_t N, int bf16) {
     for (int64_t n = n_lo; n < n_hi; n++)
         for (int64_t m = 0; m < M; m++) {
-            const char* xr = (const char*)x + m * K * (bf16 ? 2 : 4);
+            const float* xr = (const float*)x + m * K;
             const char* wr = (const char*)w + n * K * (bf16 ? 2 : 4);
-            float s = dot8_c(wr, xr, K, bf16);
+            float s = dot8_c(wr, bf16, xr, 0, K);
             if (bias) s += load1(bias, n, bf16);
             store1(out, m * N + n, s, bf16);
         }
@@ -89,7 +89,7 @@ static void linear_c(const void* x, int64_t M, const void* w, int64_t K, const v
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
 #ifndef PF_TILES
-#define PF_TILES 2 /* how many 3-row tiles ahead the first row tile prefetches weights */
+#define PF_TILES 3 /* how many 3-row tiles ahead the first row tile prefetches weights (into L2) */
 #endif
 #define HAVE_AVX2_PATH 1
 
@@ -98,6 +98,20 @@ AVX2 static inline float hsum8(__m256 v) { /* ((0+4)+(2+6)) + ((1+5)+(3+7)) */
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* out[u] = hsum8(v[u]) for u < 8, bitwise (the same tree: lane i + lane i+4, then (0+2) + (1+3)),
+ * eight sums at once by transposing as they are added */
+AVX2 static inline void hsum8x8(const __m256* v, float* out) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; i++) /* [v_2i: p0..p3 | v_2i+1: p0..p3], p_l = lane l + lane l+4 */
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* [p0+p2, p1+p3] of four vectors */
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    __m256 d = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xDD));
+    /* d = sums of v0 v2 v4 v6 | v1 v3 v5 v7 */
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 AVX2 static inline __m256 ld_f32(const void* p, int64_t i) { return _mm256_loadu_ps((const float*)p + i); }
@@ -112,22 +126,31 @@ AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
     return _mm256_loadu_ps(tmp);
 }
 
-/* A tile: MB rows of x times NB weight rows. PF: prefetch the weight rows two tiles ahead
- * (the first row tile of each column group streams them from memory). */
-#define TILE(NAME, LD, ESZ, BF, MB, NB, PF)                                                             \
-    AVX2 static void NAME(const void* x, const void* w, int64_t K, int64_t m0, int64_t n0, float* acc_out) { \
+/* A tile: MB rows of x (float32: bf16 inputs are widened once per call, in `linear`) times NB
+ * weight rows. Prefetch: the weight rows PF_TILES column tiles ahead go into L2 one cache line at a
+ * time, while this tile's weights stream from memory. A column tile is computed in `pf_every` row
+ * passes (4 rows each); pass `pf_phase` requests every pf_every-th line, so requests go out
+ * evenly over the tile's compute and memory stays busy during the later passes too (pf_every 0:
+ * none). Into L1 instead, the prefetches evicted rows still being read and the stream ran at
+ * about 70% of the speed. */
+#define TILE(NAME, TGT, LD, ESZ, BF, MB, NB)                                                                 \
+    TGT static void NAME(const void* x, const void* w, int64_t K, int64_t m0, int64_t n0, float* acc_out, \
+                          int64_t pf_every, int64_t pf_phase) {                                         \
         __m256 acc[MB][NB];                                                                             \
         for (int i = 0; i < MB; i++)                                                                    \
             for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();                               \
-        int64_t k = 0;                                                                                  \
+        int64_t k = 0, line = 0;                                                                        \
         for (; k + 8 <= K; k += 8) {                                                                    \
             __m256 wv[NB];                                                                              \
             for (int j = 0; j < NB; j++) wv[j] = LD(w, (n0 + j) * K + k);                               \
-            if (PF && !(k & 15))                                                                        \
-                for (int j = 0; j < NB; j++)                                                            \
-                    _mm_prefetch((const char*)w + ((n0 + PF_TILES * NB + j) * K + k) * ESZ, _MM_HINT_T0);      \
+            if (pf_every && !(k & (64 / ESZ - 1))) {                                                    \
+                if (line == pf_phase)                                                                   \
+                    for (int j = 0; j < NB; j++)                                                        \
+                        _mm_prefetch((const char*)w + ((n0 + PF_TILES * NB + j) * K + k) * ESZ, _MM_HINT_T1); \
+                if (++line == pf_every) line = 0;                                                       \
+            }                                                                                           \
             for (int i = 0; i < MB; i++) {                                                              \
-                __m256 xv = LD(x, (m0 + i) * K + k);                                                    \
+                __m256 xv = ld_f32(x, (m0 + i) * K + k);                                                \
                 for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);         \
             }                                                                                           \
         }                                                                                               \
@@ -136,7 +159,7 @@ AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
             __m256 wv[NB];                                                                              \
             for (int j = 0; j < NB; j++) wv[j] = ld_part(w, (n0 + j) * K + k, rem, BF);                 \
             for (int i = 0; i < MB; i++) {                                                              \
-                __m256 xv = ld_part(x, (m0 + i) * K + k, rem, BF);                                      \
+                __m256 xv = ld_part(x, (m0 + i) * K + k, rem, 0);                                       \
                 for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);         \
             }                                                                                           \
         }                                                                                               \
@@ -144,42 +167,62 @@ AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
             for (int j = 0; j < NB; j++) acc_out[i * NB + j] = hsum8(acc[i][j]);                        \
     }
 
-#define TILES(T, LD, ESZ, BF)                                                                           \
-    TILE(T##_4x3p, LD, ESZ, BF, 4, 3, 1) TILE(T##_3x3p, LD, ESZ, BF, 3, 3, 1)                           \
-    TILE(T##_2x3p, LD, ESZ, BF, 2, 3, 1) TILE(T##_1x3p, LD, ESZ, BF, 1, 3, 1)                           \
-    TILE(T##_4x3, LD, ESZ, BF, 4, 3, 0) TILE(T##_3x3, LD, ESZ, BF, 3, 3, 0)                             \
-    TILE(T##_2x3, LD, ESZ, BF, 2, 3, 0) TILE(T##_1x3, LD, ESZ, BF, 1, 3, 0)                             \
-    TILE(T##_4x1, LD, ESZ, BF, 4, 1, 0) TILE(T##_3x1, LD, ESZ, BF, 3, 1, 0)                             \
-    TILE(T##_2x1, LD, ESZ, BF, 2, 1, 0) TILE(T##_1x1, LD, ESZ, BF, 1, 1, 0)                             \
-    typedef void (*T##_tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, float*);            \
-    static const T##_tile_fn T##_cols3p[5] = {0, T##_1x3p, T##_2x3p, T##_3x3p, T##_4x3p};                \
-    static const T##_tile_fn T##_cols3[5] = {0, T##_1x3, T##_2x3, T##_3x3, T##_4x3};                     \
-    static const T##_tile_fn T##_cols1[5] = {0, T##_1x1, T##_2x1, T##_3x1, T##_4x1};                     \
-    AVX2 static void T##_linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias,   \
-                                int64_t n_lo, int64_t n_hi, void* out, int64_t N) {                     \
-        float acc[12];                                                                                  \
-        int64_t n = n_lo;                                                                               \
+/* A kernel: its tiles (1..4 rows with the 16 AVX2 registers, 1..8 rows with AVX-512's 32) and the
+ * loop over output columns; M rows go in ceil(M / max rows) passes of about equal size. The
+ * AVX-512 build runs the very same 8-lane arithmetic per output, so its results are bitwise the
+ * AVX2 build's; it only keeps more rows in registers per weight load. */
+#define TILES4(T, TGT, LD, ESZ, BF)                                                                     \
+    TILE(T##_1x3, TGT, LD, ESZ, BF, 1, 3) TILE(T##_2x3, TGT, LD, ESZ, BF, 2, 3)                         \
+    TILE(T##_3x3, TGT, LD, ESZ, BF, 3, 3) TILE(T##_4x3, TGT, LD, ESZ, BF, 4, 3)                         \
+    TILE(T##_1x1, TGT, LD, ESZ, BF, 1, 1) TILE(T##_2x1, TGT, LD, ESZ, BF, 2, 1)                         \
+    TILE(T##_3x1, TGT, LD, ESZ, BF, 3, 1) TILE(T##_4x1, TGT, LD, ESZ, BF, 4, 1)
+#define TILES8(T, TGT, LD, ESZ, BF)                                                                     \
+    TILES4(T, TGT, LD, ESZ, BF)                                                                         \
+    TILE(T##_5x3, TGT, LD, ESZ, BF, 5, 3) TILE(T##_6x3, TGT, LD, ESZ, BF, 6, 3)                         \
+    TILE(T##_7x3, TGT, LD, ESZ, BF, 7, 3) TILE(T##_8x3, TGT, LD, ESZ, BF, 8, 3)                         \
+    TILE(T##_5x1, TGT, LD, ESZ, BF, 5, 1) TILE(T##_6x1, TGT, LD, ESZ, BF, 6, 1)                         \
+    TILE(T##_7x1, TGT, LD, ESZ, BF, 7, 1) TILE(T##_8x1, TGT, LD, ESZ, BF, 8, 1)
+typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
+#define LINEAR(T, TGT, MAXMB, BF)                                                                       \
+    TGT static void T##_linear(const tile_fn* cols3, const tile_fn* cols1, const void* x, int64_t M,     \
+                               const void* w, int64_t K, const void* bias, int64_t n_lo, int64_t n_hi,  \
+                               void* out, int64_t N) {                                                  \
+        float acc[3 * MAXMB];                                                                           \
+        int64_t n = n_lo, passes = (M + MAXMB - 1) / MAXMB;                                             \
         while (n < n_hi) {                                                                              \
             int nb = n + 3 <= n_hi ? 3 : 1;                                                             \
-            for (int64_t m = 0; m < M;) {                                                               \
-                int mb = M - m >= 4 ? 4 : (int)(M - m);                                                 \
-                if (nb == 1) T##_cols1[mb](x, w, K, m, n, acc);                                         \
-                else if (m == 0 && n + 9 <= n_hi) T##_cols3p[mb](x, w, K, m, n, acc);                   \
-                else T##_cols3[mb](x, w, K, m, n, acc);                                                 \
+            int64_t pf = nb == 3 && n + 3 * PF_TILES + 3 <= N ? passes : 0; /* rows to prefetch exist */ \
+            for (int64_t p = 0; p < passes; p++) {                                                      \
+                int64_t m = M * p / passes;                                                             \
+                int mb = (int)(M * (p + 1) / passes - m);                                               \
+                (nb == 3 ? cols3 : cols1)[mb](x, w, K, m, n, acc, pf, p);                               \
                 for (int i = 0; i < mb; i++)                                                            \
                     for (int j = 0; j < nb; j++) {                                                      \
                         float s = acc[i * nb + j];                                                      \
                         if (bias) s += load1(bias, n + j, BF);                                          \
                         store1(out, (m + i) * N + n + j, s, BF);                                        \
                     }                                                                                   \
-                m += mb;                                                                                \
             }                                                                                           \
             n += nb;                                                                                    \
         }                                                                                               \
     }
-
-TILES(f32, ld_f32, 4, 0)
-TILES(bf16, ld_bf16, 2, 1)
+#define AVX512 __attribute__((target("avx2,fma,avx512f,avx512vl")))
+TILES4(f32, AVX2, ld_f32, 4, 0)
+TILES4(bf16, AVX2, ld_bf16, 2, 1)
+TILES8(f32w, AVX512, ld_f32, 4, 0)
+TILES8(bf16w, AVX512, ld_bf16, 2, 1)
+LINEAR(f32, AVX2, 4, 0)
+LINEAR(bf16, AVX2, 4, 1)
+LINEAR(f32w, AVX512, 8, 0)
+LINEAR(bf16w, AVX512, 8, 1)
+static const tile_fn f32_cols3[] = {0, f32_1x3, f32_2x3, f32_3x3, f32_4x3};
+static const tile_fn f32_cols1[] = {0, f32_1x1, f32_2x1, f32_3x1, f32_4x1};
+static const tile_fn bf16_cols3[] = {0, bf16_1x3, bf16_2x3, bf16_3x3, bf16_4x3};
+static const tile_fn bf16_cols1[] = {0, bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1};
+static const tile_fn f32w_cols3[] = {0, f32w_1x3, f32w_2x3, f32w_3x3, f32w_4x3, f32w_5x3, f32w_6x3, f32w_7x3, f32w_8x3};
+static const tile_fn f32w_cols1[] = {0, f32w_1x1, f32w_2x1, f32w_3x1, f32w_4x1, f32w_5x1, f32w_6x1, f32w_7x1, f32w_8x1};
+static const tile_fn bf16w_cols3[] = {0, bf16w_1x3, bf16w_2x3, bf16w_3x3, bf16w_4x3, bf16w_5x3, bf16w_6x3, bf16w_7x3, bf16w_8x3};
+static const tile_fn bf16w_cols1[] = {0, bf16w_1x1, bf16w_2x1, bf16w_3x1, bf16w_4x1, bf16w_5x1, bf16w_6x1, bf16w_7x1, bf16w_8x1};
 
 /* exp(x) for x <= 0 (softmax after the max is taken): 2^n * p(r), r in [-ln2/2, ln2/2], a degree-6
  * polynomial (relative error about 2e-7); exp(-88) and below flush to 0 */
@@ -228,11 +271,20 @@ AVX2 static void softmax_avx2(float* s, int64_t L) { /* in place; s[j] <- exp(s[
  * s[h][j] = dot(q[h], key j) in 8 lanes over D then hsum8; keys KB at a time, each key read once for
  * all NH heads (independent sums, each with the same arithmetic whatever NH and KB). */
 #define LDX(P, OFF, REM) ((REM) ? ld_part(P, OFF, REM, bf16) : (bf16 ? ld_bf16(P, OFF) : ld_f32(P, OFF)))
+/* Keys and values are rows of D values scattered over the pages (the other KV heads' rows lie in
+ * between), a pattern the hardware prefetchers miss: each loop asks for the row KEY_AHEAD keys ahead. */
+#define KEY_AHEAD 32
+AVX2 static inline void prefetch_row(const char* p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    _mm_prefetch(p + bytes - 1, _MM_HINT_T0); /* the last line, when the row does not start a line */
+}
 #define SCORES(NAME, NH, KB)                                                                            \
     AVX2 static void NAME(const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D,     \
                           int bf16, float* s) {                                                         \
-        int64_t j = 0;                                                                                  \
+        int64_t j = 0, esz = bf16 ? 2 : 4;                                                              \
         for (; j + KB <= L; j += KB) {                                                                  \
+            for (int u = 0; u < KB && j + KEY_AHEAD + u < L; u++)                                       \
+                prefetch_row((const char*)kb + rows[j + KEY_AHEAD + u] * esz, D * esz);                 \
             __m256 a[NH][KB];                                                                           \
             for (int h = 0; h < NH; h++)                                                                \
                 for (int u = 0; u < KB; u++) a[h][u] = _mm256_setzero_ps();                             \
@@ -253,8 +305,10 @@ AVX2 static void softmax_avx2(float* s, int64_t L) { /* in place; s[j] <- exp(s[
                         a[h][u] = _mm256_fmadd_ps(ld_part(q + h * D, d, rem, 0), kv, a[h][u]);          \
                 }                                                                                       \
             }                                                                                           \
-            for (int h = 0; h < NH; h++)                                                                \
-                for (int u = 0; u < KB; u++) s[h * L + j + u] = hsum8(a[h][u]);                         \
+            float sums[8];                                                                              \
+            hsum8x8(&a[0][0], sums); /* NH * KB is 8 or 9 */                                            \
+            for (int i = 0; i < NH * KB; i++)                                                           \
+                s[i / KB * L + j + i % KB] = i < 8 ? sums[i] : hsum8(a[i / KB][i % KB]);                \
         }                                                                                               \
         for (; j < L; j++) {                                                                            \
             __m256 a[NH];                                                                               \
@@ -278,6 +332,7 @@ AVX2 static void softmax_avx2(float* s, int64_t L) { /* in place; s[j] <- exp(s[
 #define WSUM(NAME, NH)                                                                                  \
     AVX2 static void NAME(const float* p, const void* vb, const int64_t* rows, int64_t L, int64_t D,     \
                           int bf16, float* o) {                                                         \
+        int64_t esz = bf16 ? 2 : 4;                                                                     \
         for (int64_t d0 = 0; d0 < D; d0 += 32) {                                                        \
             int64_t nd = D - d0 < 32 ? D - d0 : 32;                                                     \
             int nv = (int)((nd + 7) / 8), rem = (int)(nd % 8);                                          \
@@ -286,6 +341,7 @@ AVX2 static void softmax_avx2(float* s, int64_t L) { /* in place; s[j] <- exp(s[
                 for (int c = 0; c < 4; c++) acc[h][c] = _mm256_setzero_ps();                            \
             if (nd == 32) /* whole vectors */                                                           \
                 for (int64_t j = 0; j < L; j++) {                                                       \
+                    if (j + KEY_AHEAD < L) prefetch_row((const char*)vb + (rows[j + KEY_AHEAD] + d0) * esz, 32 * esz); \
                     __m256 pj[NH];                                                                      \
                     for (int h = 0; h < NH; h++) pj[h] = _mm256_set1_ps(p[h * L + j]);                  \
                     for (int c = 0; c < 4; c++) {                                                       \
@@ -325,16 +381,19 @@ static const wsum_fn wsum_avx2[4] = {0, wsum1, wsum2, wsum3};
 #define HAVE_AVX2_PATH 0
 #endif
 
-static int use_avx2 = 0;
+static int simd = 0, simd_max = 0; /* 0: portable C, 1: AVX2 + FMA, 2: and AVX-512's registers (tiles of 8 rows) */
 
 /* ------------------------------------------------------------------ entry points */
 
+/* x: float32 [M, K] (linear widens bf16 inputs first); w, bias and out: bf16 when bf16, else float32 */
 static void linear_range(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t n_lo,
                          int64_t n_hi, void* out, int64_t N, int64_t bf16) {
 #if HAVE_AVX2_PATH
-    if (use_avx2) {
-        if (bf16) bf16_linear(x, M, w, K, bias, n_lo, n_hi, out, N);
-        else f32_linear(x, M, w, K, bias, n_lo, n_hi, out, N);
+    if (simd) {
+        if (simd == 2 && bf16) bf16w_linear(bf16w_cols3, bf16w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+        else if (simd == 2) f32w_linear(f32w_cols3, f32w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+        else if (bf16) bf16_linear(bf16_cols3, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+        else f32_linear(f32_cols3, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         return;
     }
 #endif
@@ -398,7 +457,7 @@ static int64_t attend_range(const void* q, int64_t H, int64_t D, const void* k_c
             for (int64_t h = 0; h < n; h++)
                 for (int64_t d = 0; d < D; d++) qf[h * D + d] = load1(q, (t * H + h0 + h) * D + d, b16);
 #if HAVE_AVX2_PATH
-            if (use_avx2) scores_avx2[n](qf, k_cache, rows, L, D, b16, s);
+            if (simd) scores_avx2[n](qf, k_cache, rows, L, D, b16, s);
             else
 #endif
                 for (int64_t h = 0; h < n; h++)
@@ -410,13 +469,13 @@ static int64_t attend_range(const void* q, int64_t H, int64_t D, const void* k_c
                     sh[j] = softcap > 0.0f ? softcap * tanhf(sc / softcap) : sc;
                 }
 #if HAVE_AVX2_PATH
-                if (use_avx2) softmax_avx2(sh, L);
+                if (simd) softmax_avx2(sh, L);
                 else
 #endif
                     softmax_c(sh, L);
             }
 #if HAVE_AVX2_PATH
-            if (use_avx2) wsum_avx2[n](s, v_cache, rows, L, D, b16, o);
+            if (simd) wsum_avx2[n](s, v_cache, rows, L, D, b16, o);
             else
 #endif
                 for (int64_t h = 0; h < n; h++) weighted_sum_c(s + h * L, v_cache, rows, L, D, b16, o + h * D);
@@ -553,11 +612,20 @@ static void linear_part(void* ctx, int64_t part) { /* output columns [48 part, 4
     linear_range(j->x, j->M, j->w, j->K, j->bias, n_lo, n_hi, j->out, j->N, j->bf16);
 }
 
-/* out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]); fp32, or bf16 (all four) when bf16; bias may be NULL */
-void linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t N, void* out, int64_t bf16,
-            int64_t threads) {
-    linear_job j = {x, w, bias, out, M, K, N, bf16};
+/* out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]); fp32, or bf16 (all four) when bf16; bias may be NULL.
+ * Returns 0, or -1 when scratch memory could not be had. */
+int64_t linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t N, void* out,
+               int64_t bf16, int64_t threads) {
+    float* xf = NULL; /* bf16 x widened to float32 once (exact), not once per tile */
+    if (bf16) {
+        xf = (float*)malloc((size_t)(M * K) * sizeof(float));
+        if (!xf) return -1;
+        for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
+    }
+    linear_job j = {xf ? xf : x, w, bias, out, M, K, N, bf16};
     run_parallel(linear_part, &j, (N + BLOCK_N - 1) / BLOCK_N, threads);
+    free(xf);
+    return 0;
 }
 
 typedef struct {
@@ -623,7 +691,15 @@ int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, const void* k_cac
     return atomic_load(&j.failed) ? -1 : 0;
 }
 
-int64_t uses_avx2(void) { return use_avx2; }
+int64_t uses_avx2(void) { return simd >= 1; }
+
+/* the SIMD level the kernels run (see `simd`); set_simd_level picks a lower one (tests compare them) */
+int64_t simd_level(void) { return simd; }
+int64_t set_simd_level(int64_t level) {
+    int64_t was = simd;
+    simd = level < 0 ? 0 : level > simd_max ? simd_max : (int)level;
+    return was;
+}
 
 /* ------------------------------------------------------------------ module */
 
@@ -637,7 +713,9 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__cpu_kernels(void) {
 #if HAVE_AVX2_PATH
     __builtin_cpu_init();
-    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        simd_max = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") ? 2 : 1;
+    simd = simd_max;
 #endif
     pthread_atfork(NULL, NULL, after_fork_child);
     return PyModule_Create(&module);

@@ -46,11 +46,14 @@ def _load():
     if _ext is not None:
         lib = ctypes.CDLL(_ext.__file__)  # the extension module already imported: no second copy
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-        lib.linear.restype = None
+        lib.linear.restype = i64
         lib.linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64]
         lib.attend.restype = i64
         lib.attend.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, i64, i64]
         lib.uses_avx2.restype = i64
+        lib.simd_level.restype = i64
+        lib.set_simd_level.restype = i64
+        lib.set_simd_level.argtypes = [i64]
         return lib
     return None
 
@@ -66,6 +69,17 @@ def available() -> bool:
 def uses_avx2() -> bool:
     """Whether the AVX2/FMA path runs (else the portable C path)."""
     return available() and bool(_LIB.uses_avx2())
+
+
+def simd_level() -> int:
+    """The vector code the kernels run: 0 portable C, 1 AVX2 + FMA, 2 the same arithmetic with
+    AVX-512's 32 registers (linear tiles of up to 8 rows instead of 4; bitwise the AVX2 results)."""
+    return int(_LIB.simd_level()) if available() else 0
+
+
+def set_simd_level(level: int) -> int:
+    """Run a lower level than the CPU allows (tests compare the levels); returns the previous one."""
+    return int(_LIB.set_simd_level(level))
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -92,8 +106,9 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     n = w.shape[0]
     out = torch.empty(m, n, dtype=w.dtype)
     if m:  # (the kernel reads and writes raw memory: autograd never sees it, as in inference)
-        _LIB.linear(x2d.data_ptr(), m, w.data_ptr(), k, None if b is None else b.data_ptr(), n, out.data_ptr(),
-                    w.dtype == torch.bfloat16, torch.get_num_threads())
+        if _LIB.linear(x2d.data_ptr(), m, w.data_ptr(), k, None if b is None else b.data_ptr(), n, out.data_ptr(),
+                       w.dtype == torch.bfloat16, torch.get_num_threads()):
+            raise MemoryError("cpu_kernels.linear: no memory to widen the bf16 input")
     return out
 
 
