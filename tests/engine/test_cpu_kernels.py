@@ -63,6 +63,27 @@ def test_linear_rows_are_invariant(m, k, n, dtype, bias, threads, seed):
         torch.testing.assert_close(full.double(), ref, rtol=2**-7, atol=1e-4 * k**0.5)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_linear_simd_levels_agree_bitwise(dtype):
+    """The portable C code, the AVX2 tiles and the 8-row AVX-512 tiles run one arithmetic per
+    output: every level this CPU has gives the same bits (a machine without AVX2 or AVX-512
+    compares the levels it has)."""
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(3)
+    top = ck.simd_level()
+    try:
+        for m in (1, 5, 9, 17, 64):
+            x, w, b = torch.randn(m, 203, generator=g).to(dt), torch.randn(61, 203, generator=g).to(dt), torch.randn(61).to(dt)
+            outs = []
+            for level in range(top + 1):
+                ck.set_simd_level(level)
+                outs.append(ck.linear(x, w, b))
+            assert all(torch.equal(o, outs[0]) for o in outs), m
+    finally:
+        ck.set_simd_level(top)
+    assert ck.simd_level() == top
+
+
 def test_linear_rejects_mixed_dtypes():
     with pytest.raises(TypeError, match="x is torch.float32, weight is torch.bfloat16"):
         ck.linear(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)
