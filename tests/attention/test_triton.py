@@ -267,8 +267,12 @@ def test_invariant_kernel_query_alone_equals_query_in_chunk_and_batch(cached, h,
     for j in range(n):
         alone = call(q[j : j + 1], torch.tensor([cached + j + 1], dtype=torch.int32), one_cu, 1, tables[:1])
         assert torch.equal(alone[0], chunk[j]) and torch.equal(alone[0], batch[j]), j
-    if splits > 1:  # splits chosen from the context length move a query's partial sums
+    if splits > 1:  # splits chosen from the context length move a query's partial sums where the
+        # chunk's and a query's own boundaries differ: with 1151 cached keys the first query alone
+        # sees 1152 keys (36 tiles of 32, 12 per split), the chunk 1156 (37 tiles, 13 per split)
+        c = 1151
+        q, kc, vc, tables, ctx, cu, tq, *_ = _step([c, 7, 40], [n, 1, 3], h, h_kv, d, 8, seed=11)
         plain = call(q[:n], ctx[:1], cu[:2], n, tables[:1], invariant=False, num_splits=3)
-        alone = [call(q[j : j + 1], torch.tensor([cached + j + 1], dtype=torch.int32), one_cu, 1, tables[:1],
+        alone = [call(q[j : j + 1], torch.tensor([c + j + 1], dtype=torch.int32), one_cu, 1, tables[:1],
                       invariant=False, num_splits=3)[0] for j in range(n)]
         assert not all(torch.equal(a, plain[j]) for j, a in enumerate(alone))

@@ -91,22 +91,33 @@ def test_drafted_greedy_equals_hf_batch1_greedy(arch, dtype):
     linears, one SDPA call over the contiguous keys) and a one-chunk prefill is HF's prefill, so
     with drafts every logit equals HF greedy's bit for bit (layers without a sliding window; HF's
     sliding-window decode attends over a longer masked cache). Where the engine's own kernels run
-    (engine.cpu_kernels, engine.row_linear), the tokens are HF's and the logits differ by
-    rounding only (in bf16 a few of its ulps, after 20 tokens through the layers)."""
+    (engine.cpu_kernels, engine.row_linear), the logits differ by rounding only (in bf16 a few of
+    its ulps, after 20 tokens through the layers): fp32 tokens are HF's, and bf16 tokens are HF's
+    up to a near-tie, where HF's own bf16 kernels (their rounding differs between CPUs: on one
+    with AVX-512 BF16 they use its dot products) may pick the other token."""
     model = tiny_model(arch).to(dtype)
     ids = _prompts(1)[0][None]
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=PAD,
               return_dict_in_generate=True, output_logits=True)
     ref = model.generate(**kw)
     out = hf_plookup.wrap(model, invariant=True).generate(**kw, prompt_lookup_num_tokens=4)
-    assert torch.equal(out.sequences, ref.sequences)
     ours, theirs = torch.stack(out.logits, 1), torch.stack(ref.logits, 1)
     strategies = {row_strategy(m.weight, m.bias) for m in model.modules() if type(m) is torch.nn.Linear}
     if strategies <= {"plain", "rows"} and not cpu_kernels.available():
+        assert torch.equal(out.sequences, ref.sequences)
         assert torch.equal(ours, theirs)
-    else:
-        tol = 1e-4 if dtype == torch.float32 else 0.25
+        return
+    tol = 1e-4 if dtype == torch.float32 else 0.25
+    new_ours, new_theirs = out.sequences[0, ids.shape[1]:], ref.sequences[0, ids.shape[1]:]
+    differ = (new_ours != new_theirs).nonzero()
+    if dtype == torch.float32 or len(differ) == 0:
+        assert torch.equal(out.sequences, ref.sequences)
         torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+        return
+    t = int(differ[0])  # the first parting: same history before it, so its logits are comparable
+    torch.testing.assert_close(ours[:, : t + 1], theirs[:, : t + 1], rtol=tol, atol=tol)
+    top2 = theirs[0, t].float().topk(2).values
+    assert float(top2[0] - top2[1]) <= 2 * tol, f"parted at new token {t} without a near-tie ({top2.tolist()})"
 
 
 def test_padded_drafts_change_no_logit():
