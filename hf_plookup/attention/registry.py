@@ -123,10 +123,10 @@ def engine_attention(model: torch.nn.Module, name: str = ATTN_IMPLEMENTATION):
     one forward; always restore the previous one."""
     config = model.config
     previous = {"": config._attn_implementation}
-    for name in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, name, None)
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
         if sub is not None:
-            previous[name] = sub._attn_implementation
+            previous[key] = sub._attn_implementation
     config._attn_implementation = name
     try:
         yield
