@@ -29,6 +29,7 @@ Worked example (fp32, 2 threads): a 5-row call gives each row bitwise as a 1-row
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import torch
@@ -80,6 +81,20 @@ def simd_level() -> int:
 def set_simd_level(level: int) -> int:
     """Run a lower level than the CPU allows (tests compare the levels); returns the previous one."""
     return int(_LIB.set_simd_level(level))
+
+
+@functools.cache
+def torch_bf16_is_native() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (x86 AVX-512 BF16 or AMX), which torch's
+    bf16 GEMM (oneDNN) uses: then it beats `linear` on long prompt chunks, where arithmetic, not
+    memory, bounds the call (engine.invariant.prefill_rows). Read from /proc/cpuinfo; False where
+    that cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _plain(t: torch.Tensor) -> bool:

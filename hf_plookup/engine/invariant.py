@@ -109,8 +109,10 @@ def _triton_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 KERNELS = {"cpu": (cpu_kernels.supported, cpu_kernels.linear), "numba": (row_linear.supported, row_linear.row_linear),
            "triton": (_triton_supported, _triton_rows)}
 FIRST_KERNELS = ("cpu",)
-# a prompt chunk of more rows than this runs torch's float32 call (MKL's GEMM is as fast from about
-# here on); the "cpu" kernel takes shorter chunks and every bfloat16 one
+# a prompt chunk of more rows than this runs torch's call (its GEMM is as fast from about here on)
+# in float32, and in bfloat16 on CPUs with bf16 dot products (cpu_kernels.torch_bf16_is_native);
+# the "cpu" kernel takes shorter chunks, and every bfloat16 one elsewhere (torch's bf16 GEMM then
+# widens in software and runs at about half its float32 speed)
 PREFILL_TORCH_ROWS = 64
 
 
@@ -153,9 +155,11 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def prefill_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One prompt chunk's rows (the same in every batch, as the scheduler cuts chunks at fixed
-    offsets): the "cpu" kernel where it is the weight's strategy, except for long float32 chunks,
-    else torch's call."""
-    if row_strategy(weight, bias) == "cpu" and (weight.dtype != torch.float32 or x2d.shape[0] <= PREFILL_TORCH_ROWS):
+    offsets): the "cpu" kernel where it is the weight's strategy, except for long chunks in float32, and in
+    bfloat16 where torch's bf16 GEMM is native; else torch's call."""
+    short = x2d.shape[0] <= PREFILL_TORCH_ROWS
+    if row_strategy(weight, bias) == "cpu" and (
+            short or (weight.dtype == torch.bfloat16 and not cpu_kernels.torch_bf16_is_native())):
         return cpu_kernels.linear(x2d, weight, bias)
     return F.linear(x2d, weight, bias)
 

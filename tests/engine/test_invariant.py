@@ -16,6 +16,7 @@ from hf_plookup import embedded
 from hf_plookup.attention.invariant import build_layout
 from hf_plookup.engine.invariant import PROBE_ROWS, invariant_rows, resolve_invariant, row_strategy
 from hf_plookup.engine import cpu_kernels
+from hf_plookup.engine import invariant as invariant_mod
 from tests.conftest import ARCHS, PAD, tiny_model, wrap_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,6 +82,22 @@ def test_drafts_and_batch_change_no_logit(arch, dtype):
         alone, _ = _generate(model, r, torch.ones_like(r), new, prompt_lookup_num_tokens=4)
         n = alone.shape[1]
         assert torch.equal(alone[0], plain[i, :n]), f"row {i} alone differs from the batch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_long_prompt_chunks_change_no_logit(dtype):
+    """Prompt chunks of more than PREFILL_TORCH_ROWS rows run torch's GEMM (float32, and bfloat16
+    where its bf16 GEMM is native) instead of the row kernel: a chunk holds the same rows alone
+    and in a batch, so drafts and batching still change no logit."""
+    assert 64 == invariant_mod.PREFILL_TORCH_ROWS  # the prompts below cross it
+    model = wrap_copy(tiny_model("llama").to(dtype), invariant=True, max_batch_tokens=128)
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(3, 96, (n,), generator=g).repeat(3)[: 3 * n - 7] for n in (45, 38, 31)]  # 128, 107, 86 tokens
+    ids, mask = _left_pad(rows)
+    plain = _drafts_change_no_logit(model, ids, mask, 12)
+    r = rows[1][None]
+    alone, _ = _generate(model, r, torch.ones_like(r), 12, prompt_lookup_num_tokens=4)
+    assert torch.equal(alone[0], plain[1, : alone.shape[1]])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_neox"])
