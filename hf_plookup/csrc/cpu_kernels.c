@@ -245,11 +245,23 @@ AVX2 static inline __m256 exp_neg(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-AVX2 static void softmax_avx2(float* s, int64_t L) { /* in place; s[j] <- exp(s[j] - max) / sum */
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
-    __m256 vmx = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+/* in place; s[j] <- exp(s[j] * scale - max) / sum (scale: the caller's, 1 after soft-capping); the
+ * vector loops round as the scalar ones they replace (a product, a max, then per lane in order) */
+AVX2 static void softmax_avx2(float* s, int64_t L, float scale) {
     int64_t j = 0;
+    if (scale != 1.0f) {
+        __m256 vs = _mm256_set1_ps(scale);
+        for (; j + 8 <= L; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), vs));
+        for (; j < L; j++) s[j] *= scale;
+    }
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (j = 0; j + 8 <= L; j += 8) vm = _mm256_max_ps(_mm256_loadu_ps(s + j), vm); /* (a > b) ? a : b */
+    float lanes[8], mx = -INFINITY;
+    _mm256_storeu_ps(lanes, vm);
+    for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+    for (; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+    __m256 vmx = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+    j = 0;
     for (; j + 8 <= L; j += 8) {
         __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
         _mm256_storeu_ps(s + j, e);
@@ -264,7 +276,9 @@ AVX2 static void softmax_avx2(float* s, int64_t L) { /* in place; s[j] <- exp(s[
         sum = _mm256_add_ps(sum, e);
     }
     float inv = 1.0f / hsum8(sum);
-    for (j = 0; j < L; j++) s[j] *= inv;
+    __m256 vinv = _mm256_set1_ps(inv);
+    for (j = 0; j + 8 <= L; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), vinv));
+    for (; j < L; j++) s[j] *= inv;
 }
 
 /* NH query heads of one token (they share a KV head) over the same L keys at element offsets rows[j]:
@@ -464,12 +478,18 @@ static int64_t attend_range(const void* q, int64_t H, int64_t D, const void* k_c
                     for (int64_t j = 0; j < L; j++) s[h * L + j] = qk_c(qf + h * D, (const char*)k_cache + rows[j] * esz, D, b16);
             for (int64_t h = 0; h < n; h++) {
                 float* sh = s + h * L;
+#if HAVE_AVX2_PATH
+                if (simd && !(softcap > 0.0f)) { /* the scaling inside, vectorized */
+                    softmax_avx2(sh, L, scale);
+                    continue;
+                }
+#endif
                 for (int64_t j = 0; j < L; j++) {
                     float sc = sh[j] * scale;
                     sh[j] = softcap > 0.0f ? softcap * tanhf(sc / softcap) : sc;
                 }
 #if HAVE_AVX2_PATH
-                if (simd) softmax_avx2(sh, L);
+                if (simd) softmax_avx2(sh, L, 1.0f);
                 else
 #endif
                     softmax_c(sh, L);
