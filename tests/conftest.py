@@ -65,6 +65,13 @@ ARCHS = {
     "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "smollm3": {"no_rope_layer_interval": 2},  # some layers without rotary embeddings
     "exaone4": {"sliding_window": 8, "head_dim": 16},
+    # multi-head latent attention: keys of 16 + 8 values per head, values of 12 (pages of two widths);
+    # DeepSeek V3 with a routed-expert MLP in its second layer, MiniCPM3 dense
+    "deepseek_v3": {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 16, "v_head_dim": 12, "moe_intermediate_size": 32, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1},
+    "minicpm3": {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                 "qk_nope_head_dim": 16, "v_head_dim": 12},
 }
 # refused at wrap time, with the architecture and the reason in the message
 REFUSED_ARCHS = {"mamba": "attention", "bloom": "AttentionInterface", "falcon": "probe forward"}

@@ -207,16 +207,15 @@ def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torc
         q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, H, D]
         return cpu_kernels.attend(q, k_cache, v_cache, layout.kv_slots, seq, lo, hi, extra_off, extra, scale,
                                   softcap).to(query.dtype)[None]
-    h_kv, d = k_cache.shape[-2:]
     idx, bases, views, masks = layout.keys(window)
-    k_all = k_cache.view(-1, h_kv, d).index_select(0, idx)  # [sum L, H_kv, D]
-    v_all = v_cache.view(-1, h_kv, d).index_select(0, idx)
+    k_all = k_cache.view(-1, *k_cache.shape[-2:]).index_select(0, idx)  # [sum L, H_kv, D]
+    v_all = v_cache.view(-1, *v_cache.shape[-2:]).index_select(0, idx)  # [sum L, H_kv, Dv]
     if k_all.dtype != query.dtype:
         k_all, v_all = k_all.to(query.dtype), v_all.to(query.dtype)
     # each base as HF's cache holds keys: [1, H_kv, L, D], contiguous; a group reads a run of L
     k_bases = [k_all[o : o + n].transpose(0, 1).contiguous()[None] for o, n in bases]
     v_bases = [v_all[o : o + n].transpose(0, 1).contiguous()[None] for o, n in bases]
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
+    out = query.new_empty(query.shape[2], query.shape[1], v_cache.shape[-1])  # [T, H, Dv]
     for g, ((lo, n), (base, start, L)) in enumerate(zip(layout.query_groups, views)):
         k = k_bases[base][:, :, start : start + L]
         v = v_bases[base][:, :, start : start + L]

@@ -76,8 +76,8 @@ def paged_attention(
 @paged_attention.register_fake
 def _(query, k_cache, v_cache, kv_slots, query_pos, context_lens, block_tables, cache_seqlens, cu_seqlens_q,
       q_gather, q_scatter, mask, backend, scale, sliding_window, softcap, invariant):
-    _, h, t, d = query.shape
-    return query.new_empty((1, t, h, d))
+    _, h, t, _ = query.shape
+    return query.new_empty((1, t, h, v_cache.shape[-1]))  # values may be narrower than keys (MLA)
 
 
 COMPILABLE_BACKENDS = ("sdpa", "triton")

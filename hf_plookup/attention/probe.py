@@ -34,6 +34,7 @@ class KeyLayout:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    value_head_dim: int | None = None  # values' head size where it is not the keys' (multi-head latent attention)
 
 
 @dataclass(slots=True)
@@ -62,7 +63,9 @@ def _probe_attention(
     idx = getattr(module, "layer_idx", None)
     if rec is not None:
         if isinstance(idx, int):
-            rec.layouts[idx] = KeyLayout(key.shape[1], key.shape[3], key.dtype, key.device)
+            dv = value.shape[3]
+            rec.layouts[idx] = KeyLayout(key.shape[1], key.shape[3], key.dtype, key.device,
+                                         dv if dv != key.shape[3] else None)
         else:
             rec.anonymous_calls += 1
     t = query.shape[2]

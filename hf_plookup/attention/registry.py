@@ -52,14 +52,20 @@ def triton_unavailable_reason(devices: list[torch.device]) -> str | None:
     return None
 
 
-def resolve_backend(requested: str, devices: list[torch.device], dtypes: list[torch.dtype]) -> str:
+def resolve_backend(requested: str, devices: list[torch.device], dtypes: list[torch.dtype],
+                    narrow_values: bool = False) -> str:
     """The backend that will run: "auto" is flash_attn when it can run here (flash_attn imports,
-    CUDA, fp16/bf16), else sdpa (flash_attn4 and triton are chosen by name). Asking for a backend
-    where it cannot run is a ValueError."""
+    CUDA, fp16/bf16), else sdpa (flash_attn4 and triton are chosen by name). `narrow_values`: some
+    layer's values have another head size than its keys (multi-head latent attention), which only
+    sdpa (and the CPU kernels of invariant mode) take. Asking for a backend where it cannot run is
+    a ValueError."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"attn_backend must be one of {BACKEND_CHOICES}, got {requested!r}")
-    if requested == "sdpa":
+    if requested == "sdpa" or (requested == "auto" and narrow_values):
         return "sdpa"
+    if narrow_values:
+        raise ValueError(f"attn_backend={requested!r} cannot run this model: its layers' values have another head "
+                         "size than their keys (multi-head latent attention); use attn_backend='sdpa' or 'auto'")
     if requested == "triton":
         reason = triton_unavailable_reason(devices)
         if reason is not None:

@@ -17,11 +17,10 @@ from .metadata import AttentionMetadata
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor) -> None:
-    """Store keys/values `[1, H_kv, T, D]` at the flat slots `slot_mapping` [T] of one layer's
-    pages `[num_blocks, block_size, H_kv, D]`."""
-    h_kv, d = k_cache.shape[-2:]
-    k_cache.view(-1, h_kv, d).index_copy_(0, slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(-1, h_kv, d).index_copy_(0, slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    """Store keys/values `[1, H_kv, T, D]` (values `Dv`) at the flat slots `slot_mapping` [T] of one
+    layer's pages `[num_blocks, block_size, H_kv, D]`."""
+    k_cache.view(-1, *k_cache.shape[-2:]).index_copy_(0, slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[-2:]).index_copy_(0, slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
 
 def write_kv(meta: AttentionMetadata, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -43,11 +42,9 @@ def write_and_pack(meta: AttentionMetadata, layer_idx: int, query: torch.Tensor,
 def gather_kv(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys/values of every sequence as `[B, H_kv, Lk, D]` from one layer's pages (positions
     past a context are padding)."""
-    h_kv, d = k_cache.shape[-2:]
     idx = meta.kv_slots.reshape(-1)
-    shape = (meta.num_seqs, meta.max_context_len, h_kv, d)
-    k = k_cache.view(-1, h_kv, d).index_select(0, idx).view(shape).transpose(1, 2)
-    v = v_cache.view(-1, h_kv, d).index_select(0, idx).view(shape).transpose(1, 2)
+    k, v = (c.view(-1, *c.shape[-2:]).index_select(0, idx).view(meta.num_seqs, meta.max_context_len, *c.shape[-2:])
+            .transpose(1, 2) for c in (k_cache, v_cache))
     return k, v
 
 

@@ -442,12 +442,13 @@ static void weighted_sum_c(const float* p, const void* vbase, const int64_t* row
 /* Tokens t0 + i for i in [i_lo, i_hi), each with query heads h_lo .. h_hi - 1 (all of one KV head:
  * heads kvh * G .. kvh * G + G - 1, G = H / H_kv), nh of them at a time (one pass over the keys
  * serves them all).
- *   q [T, H, D] and out [T, H, D]: fp32, or bf16 when bf16;
- *   k_cache / v_cache: one layer's pages, flat [slots, H_kv, D] (fp32, or bf16 when bf16);
+ *   q [T, H, D] and out [T, H, Dv]: fp32, or bf16 when bf16;
+ *   k_cache / v_cache: one layer's pages, flat [slots, H_kv, D] / [slots, H_kv, Dv] (fp32, or bf16
+ *   when bf16; Dv = D but for multi-head latent attention);
  *   token t reads cache positions run_lo[t] .. run_hi[t]-1, then extra[extra_off[t] .. extra_off[t+1]-1],
  *   cache position c of its sequence being flat slot kv_slots[seq[t] * Lk + c];
  *   softcap 0: none. Returns 0, or -1 when scratch memory could not be had. */
-static int64_t attend_range(const void* q, int64_t H, int64_t D, const void* k_cache, const void* v_cache,
+static int64_t attend_range(const void* q, int64_t H, int64_t D, int64_t Dv, const void* k_cache, const void* v_cache,
                             int64_t H_kv, const int64_t* kv_slots, int64_t Lk, const int64_t* seq,
                             const int64_t* run_lo, const int64_t* run_hi, const int64_t* extra_off,
                             const int64_t* extra, float scale, float softcap, void* out, int64_t t0, int64_t h_lo,
@@ -458,13 +459,16 @@ static int64_t attend_range(const void* q, int64_t H, int64_t D, const void* k_c
     for (int64_t i = i_lo; i < i_hi; i++) {
         int64_t t = t0 + i;
         int64_t n_run = run_hi[t] - run_lo[t], n_extra = extra_off[t + 1] - extra_off[t], L = n_run + n_extra;
-        int64_t* rows = (int64_t*)malloc((size_t)L * sizeof(int64_t) + (size_t)MAX_NH * (L + 2 * D) * sizeof(float));
+        int64_t nrows = Dv == D ? L : 2 * L; /* values narrower than keys (MLA): their own offsets */
+        int64_t* rows = (int64_t*)malloc((size_t)nrows * sizeof(int64_t) + (size_t)MAX_NH * (L + D + Dv) * sizeof(float));
         if (!rows) return -1;
-        float *s = (float*)(rows + L), *qf = s + MAX_NH * L, *o = qf + MAX_NH * D;
+        int64_t* vrows = rows + nrows - L;
+        float *s = (float*)(rows + nrows), *qf = s + MAX_NH * L, *o = qf + MAX_NH * D;
         const int64_t* slots = kv_slots + seq[t] * Lk;
-        for (int64_t j = 0; j < L; j++) { /* element offset of each key's D values */
+        for (int64_t j = 0; j < L; j++) { /* element offset of each key's D values (and value's Dv) */
             int64_t c = j < n_run ? run_lo[t] + j : extra[extra_off[t] + j - n_run];
             rows[j] = (slots[c] * H_kv + kvh) * D;
+            vrows[j] = (slots[c] * H_kv + kvh) * Dv;
         }
         for (int64_t h0 = h_lo; h0 < h_hi; h0 += nh) {
             int64_t n = h_hi - h0 < nh ? h_hi - h0 : nh;
@@ -495,12 +499,12 @@ static int64_t attend_range(const void* q, int64_t H, int64_t D, const void* k_c
                     softmax_c(sh, L);
             }
 #if HAVE_AVX2_PATH
-            if (simd) wsum_avx2[n](s, v_cache, rows, L, D, b16, o);
+            if (simd) wsum_avx2[n](s, v_cache, vrows, L, Dv, b16, o);
             else
 #endif
-                for (int64_t h = 0; h < n; h++) weighted_sum_c(s + h * L, v_cache, rows, L, D, b16, o + h * D);
+                for (int64_t h = 0; h < n; h++) weighted_sum_c(s + h * L, v_cache, vrows, L, Dv, b16, o + h * Dv);
             for (int64_t h = 0; h < n; h++)
-                for (int64_t d = 0; d < D; d++) store1(out, (t * H + h0 + h) * D + d, o[h * D + d], b16);
+                for (int64_t d = 0; d < Dv; d++) store1(out, (t * H + h0 + h) * Dv + d, o[h * Dv + d], b16);
         }
         free(rows);
     }
@@ -652,7 +656,7 @@ typedef struct {
     const void *q, *k_cache, *v_cache;
     const int64_t *kv_slots, *seq, *run_lo, *run_hi, *extra_off, *extra;
     void* out;
-    int64_t T, H, D, H_kv, Lk, bf16;
+    int64_t T, H, D, Dv, H_kv, Lk, bf16;
     float scale, softcap;
     const int64_t* starts; /* [R+1] first token of each run of tokens of one sequence */
     int64_t chunks;        /* token pieces per (run, head piece) */
@@ -673,7 +677,7 @@ static void attend_part(void* ctx, int64_t part) {
     int64_t n = j->starts[r + 1] - j->starts[r];
     int64_t lo = n * c / j->chunks, hi = n * (c + 1) / j->chunks;
     if (lo < hi && h_lo < h_hi &&
-        attend_range(j->q, j->H, j->D, j->k_cache, j->v_cache, j->H_kv, j->kv_slots, j->Lk, j->seq, j->run_lo,
+        attend_range(j->q, j->H, j->D, j->Dv, j->k_cache, j->v_cache, j->H_kv, j->kv_slots, j->Lk, j->seq, j->run_lo,
                      j->run_hi, j->extra_off, j->extra, j->scale, j->softcap, j->out, j->starts[r], h_lo, h_hi, lo,
                      hi, j->nh, j->bf16))
         atomic_store(&j->failed, 1);
@@ -681,7 +685,7 @@ static void attend_part(void* ctx, int64_t part) {
 
 /* attention of T tokens (see attend_range; a sequence's tokens are consecutive); returns 0, or -1
  * when scratch memory could not be had */
-int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, const void* k_cache, const void* v_cache, int64_t H_kv,
+int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const void* k_cache, const void* v_cache, int64_t H_kv,
                const int64_t* kv_slots, int64_t Lk, const int64_t* seq, const int64_t* run_lo, const int64_t* run_hi,
                const int64_t* extra_off, const int64_t* extra, float scale, float softcap, void* out, int64_t bf16,
                int64_t threads) {
@@ -705,7 +709,7 @@ int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, const void* k_cac
     int64_t nh = (group + hsplit - 1) / hsplit;
     nh = nh < MAX_NH ? nh : MAX_NH;
     attend_job j = {q, k_cache, v_cache, kv_slots, seq, run_lo, run_hi, extra_off, extra, out,
-                    T, H, D, H_kv, Lk, bf16, scale, softcap, starts, chunks, hsplit, nh, 0};
+                    T, H, D, Dv, H_kv, Lk, bf16, scale, softcap, starts, chunks, hsplit, nh, 0};
     run_parallel(attend_part, &j, groups * hsplit * chunks, threads);
     free(starts);
     return atomic_load(&j.failed) ? -1 : 0;

@@ -50,7 +50,7 @@ def _load():
         lib.linear.restype = i64
         lib.linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64]
         lib.attend.restype = i64
-        lib.attend.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, i64, i64]
+        lib.attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, i64, i64]
         lib.uses_avx2.restype = i64
         lib.simd_level.restype = i64
         lib.set_simd_level.restype = i64
@@ -132,25 +132,27 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slo
            softcap: float | None) -> torch.Tensor:
     """Attention of T query tokens over one layer's pages, each query over exactly its keys.
 
-    q [T, H, D] (the cache's dtype, float32 or bfloat16); k_cache / v_cache [num_blocks,
-    block_size, H_kv, D]; kv_slots [B, Lk] int64 flat slot of each cache position of a
+    q [T, H, D] (the cache's dtype, float32 or bfloat16); k_cache [num_blocks, block_size, H_kv,
+    D], v_cache the same with Dv values (Dv = D but for multi-head latent attention); kv_slots [B, Lk] int64 flat slot of each cache position of a
     sequence; per token t: its sequence seq[t], the run of cache positions run_lo[t] ..
     run_hi[t] - 1 it reads, then extra[extra_off[t] : extra_off[t + 1]] (a tree node's
-    ancestors and itself). Returns [T, H, D] in q's dtype.
+    ancestors and itself). Returns [T, H, Dv] in q's dtype.
 
     Example: one sequence with 3 cached tokens feeding a 2-token chain (positions 3 and 4):
     seq = [0, 0], run_lo = [0, 0], run_hi = [4, 5], extra_off = [0, 0, 0], extra = [].
     """
     t, h, d = q.shape
-    h_kv = k_cache.shape[-2]
-    if q.dtype != k_cache.dtype or k_cache.dtype not in DTYPES or k_cache.shape[-1] != d or h % h_kv:
-        raise ValueError(f"attend: q {tuple(q.shape)} {q.dtype} does not fit pages {tuple(k_cache.shape)} {k_cache.dtype}")
+    h_kv, dv = k_cache.shape[-2], v_cache.shape[-1]
+    if (q.dtype != k_cache.dtype or k_cache.dtype not in DTYPES or k_cache.shape[-1] != d or h % h_kv
+            or v_cache.dtype != k_cache.dtype or v_cache.shape[:-1] != k_cache.shape[:-1]):
+        raise ValueError(f"attend: q {tuple(q.shape)} {q.dtype} does not fit pages {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = q.new_empty(t, h, dv)
     if t == 0:
         return out
     slots, *per_token = (np.ascontiguousarray(a, dtype=np.int64) for a in (kv_slots, seq, run_lo, run_hi, extra_off, extra))
-    failed = _LIB.attend(q.data_ptr(), t, h, d, k_cache.data_ptr(), v_cache.data_ptr(), h_kv, slots.ctypes.data,
+    failed = _LIB.attend(q.data_ptr(), t, h, d, dv, k_cache.data_ptr(), v_cache.data_ptr(), h_kv, slots.ctypes.data,
                          slots.shape[-1], *(a.ctypes.data for a in per_token), scale, softcap or 0.0, out.data_ptr(),
                          int(q.dtype == torch.bfloat16), torch.get_num_threads())
     if failed:

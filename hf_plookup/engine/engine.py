@@ -122,7 +122,7 @@ class Engine:
         self.specs = layer_specs(model)
         devices = sorted({s.device for s in self.specs}, key=str)
         dtypes = sorted({s.dtype for s in self.specs}, key=str)
-        backend = resolve_backend(options.attn_backend, devices, dtypes)
+        backend = resolve_backend(options.attn_backend, devices, dtypes, any(s.value_head_dim for s in self.specs))
         # resolved: the backend that runs (what stats report) and its block size
         self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
         hooked = any(hasattr(m, "_hf_hook") for m in model.modules())  # accelerate dispatch / offload

@@ -22,13 +22,20 @@ class LayerSpec:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    # values' head size where it differs from the keys' (multi-head latent attention: DeepSeek V2/V3,
+    # MiniCPM3, ...); None: head_dim
+    value_head_dim: int | None = None
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads < 1 or self.head_dim < 1:
-            raise ValueError("num_kv_heads and head_dim must be >= 1")
+        if self.num_kv_heads < 1 or self.head_dim < 1 or (self.value_head_dim is not None and self.value_head_dim < 1):
+            raise ValueError("num_kv_heads, head_dim and value_head_dim must be >= 1")
+
+    @property
+    def v_dim(self) -> int:
+        return self.value_head_dim or self.head_dim
 
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return self.num_kv_heads * (self.head_dim + self.v_dim) * torch.empty((), dtype=self.dtype).element_size()
 
 
 def layer_specs(model: torch.nn.Module) -> list[LayerSpec]:
@@ -37,7 +44,7 @@ def layer_specs(model: torch.nn.Module) -> list[LayerSpec]:
     by accelerate keep each layer's pages next to its weights, and config fields an
     architecture ignores (a GPT-NeoX config's `num_key_value_heads`) play no part. Raises
     `ValueError` naming the architecture when the model cannot run on the paged cache."""
-    return [LayerSpec(k.num_kv_heads, k.head_dim, k.dtype, k.device) for k in probe_key_layouts(model)]
+    return [LayerSpec(k.num_kv_heads, k.head_dim, k.dtype, k.device, k.value_head_dim) for k in probe_key_layouts(model)]
 
 
 def default_num_tokens(
@@ -97,7 +104,8 @@ def free_cuda_memory_after_warmup(model: torch.nn.Module, device: torch.device, 
 
 
 class PagedKVCache:
-    """K and V pages for every layer: `[num_blocks, block_size, H_kv, D]` each.
+    """K and V pages for every layer: `[num_blocks, block_size, H_kv, D]` each (values `Dv`
+    wide where a layer's values have another head size than its keys).
 
     With `scratch=True` one more page (id `num_blocks`, zero-filled, never handed out by the
     BlockManager) follows the managed ones: padded draft positions and the dummy rows of a
@@ -117,7 +125,7 @@ class PagedKVCache:
         for s in specs:
             shape = (total, block_size, s.num_kv_heads, s.head_dim)
             self.keys.append(torch.empty(shape, dtype=s.dtype, device=s.device))
-            self.values.append(torch.empty(shape, dtype=s.dtype, device=s.device))
+            self.values.append(torch.empty((*shape[:3], s.v_dim), dtype=s.dtype, device=s.device))
             if scratch:
                 self.keys[-1][num_blocks].zero_()
                 self.values[-1][num_blocks].zero_()

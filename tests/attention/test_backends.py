@@ -402,3 +402,13 @@ def test_cuda_cache_sizing_after_warmup(monkeypatch, llama):
     free = 100_000_000 - 500_000 - 2 * 4 * 96 * 10
     assert tokens == int(free * 0.5) // per_token
     assert kv_cache.default_num_tokens(specs, 0.5) == int(100_000_000 * 0.5) // per_token  # no model: no warm-up
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash_attn", "flash_attn4"])
+def test_values_of_another_head_size_run_on_sdpa_only(backend):
+    """Multi-head latent attention (values narrower than keys): "auto" picks sdpa, the paged
+    kernels that assume one head size are refused by name."""
+    model = tiny_model("deepseek_v3")
+    assert wrap_copy(model)._engine.options.attn_backend == "sdpa"
+    with pytest.raises(ValueError, match=rf"attn_backend='{backend}' cannot run this model: .*multi-head latent"):
+        wrap_copy(model, attn_backend=backend)

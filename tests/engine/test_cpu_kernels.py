@@ -92,9 +92,9 @@ def test_linear_rejects_mixed_dtypes():
 def _dense_reference(q, kc, vc, kv_slots, seq, lo, hi, xoff, extra, scale, softcap):
     """Each token's attention in float64 over exactly its keys."""
     t, h, d = q.shape
-    h_kv = kc.shape[-2]
-    out = torch.empty(t, h, d, dtype=torch.float64)
-    kf, vf = kc.reshape(-1, h_kv, d).double(), vc.reshape(-1, h_kv, d).double()
+    h_kv, dv = kc.shape[-2], vc.shape[-1]
+    out = torch.empty(t, h, dv, dtype=torch.float64)
+    kf, vf = kc.reshape(-1, h_kv, d).double(), vc.reshape(-1, h_kv, dv).double()
     for i in range(t):
         cpos = np.concatenate([np.arange(lo[i], hi[i]), extra[xoff[i] : xoff[i + 1]]])
         slots = torch.from_numpy(kv_slots[seq[i], cpos])
@@ -107,11 +107,11 @@ def _dense_reference(q, kc, vc, kv_slots, seq, lo, hi, xoff, extra, scale, softc
     return out
 
 
-def _paged(seed, dtype, num_seqs=3, h=6, h_kv=2, d=40, block=16, ctx=70):
+def _paged(seed, dtype, num_seqs=3, h=6, h_kv=2, d=40, block=16, ctx=70, dv=None):
     g = torch.Generator().manual_seed(seed)
     pages = num_seqs * (-(-ctx // block)) + 1
     kc = torch.randn(pages, block, h_kv, d, generator=g).to(dtype)
-    vc = torch.randn(pages, block, h_kv, d, generator=g).to(dtype)
+    vc = torch.randn(pages, block, h_kv, dv or d, generator=g).to(dtype)
     tables = 1 + torch.randperm(pages - 1, generator=g).numpy()[: num_seqs * (-(-ctx // block))].reshape(num_seqs, -1)
     pos = np.arange(ctx)
     kv_slots = tables[:, pos // block] * block + pos % block
@@ -133,13 +133,13 @@ def test_attend_literal_chain():
 
 @settings(max_examples=25, deadline=None)
 @given(dtype=st.sampled_from(["fp32", "bf16"]), window=st.sampled_from([None, 9, 40]), softcap=st.sampled_from([None, 5.0]),
-       tree=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
-def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, tree, threads, seed):
-    """Chains or trees over paged keys (GQA 6/2, D=40, sliding window, soft-capping): each query
-    equals a float64 reference, and bitwise itself when computed alone or under another thread
-    count."""
+       tree=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16), dv=st.sampled_from([40, 24]))
+def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, tree, threads, seed, dv):
+    """Chains or trees over paged keys (GQA 6/2, D=40, values of 40 or, as in multi-head latent
+    attention, 24; sliding window, soft-capping): each query equals a float64 reference, and
+    bitwise itself when computed alone or under another thread count."""
     dt = DTYPES[dtype]
-    g, kc, vc, kv_slots = _paged(seed, dt)
+    g, kc, vc, kv_slots = _paged(seed, dt, dv=dv)
     seq, lo, hi, xoff, extra = [], [], [], [0], []
     for b, start in enumerate((60, 33, 5)):
         n = 1 + int(torch.randint(5, (1,), generator=g))
