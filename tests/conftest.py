@@ -74,7 +74,9 @@ ARCHS = {
                  "qk_nope_head_dim": 16, "v_head_dim": 12},
 }
 # refused at wrap time, with the architecture and the reason in the message
-REFUSED_ARCHS = {"mamba": "attention", "bloom": "AttentionInterface", "falcon": "probe forward"}
+REFUSED_ARCHS = {"mamba": "attention", "bloom": "AttentionInterface", "falcon": "probe forward",
+                 # takes its positions from its cache's length, not from position_ids: decode steps would differ
+                 "diffllama": "fed the way the engine feeds later tokens"}
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:

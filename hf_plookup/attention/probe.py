@@ -41,6 +41,9 @@ class KeyLayout:
 class _Recording:
     layouts: dict[int, KeyLayout] = field(default_factory=dict)  # layer_idx -> layout
     anonymous_calls: int = 0  # calls from modules without an int `layer_idx`
+    # the continuation check: each layer's keys/values so far ([1, H_kv, L, D]), which later calls
+    # attend over as the paged cache would (None: the whole-input probe)
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 _RECORDING: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("hf_plookup_probe", default=None)
@@ -61,7 +64,13 @@ def _probe_attention(
     """Record the key layout, then plain causal attention (windowed, soft-capped as asked)."""
     rec = _RECORDING.get()
     idx = getattr(module, "layer_idx", None)
-    if rec is not None:
+    past = 0
+    if rec is not None and rec.kv is not None and isinstance(idx, int):  # a continuation: earlier keys first
+        if idx in rec.kv:
+            past = rec.kv[idx][0].shape[2]
+            key, value = (torch.cat([a, b], 2) for a, b in zip(rec.kv[idx], (key, value)))
+        rec.kv[idx] = (key, value)
+    elif rec is not None:
         if isinstance(idx, int):
             dv = value.shape[3]
             rec.layouts[idx] = KeyLayout(key.shape[1], key.shape[3], key.dtype, key.device,
@@ -69,10 +78,11 @@ def _probe_attention(
         else:
             rec.anonymous_calls += 1
     t = query.shape[2]
-    pos = torch.arange(t, device=query.device)
-    visible = pos[None, :] <= pos[:, None]  # [T, T] causal
+    qpos = past + torch.arange(t, device=query.device)
+    kpos = torch.arange(key.shape[2], device=query.device)
+    visible = kpos[None, :] <= qpos[:, None]  # [T, L] causal
     if sliding_window:
-        visible &= pos[None, :] > pos[:, None] - sliding_window
+        visible &= kpos[None, :] > qpos[:, None] - sliding_window
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = softcapped_attention(query.float(), key.float(), value.float(), visible, scale, softcap)  # [1, H, T, D]
     out = out.to(query.dtype)
@@ -151,4 +161,29 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
         raise ValueError(f"hf_plookup cannot run {_arch(model)}: its outputs change when its attention runs through "
                          f"AttentionInterface (max logit difference {diff:.3g}); it attends in a way the paged cache "
                          "does not reproduce (e.g. keys shared across layers)")
+    diff = _continuation_diff(model, ids, reference)
+    if not diff <= tol * scale:
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: fed the way the engine feeds later tokens (their "
+                         "position_ids and the earlier tokens' keys, no cache object), its outputs change (max logit "
+                         f"difference {diff:.3g}): it takes positions or state from somewhere else, such as its own "
+                         "cache's length")
     return [rec.layouts[i] for i in range(len(rec.layouts))]
+
+
+def _continuation_diff(model: torch.nn.Module, ids: torch.Tensor, reference: torch.Tensor) -> float:
+    """The probe tokens fed as the engine feeds them, a prompt chunk then later tokens: each call
+    with `position_ids`, no mask and no cache object, attention over the keys recorded so far.
+    Returns the largest logit difference from the whole-input forward."""
+    split = PROBE_TOKENS - 2
+    rec = _Recording(kv={})
+    token = _RECORDING.set(rec)
+    try:
+        with engine_attention(model, PROBE_IMPLEMENTATION):
+            parts = [model(input_ids=ids[:, lo:hi], position_ids=torch.arange(lo, hi, device=ids.device)[None],
+                           attention_mask=None, use_cache=False).logits.float()
+                     for lo, hi in ((0, split), (split, split + 1), (split + 1, PROBE_TOKENS))]
+    except Exception:  # a model that cannot be fed in pieces this way
+        return float("inf")
+    finally:
+        _RECORDING.reset(token)
+    return float((reference - torch.cat(parts, 1)).abs().max())
