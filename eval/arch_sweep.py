@@ -70,8 +70,8 @@ def shrink(d: dict, layers_before: int | None = None) -> dict:
     return out
 
 
-def run_one(model_type: str, max_new_tokens: int) -> dict:
-    """One architecture, in this process: the outcome and its detail."""
+def run_one(model_type: str, max_new_tokens: int, padded: bool = True) -> dict:
+    """One architecture, in this process: the outcome and its detail (`padded`: row 1 left-padded)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -92,7 +92,8 @@ def run_one(model_type: str, max_new_tokens: int) -> dict:
     phrase = torch.randint(3, min(vocab, 100), (2, 6), generator=g)
     ids = phrase.repeat(1, 3)  # n-grams recur: drafts find matches
     mask = torch.ones_like(ids)
-    ids[1, :3], mask[1, :3] = pad, 0  # row 1 left-padded
+    if padded:
+        ids[1, :3], mask[1, :3] = pad, 0  # row 1 left-padded
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     try:
         with torch.inference_mode():

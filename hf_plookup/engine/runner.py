@@ -197,4 +197,6 @@ class ModelRunner:
                 logits_to_keep=keep_t,
             )
         logits = out.logits[0]
+        if len(keep) and logits.shape[0] != len(keep):  # a model that ignores logits_to_keep (Whisper's decoder)
+            logits = logits.index_select(0, keep_t.to(logits.device))
         return logits[:0] if len(keep) == 0 else logits

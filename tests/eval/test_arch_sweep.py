@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from eval.arch_sweep import run_one, shrink
 
 
@@ -31,5 +33,21 @@ def test_shrink_latent_attention_keeps_a_key_head_per_query_head():
     assert out["head_dim"] == out["qk_rope_head_dim"] == 8
 
 
-def test_run_one_llama_is_identical():
-    assert run_one("llama", 8) == {"status": "identical", "detail": ""}
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_run_one_identical(arch):
+    """Llama; DeepSeek V3, whose values are narrower than its keys."""
+    assert run_one(arch, 8) == {"status": "identical", "detail": ""}
+
+
+def test_whisper_decoder_ignores_logits_to_keep_and_still_matches_hf():
+    """Whisper's decoder returns every row's logits whatever logits_to_keep says: the engine picks
+    the kept rows itself. (Left-padded, Whisper still differs: its forward takes no position_ids,
+    so HF counts the pads into its positions.)"""
+    res = run_one("whisper", 8, padded=False)
+    assert res == {"status": "identical", "detail": ""}
+
+
+def test_run_one_bart_is_refused_with_the_reason():
+    """BART's decoder takes its positions from its cache's length, not from position_ids."""
+    res = run_one("bart", 8)
+    assert res["status"] == "refused" and "fed the way the engine feeds later tokens" in res["detail"]
