@@ -106,6 +106,10 @@ class PlookupModel:
             logger.warning(f"hf_plookup: delegating to transformers' generate ({request})")
             stats.delegated, stats.delegated_reason = True, request
             try:
+                rows = inputs if inputs is not None else kwargs.get("input_ids")
+                if isinstance(rows, torch.Tensor) and rows.dim() == 2 and rows.shape[0] > 1:
+                    # HF's prompt lookup refuses batches; drafts never change HF's greedy tokens
+                    kwargs["prompt_lookup_num_tokens"] = None
                 with engine.exclusive():  # HF's forwards must not see the engine's attention switched on
                     return super().generate(inputs, generation_config=generation_config, **args, **kwargs)
             finally:

@@ -8,6 +8,7 @@ logits processors/warpers and stopping criteria are built by HF's own builders t
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -324,6 +325,10 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
     if nrs > 1:
         input_ids = input_ids.repeat_interleave(nrs, dim=0)
         mask = mask.repeat_interleave(nrs, dim=0)
+    if not bool(mask.all()) and "position_ids" not in inspect.signature(model.forward).parameters:
+        # HF's generate passes position_ids only to a forward that names them; such a model (Whisper's
+        # decoder) counts a row's pads as positions, which the engine's cache positions cannot mimic
+        return "padded rows on a model whose forward takes no position_ids"
     prompts = attended_rows(input_ids, mask)
     if pad is not None and input_ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):
         # HF warns and then predicts a right-padded row's first token from the pad column's logits;

@@ -41,10 +41,16 @@ def test_run_one_identical(arch):
 
 def test_whisper_decoder_ignores_logits_to_keep_and_still_matches_hf():
     """Whisper's decoder returns every row's logits whatever logits_to_keep says: the engine picks
-    the kept rows itself. (Left-padded, Whisper still differs: its forward takes no position_ids,
-    so HF counts the pads into its positions.)"""
+    the kept rows itself."""
     res = run_one("whisper", 8, padded=False)
     assert res == {"status": "identical", "detail": ""}
+
+
+def test_whisper_padded_batch_goes_to_hf():
+    """Whisper's forward takes no position_ids, so HF counts a left-padded row's pads into its
+    positions; such a call is handed to HF's generate instead of differing."""
+    res = run_one("whisper", 8, padded=True)
+    assert res == {"status": "delegated", "detail": "padded rows on a model whose forward takes no position_ids"}
 
 
 def test_run_one_bart_is_refused_with_the_reason():
