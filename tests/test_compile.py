@@ -10,7 +10,7 @@ import torch
 
 import hf_plookup
 from hf_plookup.attention.ops import compiled_paged_attention, paged_attention
-from hf_plookup.attention.sdpa import store_kv
+from hf_plookup.attention.pages import store_kv
 from hf_plookup.attention.sdpa import sdpa_paged_attention
 from hf_plookup.engine import graphs
 from tests.conftest import ARCHS, left_padded, tiny_model, wrap_copy

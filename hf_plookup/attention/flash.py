@@ -30,7 +30,7 @@ import importlib.util
 import torch
 
 from .metadata import AttentionMetadata
-from .sdpa import write_and_pack
+from .pages import write_and_pack
 
 FLASH_BLOCK_MULTIPLE = 256  # FA2: "Paged KV cache block size must be divisible by 256"
 FLASH_DTYPES = (torch.float16, torch.bfloat16)

@@ -28,9 +28,9 @@ import contextvars
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..engine import cpu_kernels
+from .dense import attend
 
 
 class InvariantLayout:
@@ -183,19 +183,6 @@ def invariant_layout(layout: InvariantLayout | None):
         _LAYOUT.reset(token)
 
 
-def _attend_one(q, k, v, mask, is_causal: bool, scale: float, softcap: float | None) -> torch.Tensor:
-    """q [1, H, n, D], k/v [1, H_kv, L, D] (each key's D values contiguous) -> [1, H, n, D]."""
-    if softcap:
-        from .sdpa import softcapped_attention
-
-        if mask is None:
-            n, L = q.shape[2], k.shape[2]
-            mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
-        return softcapped_attention(q, k, v, mask, scale, softcap)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
 def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """Packed queries `[1, H, T, D]` over one layer's pages `[num_blocks, block_size, H_kv, D]`
@@ -221,6 +208,6 @@ def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torc
         v = v_bases[base][:, :, start : start + L]
         mask = masks[g] if g < len(masks) else None
         causal = g < len(masks) and mask is None and n > 1
-        o = _attend_one(query[:, :, lo : lo + n], k, v, mask, causal, scale, softcap)  # [1, H, n, D]
+        o = attend(query[:, :, lo : lo + n], k, v, mask, scale, softcap, is_causal=causal)  # [1, H, n, D]
         out[lo : lo + n] = o[0].transpose(0, 1)
     return out[None]

@@ -3,7 +3,7 @@
 `torch.compile(fullgraph=True)` traces the HF model's own code (engine.graphs; one decoder layer
 at a time, engine.regional); when its attention modules call the hf_plookup attention function:
 
-- the KV write stays traced code (`sdpa.store_kv`: an `index_copy_` into the layer's pages, a
+- the KV write stays traced code (`pages.store_kv`: an `index_copy_` into the layer's pages, a
   graph input). Inductor writes the pages in place and fuses the write into the kernel that
   computes the key from its projection (RoPE, cast): no separate write kernel, no copy of the
   cache. The attention op below takes the pages as inputs, so it is ordered after the write.
@@ -24,7 +24,8 @@ import torch
 
 from .invariant import current_layout, invariant_attend
 from .metadata import AttentionMetadata, compiled_layer_kv, step_mask
-from .sdpa import sdpa_attend, store_kv
+from .pages import store_kv
+from .sdpa import sdpa_attend
 
 
 @torch.library.custom_op("hf_plookup::paged_attention", mutates_args=())

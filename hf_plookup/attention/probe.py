@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
+from .dense import softcapped_attention
 from .registry import engine_attention
-from .sdpa import softcapped_attention
 
 PROBE_IMPLEMENTATION = "hf_plookup_probe"
 PROBE_TOKENS = 5  # tokens of the probe input

@@ -9,43 +9,11 @@ keys/values as `[B, H_kv, Lk, D]` gathered from the pages by slot.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .dense import attend
 from .invariant import current_layout, invariant_attend
 from .metadata import AttentionMetadata
-
-
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
-             value: torch.Tensor) -> None:
-    """Store keys/values `[1, H_kv, T, D]` (values `Dv`) at the flat slots `slot_mapping` [T] of one
-    layer's pages `[num_blocks, block_size, H_kv, D]`."""
-    k_cache.view(-1, *k_cache.shape[-2:]).index_copy_(0, slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[-2:]).index_copy_(0, slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
-
-
-def write_kv(meta: AttentionMetadata, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Store this step's keys/values ([1, H_kv, T, D]) at `meta.slot_mapping`."""
-    store_kv(*meta.kv_cache.layer(layer_idx), meta.slot_mapping, key, value)
-
-
-def write_and_pack(meta: AttentionMetadata, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For the kernels that read the pages themselves (flash, triton): write this step's K/V,
-    then return the packed queries `[T, H, D]` in the cache's dtype and the layer's pages
-    (`[num_blocks, block_size, H_kv, D]` each)."""
-    write_kv(meta, layer_idx, key, value)
-    k_cache, v_cache = meta.kv_cache.layer(layer_idx)
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    return (q if q.dtype == k_cache.dtype else q.to(k_cache.dtype)), k_cache, v_cache
-
-
-def gather_kv(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys/values of every sequence as `[B, H_kv, Lk, D]` from one layer's pages (positions
-    past a context are padding)."""
-    idx = meta.kv_slots.reshape(-1)
-    k, v = (c.view(-1, *c.shape[-2:]).index_select(0, idx).view(meta.num_seqs, meta.max_context_len, *c.shape[-2:])
-            .transpose(1, 2) for c in (k_cache, v_cache))
-    return k, v
+from .pages import gather_kv, write_kv
 
 
 def pad_queries(meta: AttentionMetadata, query: torch.Tensor) -> torch.Tensor:
@@ -66,22 +34,6 @@ def unpad_output(meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
     return out[None]
 
 
-def softcapped_attention(q, k, v, mask, scaling: float, softcap: float | None) -> torch.Tensor:
-    """Plain attention (q [B, H, Tq, D], k/v [B, H_kv, Lk, D], mask broadcastable to
-    [B, H, Tq, Lk], True = attend) with tanh logit soft-capping when `softcap` is given (SDPA has
-    no softcap argument)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    return torch.matmul(probs, v)
-
-
 def sdpa_attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """Packed queries `[1, H, T, D]` over one layer's pages (K/V already written): `[1, T, H, D]`."""
@@ -89,11 +41,7 @@ def sdpa_attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = pad_queries(meta, query)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
-    if softcap:
-        out = softcapped_attention(q, k, v, meta.mask(sliding_window), scale, softcap)
-    else:
-        mask = meta.sdpa_mask(sliding_window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out = attend(q, k, v, meta.mask(sliding_window) if softcap else meta.sdpa_mask(sliding_window), scale, softcap)
     return unpad_output(meta, out)
 
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
-import torch
 
 from .metadata import AttentionMetadata
-from .sdpa import write_and_pack
+from .pages import write_and_pack
 
 # Query tokens per program. 16-row query blocks of the earlier kernel (one head per program,
 # no tl.dot) gave wrong results on an H100 with triton 3.6 while the interpreter agreed with
