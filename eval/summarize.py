@@ -7,12 +7,15 @@ For every document the script generates a summary with
 and reports per variant ROUGE-1/2/L against the references, token exact match against the
 baseline, the mean position of the first divergence, tokens/s, the speedup over the
 baseline (with its spread over batches), tokens per forward and per-position acceptance.
-Writes results.json, results.md and results.png to `--out`.
+Writes results.json, results.md and results.png to `--out` (default: a new folder per run,
+results/summarize/DATASET-TIME). The datasets, their licenses and sampling rule: eval/data/README.md.
 
-    python eval/summarize.py                                 # builtin data, SmolLM2-135M-Instruct if installed
+    python eval/summarize.py                                 # CNN/DailyMail sample, SmolLM2-135M-Instruct if installed
+    python eval/summarize.py --dataset billsum               # US bills (shipped sample); builtin: 8 invented documents
     python eval/summarize.py --model gemma3-270m             # the base Gemma 3 270M, few-shot prompt
-    python eval/summarize.py --model smollm2-135m --k 4 8 --check-accuracy
-    python eval/summarize.py --dataset cnn_dailymail --num-docs 100 --device cuda --dtype bf16
+    python eval/summarize.py --k 4 8 --check-accuracy        # exit 1 when exact match or ROUGE misses the thresholds
+    python eval/summarize.py --dataset my.csv --text-field body --summary-field abstract
+    python eval/summarize.py --dataset cnn_dailymail --from-hub --num-docs 1000 --device cuda --dtype bf16
     accelerate launch --num_processes 2 eval/summarize.py ...  # GPUs: documents sharded over processes
     accelerate launch --multi_gpu --num_processes 2 eval/summarize.py --device cpu ...  # CPU processes
     torchrun --nproc_per_node 2 eval/summarize.py --device cpu ...                      # same, via torchrun
@@ -41,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `eval.lib.common` importable
@@ -57,11 +61,38 @@ from eval.lib import common  # noqa: E402
 # that (a quarter of the documents identical, no mean ROUGE F1 down by more than 0.05), far
 # above what a broken engine gives (no document identical, ROUGE collapsing).
 DEFAULT_THRESHOLDS = {"fp32": (1.0, 1e-9), "bf16": (0.25, 0.05), "fp16": (0.25, 0.05)}
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A dataset `--dataset NAME` names: the sample shipped in eval/data/ (read offline through
+    `datasets`) and where the full dataset lives on the Hugging Face hub (`--from-hub`)."""
+
+    file: str | None  # in eval/data/, None: hub only
+    text_field: str
+    summary_field: str
+    license: str
+    source: str
+    hub_id: str | None = None
+    hub_config: str | None = None
+
+
 DATASETS = {
-    # name -> (hub id, config, text field, summary field)
-    "cnn_dailymail": ("abisee/cnn_dailymail", "3.0.0", "article", "highlights"),
-    "xsum": ("EdinburghNLP/xsum", None, "document", "summary"),
+    "builtin": DatasetInfo("builtin.jsonl", "document", "summary", "Apache-2.0 (written for this project)",
+                           "eval/data/builtin.jsonl, 28 invented documents"),
+    "cnn_dailymail": DatasetInfo("cnn_dailymail.jsonl", "article", "highlights", "Apache-2.0",
+                                 "CNN/DailyMail 3.0.0 (See et al., 2017; Hermann et al., 2015)",
+                                 "abisee/cnn_dailymail", "3.0.0"),
+    "billsum": DatasetInfo("billsum.jsonl", "text", "summary", "CC0-1.0", "BillSum (Kornilova and Eidelman, 2019)",
+                           "FiscalNote/billsum"),
+    "xsum": DatasetInfo(None, "document", "summary", "see the dataset card", "XSum (Narayan et al., 2018)",
+                        "EdinburghNLP/xsum"),
 }
+DEFAULT_DATASET = "cnn_dailymail"
+# the first N documents by default: the main job (CNN/DailyMail) sized to about 5 minutes on a quiet
+# 2-core CPU with the default model and variants
+DEFAULT_NUM_DOCS = {"builtin": 8, "cnn_dailymail": 24, "billsum": 8}
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
 BASELINE = "hf-greedy"
 
@@ -76,18 +107,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=sorted(common.DTYPES))
     p.add_argument("--device", default=None, help="default: the accelerate process's device (cuda if available, else cpu)")
     common.add_threads_option(p, "torch CPU threads per process")
-    p.add_argument("--dataset", default="builtin", help="builtin, cnn_dailymail, xsum, or a path to a .jsonl file")
-    p.add_argument("--split", default="test", help="dataset split for cnn_dailymail/xsum")
-    p.add_argument("--text-field", default="document", help="document field of a .jsonl dataset")
-    p.add_argument("--summary-field", default="summary", help="reference-summary field of a .jsonl dataset")
-    p.add_argument("--num-docs", type=int, default=None, help="documents to use (default: 8 for builtin, 100 otherwise)")
+    p.add_argument("--dataset", default=DEFAULT_DATASET,
+                   help=f"{', '.join(DATASETS)} (the samples shipped in eval/data/, read offline), or a path to a "
+                   ".jsonl/.json/.csv/.parquet file")
+    p.add_argument("--from-hub", action="store_true", help="load the full named dataset from the Hugging Face hub "
+                   "(needs network) instead of the shipped sample")
+    p.add_argument("--split", default="test", help="split to load with --from-hub")
+    p.add_argument("--text-field", default=None, help="document column (default: the named dataset's, else 'document')")
+    p.add_argument("--summary-field", default=None, help="reference column (default: the named dataset's, else 'summary')")
+    p.add_argument("--num-docs", type=int, default=None,
+                   help=f"documents to use, the first N (default: {', '.join(f'{k} {v}' for k, v in DEFAULT_NUM_DOCS.items())}, "
+                   "else 100)")
     p.add_argument("--max-input-tokens", type=int, default=None, help="truncate each document to this many tokens")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="prompt_lookup_num_tokens values for hf_plookup")
     p.add_argument("--ngram", type=int, default=2, help="max_matching_ngram_size (HF's default: 2)")
     p.add_argument("--with-hf-plookup", action="store_true", help="also run HF's own prompt lookup (batch size 1) for each --k")
-    p.add_argument("--out", default="results/summarize", help="directory for results.json / .md / .png")
+    p.add_argument("--out", default=None, help="directory for results.json / .md / .png (default: "
+                   "results/summarize/DATASET-YYYYMMDD-HHMMSS, a new folder per run)")
+    p.add_argument("--bootstrap", type=int, default=1000, help="resamples for ROUGE's 95%% interval (0: none)")
     p.add_argument("--rouge-backend", default="auto", choices=["auto", "evaluate", "rouge_score"],
                    help="auto: evaluate.load('rouge') when it loads (it needs the hub), else rouge_score")
     p.add_argument("--check-accuracy", action="store_true", help="exit 1 when an hf_plookup variant misses the thresholds")
@@ -109,8 +148,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--num-docs must be >= 1, got {args.num_docs}")
     if args.max_input_tokens is not None and args.max_input_tokens < 1:
         p.error(f"--max-input-tokens must be >= 1, got {args.max_input_tokens}")
+    if args.bootstrap < 0:
+        p.error(f"--bootstrap must be >= 0, got {args.bootstrap}")
     if args.num_docs is None:
-        args.num_docs = 8 if args.dataset == "builtin" else 100
+        args.num_docs = DEFAULT_NUM_DOCS.get(args.dataset, 100)
+    if args.out is None:
+        name = Path(args.dataset).stem if args.dataset not in DATASETS else args.dataset
+        args.out = str(Path("results") / "summarize" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.model is None:
         from hf_plookup.embedded import default_example_model
 
@@ -123,25 +167,48 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- data -----------------------------------------------------------------------------------
-def load_documents(dataset: str, num_docs: int, split: str = "test", text_field: str = "document", summary_field: str = "summary") -> list[dict]:
-    """[{id, document, summary}] from the builtin sample, a hub dataset or a .jsonl file."""
-    if dataset == "builtin":
-        docs = common.load_jsonl(common.BUILTIN_PATH)
-    elif dataset in DATASETS:
-        hub_id, config, tf, sf = DATASETS[dataset]
-        import datasets
+def load_documents(dataset: str, num_docs: int, split: str = "test", text_field: str | None = None,
+                   summary_field: str | None = None, from_hub: bool = False) -> tuple[list[dict], dict]:
+    """([{id, document, summary}], {name, license, source, origin}) from a named dataset (its
+    shipped sample, or with `from_hub` the full dataset's `split` from the hub) or a user's
+    .jsonl/.json/.csv/.parquet file, read through `datasets`. Raises SystemExit with what to do
+    when the data cannot be read."""
+    import datasets
 
+    info = DATASETS.get(dataset)
+    if info is None:
+        path = Path(dataset)
+        builder = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+        if builder is None or not path.is_file():
+            raise SystemExit(f"--dataset must be one of {', '.join(DATASETS)} or an existing .jsonl/.json/.csv/.parquet "
+                             f"file, got {dataset!r}")
+        rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+        meta = {"name": path.name, "license": "the file's own", "source": str(path), "origin": "file"}
+        text_field, summary_field = text_field or "document", summary_field or "summary"
+    elif from_hub or info.file is None:
+        if info.hub_id is None:
+            raise SystemExit(f"--dataset {dataset} has no hub copy")
         try:
-            ds = datasets.load_dataset(hub_id, config, split=f"{split}[:{num_docs}]")
+            rows = datasets.load_dataset(info.hub_id, info.hub_config, split=f"{split}[:{num_docs}]")
         except Exception as e:  # noqa: BLE001 - offline machines land here
-            raise SystemExit(f"could not load dataset {hub_id!r} ({type(e).__name__}: {e}); "
-                             "it needs the Hugging Face hub; use --dataset builtin or a .jsonl path offline")
-        docs = [{"id": str(row.get("id", i)), "document": row[tf], "summary": row[sf]} for i, row in enumerate(ds)]
-    elif dataset.endswith(".jsonl") or os.path.isfile(dataset):
-        docs = common.load_jsonl(dataset, text_field, summary_field)
+            shipped = f"; without --from-hub it reads the sample shipped in eval/data/{info.file}" if info.file else ""
+            raise SystemExit(f"could not load {info.hub_id!r} from the Hugging Face hub ({type(e).__name__}: {e}){shipped}")
+        meta = {"name": dataset, "license": info.license, "source": f"{info.source}, hub {info.hub_id} {split}",
+                "origin": "hub"}
     else:
-        raise SystemExit(f"--dataset must be builtin, {', '.join(DATASETS)} or a .jsonl path, got {dataset!r}")
-    return docs[:num_docs]
+        rows = datasets.load_dataset("json", data_files=str(DATA_DIR / info.file), split="train")
+        meta = {"name": dataset, "license": info.license, "source": f"{info.source}, sample in eval/data/{info.file}",
+                "origin": "shipped sample"}
+    if info is not None:
+        text_field, summary_field = text_field or info.text_field, summary_field or info.summary_field
+    for field, option in ((text_field, "--text-field"), (summary_field, "--summary-field")):
+        if field not in rows.column_names:
+            raise SystemExit(f"{dataset}: no column {field!r} (set {option}; columns: {', '.join(rows.column_names)})")
+    rows = rows.select(range(min(num_docs, len(rows))))
+    ids = rows["id"] if "id" in rows.column_names else [None] * len(rows)
+    docs = [{"id": str(i if i is not None else f"row-{n}"), "document": t, "summary": r}
+            for n, (i, t, r) in enumerate(zip(ids, rows[text_field], rows[summary_field]))]
+    return docs, {**meta, "documents": len(docs)}
 
 
 # -- metrics (pure) -------------------------------------------------------------------------
@@ -203,6 +270,22 @@ def rouge_backend_used() -> str:
     return "evaluate" if _ROUGE_CACHE.get("evaluate") is not None else "rouge_score"
 
 
+def bootstrap_ci(values: list[float], resamples: int = 1000, seed: int = 0) -> list[float] | None:
+    """95% percentile interval of the mean of `values`, resampling documents with replacement
+    (`resamples` times, a fixed seed so a report repeats); None without resamples or values.
+
+    >>> bootstrap_ci([0.5, 0.5, 0.5])
+    [0.5, 0.5]
+    """
+    if resamples < 1 or not values:
+        return None
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    means = v[np.random.default_rng(seed).integers(0, len(v), size=(resamples, len(v)))].mean(axis=1)
+    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+
+
 def spread(values: list[float]) -> dict:
     if not values:
         return {"mean": None, "min": None, "max": None, "std": None}
@@ -247,13 +330,13 @@ def variant_specs(ks: list[int], with_hf_plookup: bool, batch_size: int) -> list
     return specs
 
 
-def summarize_results(doc_records: list[dict], batch_records: list[dict], specs: list[dict]) -> list[dict]:
+def summarize_results(doc_records: list[dict], batch_records: list[dict], specs: list[dict], bootstrap: int = 0) -> list[dict]:
     """Per-variant summary from the merged per-document and per-batch records.
 
     doc record: {variant, index, tokens, rouge: {rouge1, rouge2, rougeL}};
     batch record: {variant, rank, batch, seconds, tokens, row_steps, drafted_per_position,
     accepted_per_position}. Speedup per batch is the variant's tokens/s over the baseline's
-    on the same batch (same process)."""
+    on the same batch (same process); `bootstrap` resamples give ROUGE's 95% intervals."""
     by_variant: dict[str, list[dict]] = {s["name"]: [] for s in specs}
     for r in doc_records:
         by_variant[r["variant"]].append(r)
@@ -266,11 +349,12 @@ def summarize_results(doc_records: list[dict], batch_records: list[dict], specs:
         tokens = sum(b["tokens"] for b in batches)
         seconds = sum(b["seconds"] for b in batches)
         row_steps = sum(b["row_steps"] for b in batches)
-        ratios = []
+        ratios, per_batch = [], []
         for b in batches:
             base = base_batches.get((b["rank"], b["batch"]))
             if base and b["seconds"] > 0 and base["seconds"] > 0 and base["tokens"] > 0:
                 ratios.append((b["tokens"] / b["seconds"]) / (base["tokens"] / base["seconds"]))
+                per_batch.append({"speedup": ratios[-1], "tokens_per_forward": b["tokens"] / b["row_steps"] if b["row_steps"] else None})
         k = spec["k"]
         has_positions = spec["engine"] == "plookup" and k > 0
         drafted, accepted = [0] * k, [0] * k
@@ -286,12 +370,14 @@ def summarize_results(doc_records: list[dict], batch_records: list[dict], specs:
             **spec,
             "num_docs": len(docs),
             "rouge": {key: statistics.fmean(d["rouge"][key] for d in docs) if docs else 0.0 for key in ROUGE_KEYS},
+            "rouge_ci95": {key: bootstrap_ci([d["rouge"][key] for d in docs], bootstrap) for key in ROUGE_KEYS},
             **em,
             "new_tokens": tokens,
             "seconds": seconds,
             "tokens_per_second": tps,
             "speedup": tps / base_tps if base_tps else None,
             "speedup_per_batch": spread(ratios),
+            "batches": per_batch,
             "tokens_per_forward": tokens / row_steps if row_steps else None,
             "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)] if has_positions else None,
             "acceptance_rate": (sum(accepted) / sum(drafted) if sum(drafted) else 0.0) if has_positions else None,
@@ -329,6 +415,11 @@ def _fmt(x, spec=".3f", none="–") -> str:
     return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _rouge_cell(v: dict, key: str) -> str:
+    ci = (v.get("rouge_ci95") or {}).get(key)
+    return f"{v['rouge'][key]:.4f}" + (f" ({ci[0]:.3f}–{ci[1]:.3f})" if ci else "")
+
+
 def markdown_table(variants: list[dict]) -> str:
     head = ("| variant | batch | ROUGE-1 | ROUGE-2 | ROUGE-L | exact match | mean first div. | tok/s "
             "| speedup (min–max over batches) | tokens/forward | acceptance per position |")
@@ -339,8 +430,8 @@ def markdown_table(variants: list[dict]) -> str:
             f"{_fmt(v['speedup'], '.2f')} ({_fmt(s['min'], '.2f')}–{_fmt(s['max'], '.2f')})")
         acc = " ".join(f"{a:.2f}" for a in v["acceptance_per_position"]) if v["acceptance_per_position"] else "–"
         lines.append(
-            f"| {v['label']} | {v['batch_size']} | {v['rouge']['rouge1']:.4f} | {v['rouge']['rouge2']:.4f} "
-            f"| {v['rouge']['rougeL']:.4f} | {v['exact_match']:.2f} ({v['num_docs'] - v['diverged']}/{v['num_docs']}) "
+            f"| {v['label']} | {v['batch_size']} | {_rouge_cell(v, 'rouge1')} | {_rouge_cell(v, 'rouge2')} "
+            f"| {_rouge_cell(v, 'rougeL')} | {v['exact_match']:.2f} ({v['num_docs'] - v['diverged']}/{v['num_docs']}) "
             f"| {_fmt(v['mean_first_divergence'], '.1f')} | {v['tokens_per_second']:.1f} | {speed} "
             f"| {_fmt(v['tokens_per_forward'], '.2f')} | {acc} |"
         )
@@ -354,40 +445,45 @@ def write_report(results: dict, out_dir, plot: bool = True) -> dict[str, Path]:
     paths = {"json": out / "results.json", "md": out / "results.md"}
     paths["json"].write_text(json.dumps(results, indent=1) + "\n")
     cfg = results["config"]
+    data = results.get("dataset") or {"name": cfg["dataset"], "license": "?", "source": "?"}
     md = [
         "# Summarization eval",
         "",
+        f"dataset **{data['name']}** ({data['source']}; license {data['license']}), {results['num_docs']} documents.",
+        "",
         f"model `{cfg['model']}`, prompt style {cfg.get('prompt_style', '?')} ({results.get('prompt', '')}), "
         f"dtype {cfg['dtype']}, device {cfg['device']}, threads {results.get('machine', {}).get('threads', '?')}, "
-        f"dataset `{cfg['dataset']}` "
-        f"({results['num_docs']} documents), max_new_tokens {cfg['max_new_tokens']}, "
+        f"batch {cfg.get('batch_size', '?')}, max_new_tokens {cfg['max_new_tokens']}, "
         f"max_matching_ngram_size {cfg['ngram']}, processes {results['num_processes']}, ROUGE via {results['rouge_backend']}.",
         "",
         markdown_table(results["variants"]),
         "",
-        "exact match: share of documents whose generated tokens equal the baseline's; mean first div.: "
-        "mean token position of the first difference among diverging documents; speedup: tokens/s over "
-        "the baseline's, overall, with the min–max of the per-batch ratios.",
+        "ROUGE: mean F1 with its 95% bootstrap interval over documents; exact match: share of documents "
+        "whose generated tokens equal the baseline's; mean first div.: mean token position of the first "
+        "difference among diverging documents; speedup: tokens/s over the baseline's, overall, with the "
+        "min–max of the per-batch ratios.",
     ]
-    if results.get("accuracy_check"):
+    if (results.get("accuracy_check") or {}).get("enabled"):
         chk = results["accuracy_check"]
         md += ["", f"accuracy check (exact match >= {chk['min_exact_match']}, ROUGE drop <= {chk['max_rouge_drop']}): "
                + ("PASS" if not chk["failures"] else "FAIL: " + "; ".join(chk["failures"]))]
     paths["md"].write_text("\n".join(md) + "\n")
     if plot:
         paths["png"] = out / "results.png"
-        plot_results(results["variants"], paths["png"])
+        plot_results(results["variants"], paths["png"], data["name"])
     return paths
 
 
-def plot_results(variants: list[dict], path) -> None:
+def plot_results(variants: list[dict], path, dataset: str = "") -> None:
+    """Speedup per variant (bars: spread over batches), each batch's speedup against its tokens
+    per forward (where prompt lookup pays and where it does not), acceptance per draft position."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(16, 4.2))
     others = [v for v in variants if v["name"] != BASELINE]
     names = [v["label"] for v in others]
     speed = [v["speedup"] or 0.0 for v in others]
@@ -398,7 +494,17 @@ def plot_results(variants: list[dict], path) -> None:
     ax1.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     ax1.set_xticks(range(len(others)), names, rotation=20, ha="right")
     ax1.set_ylabel("speedup over HF greedy (tokens/s)")
-    ax1.set_title("speedup (bars: min–max over batches)")
+    ax1.set_title(f"{dataset}: speedup (bars: min–max over batches)")
+    for v in others:
+        pts = [b for b in v.get("batches", []) if b["tokens_per_forward"] is not None]
+        if pts:
+            ax3.scatter([b["tokens_per_forward"] for b in pts], [b["speedup"] for b in pts], label=v["label"], s=18)
+    ax3.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax3.set_xlabel("tokens per forward (one batch)")
+    ax3.set_ylabel("speedup over HF greedy (same batch)")
+    ax3.set_title("per batch: speedup against tokens per forward")
+    if ax3.collections:
+        ax3.legend()
     for v in variants:
         acc = v.get("acceptance_per_position")
         if acc:
@@ -436,7 +542,7 @@ def generate_variant(spec: dict, model, wrapped, prompts: list[list[int]], pad: 
 
 
 def run_shard(items: list[tuple[int, dict]], prompts: dict[int, list[int]], specs, model, wrapped, tokenizer, args, rank: int,
-              show_progress: bool, chat: bool = True):
+              show_progress: bool, chat: bool = True, world: int = 1):
     """Generate every variant on this process's documents; (doc records, batch records)."""
     from tqdm.auto import tqdm
 
@@ -449,7 +555,7 @@ def run_shard(items: list[tuple[int, dict]], prompts: dict[int, list[int]], spec
         for spec in specs:
             generate_variant(spec, model, wrapped, first[:1] if spec["k"] and spec["engine"] == "hf" else first,
                              pad, args.device, 2, args.ngram, stops)
-    bar = tqdm(total=len(groups) * len(specs), desc=f"generating (rank {rank})", disable=not show_progress, unit="call")
+    bar = tqdm(total=len(groups) * len(specs), desc="generating" if world == 1 else f"generating (process {rank} of {world})", disable=not show_progress, unit="call")
     for b, group in enumerate(groups):
         batch_prompts = [prompts[i] for i, _ in group]
         order = specs[b % len(specs):] + specs[: b % len(specs)]  # rotate so drift hits all variants
@@ -490,7 +596,10 @@ def main(argv=None) -> int:
     common.set_threads(args.threads)
     torch.manual_seed(0)
 
-    docs = load_documents(args.dataset, args.num_docs, args.split, args.text_field, args.summary_field)
+    docs, data_info = load_documents(args.dataset, args.num_docs, args.split, args.text_field, args.summary_field,
+                                     args.from_hub)
+    if state.is_main_process:
+        print(f"dataset {data_info['name']}: {len(docs)} documents ({data_info['source']}; license {data_info['license']})")
     if not docs:
         raise SystemExit("no documents to evaluate")
     if any(d["summary"] is None for d in docs):
@@ -509,9 +618,9 @@ def main(argv=None) -> int:
                                                   common.SUMMARY_REQUEST), chat)
         for i, d in mine
     }
-    specs = variant_specs(args.k, args.with_hf_plookup, args.batch_size)
+    specs = variant_specs(args.k, args.with_hf_plookup, min(args.batch_size, len(docs)))
     doc_records, batch_records = run_shard(mine, prompts, specs, model, wrapped, tokenizer, args,
-                                           state.process_index, state.is_local_main_process, chat)
+                                           state.process_index, state.is_local_main_process, chat, state.num_processes)
     prompt_lens = [len(p) for p in prompts.values()]
     if state.num_processes > 1:
         doc_records = gather_object(doc_records)
@@ -525,11 +634,12 @@ def main(argv=None) -> int:
         scores = rouge_per_doc([r["text"] for r in doc_records], [docs[r["index"]]["summary"] for r in doc_records], args.rouge_backend)
         for r, s in zip(doc_records, scores):
             r["rouge"] = s
-        variants = summarize_results(doc_records, batch_records, specs)
+        variants = summarize_results(doc_records, batch_records, specs, args.bootstrap)
         failures = check_accuracy(variants, args.min_exact_match, args.max_rouge_drop)
         results = {
             "config": {k: v for k, v in vars(args).items()},
             "machine": common.machine_info(args.device),
+            "dataset": data_info,
             "num_docs": len(docs),
             "num_processes": state.num_processes,
             "prompt_style": args.prompt_style,
@@ -547,7 +657,8 @@ def main(argv=None) -> int:
         paths = write_report(results, args.out, plot=not args.no_plot)
         print()
         print(f"model {args.model} ({args.dtype}, {args.device}, {torch.get_num_threads()} threads), "
-              f"prompt style {args.prompt_style}, {len(docs)} docs, batch {args.batch_size}, "
+              f"prompt style {args.prompt_style}, dataset {data_info['name']}, {len(docs)} docs, "
+              f"batch {min(args.batch_size, len(docs))}, "
               f"max_new_tokens {args.max_new_tokens}, {state.num_processes} process(es); load {load_seconds:.1f}s, "
               f"total {results['wall_seconds']:.1f}s")
         print(markdown_table(variants))

@@ -150,7 +150,11 @@ def test_thresholds_default_per_dtype():
     assert b.min_exact_match < 1.0 and b.max_rouge_drop > 0
     c = summarize.parse_args(["--dtype", "fp16", "--min-exact-match", "0.9", "--max-rouge-drop", "0.001"])
     assert (c.min_exact_match, c.max_rouge_drop) == (0.9, 0.001)
-    assert summarize.parse_args([]).num_docs == summarize.parse_args(["--dataset", "builtin"]).num_docs
+    default = summarize.parse_args([])
+    assert default.dataset == "cnn_dailymail" and default.num_docs == summarize.DEFAULT_NUM_DOCS["cnn_dailymail"]
+    assert summarize.parse_args(["--dataset", "builtin"]).num_docs == 8
+    assert default.out.startswith("results/summarize/cnn_dailymail-")  # a new folder per run
+    assert summarize.parse_args(["--dataset", "data/x.jsonl"]).out.startswith("results/summarize/x-")
     assert summarize.parse_args(["--dataset", "x.jsonl"]).num_docs == 100
     with pytest.raises(SystemExit):
         summarize.parse_args(["--k", "0"])
@@ -173,6 +177,8 @@ def test_write_report(tmp_path):
     assert "HF greedy (baseline)" in md and "hf_plookup k=2" in md and "FAIL: x failed" in md
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
     assert "png" not in summarize.write_report(results, tmp_path / "noplot", plot=False)
+    off = {**results, "accuracy_check": {**results["accuracy_check"], "enabled": False, "failures": []}}
+    assert "accuracy check" not in summarize.write_report(off, tmp_path / "off", plot=False)["md"].read_text()
 
 
 # -- data and prompts -----------------------------------------------------------------------
@@ -181,7 +187,18 @@ def test_load_jsonl_fields(tmp_path):
     path.write_text('{"id": "a", "text": "doc one", "ref": "one"}\n\n{"text": "doc two", "ref": "two"}\n')
     docs = common.load_jsonl(path, text_field="text", summary_field="ref")
     assert docs == [{"id": "a", "document": "doc one", "summary": "one"}, {"id": "line-3", "document": "doc two", "summary": "two"}]
-    assert summarize.load_documents(str(path), 1, text_field="text", summary_field="ref") == docs[:1]
+    loaded, info = summarize.load_documents(str(path), 2, text_field="text", summary_field="ref")
+    assert loaded == [{"id": "a", "document": "doc one", "summary": "one"}, {"id": "row-1", "document": "doc two", "summary": "two"}]
+    assert info == {"name": "d.jsonl", "license": "the file's own", "source": str(path), "origin": "file", "documents": 2}
+    with pytest.raises(SystemExit, match="--summary-field"):
+        summarize.load_documents(str(path), 2, text_field="text")
+    csv = tmp_path / "d.csv"
+    csv.write_text("body,abstract\nfirst doc,first\nsecond doc,second\n")
+    loaded, _ = summarize.load_documents(str(csv), 5, text_field="body", summary_field="abstract")
+    assert loaded == [{"id": "row-0", "document": "first doc", "summary": "first"},
+                      {"id": "row-1", "document": "second doc", "summary": "second"}]
+    with pytest.raises(SystemExit, match="must be one of"):
+        summarize.load_documents(str(tmp_path / "missing.jsonl"), 1)
     with pytest.raises(ValueError, match="--text-field"):
         common.load_jsonl(path)
     with pytest.raises(ValueError, match="--summary-field"):
@@ -190,9 +207,34 @@ def test_load_jsonl_fields(tmp_path):
 
 
 def test_builtin_documents():
-    docs = summarize.load_documents("builtin", 5)
+    docs, info = summarize.load_documents("builtin", 5)
     assert len(docs) == 5 and all(d["document"] and d["summary"] for d in docs)
-    assert len(summarize.load_documents("builtin", 1000)) == 28
+    assert docs[0]["id"] == "builtin-01" and info["origin"] == "shipped sample"
+    assert len(summarize.load_documents("builtin", 1000)[0]) == 28
+
+
+def test_shipped_datasets():
+    """The samples in eval/data/: counts, ids as the datasets define them, licenses in the report."""
+    import hashlib
+    import json
+
+    docs, info = summarize.load_documents("cnn_dailymail", 1000)
+    assert len(docs) == 150 and info["license"] == "Apache-2.0" and info["origin"] == "shipped sample"
+    rows = [json.loads(line) for line in (summarize.DATA_DIR / "cnn_dailymail.jsonl").read_text().splitlines()]
+    assert all(r["id"] == hashlib.sha1(r["url"].encode()).hexdigest() for r in rows)  # CNN/DM's story id
+    assert [d["id"] for d in docs] == [r["id"] for r in rows] and len({d["document"] for d in docs}) == 150
+    bills, info = summarize.load_documents("billsum", 1000)
+    assert len(bills) == 50 and info["license"] == "CC0-1.0" and bills[0]["id"] == "billsum-test-0"
+    assert sum(b["document"].startswith("SECTION 1.") for b in bills) >= 45 and all(b["summary"] for b in bills)
+    assert all(p.stat().st_size < 5_000_000 for p in summarize.DATA_DIR.iterdir())
+
+
+def test_bootstrap_ci_literal_cases():
+    assert summarize.bootstrap_ci([0.5, 0.5, 0.5]) == [0.5, 0.5]
+    assert summarize.bootstrap_ci([0.1, 0.9], resamples=0) is None and summarize.bootstrap_ci([], 100) is None
+    lo, hi = summarize.bootstrap_ci([0.0] * 50 + [1.0] * 50, resamples=2000)
+    assert 0.38 < lo < 0.45 and 0.55 < hi < 0.62  # mean 0.5, standard error 0.05: about 0.5 -+ 0.098
+    assert summarize.bootstrap_ci([0.0, 1.0, 0.3], 500, seed=1) == summarize.bootstrap_ci([0.0, 1.0, 0.3], 500, seed=1)
 
 
 def test_prompts_plain_and_chat(tiny_ckpt, tiny_chat_ckpt):
