@@ -82,6 +82,14 @@ class PlookupModel:
         """`SpecStats` of this thread's last `generate` call (None before the first)."""
         return getattr(_state(self).local, "stats", None)
 
+    def clear_prefix_cache(self) -> None:
+        """Forget the prompt pages kept for reuse (option `prefix_cache`). hf_plookup already does
+        when the weights change in place, an adapter is switched or the model moves; this is for
+        changes it cannot see (e.g. a forward hook that alters keys)."""
+        engine = _state(self).engine
+        if engine is not None:
+            engine.clear_prefix_cache()
+
     @property
     def _engine(self) -> Engine:
         """The engine for the model as it is now (built, or rebuilt after a device/dtype change)."""

@@ -139,7 +139,8 @@ def delegation_reason(config: GenerationConfig, args: dict, model_kwargs: dict) 
         if value is not None and value != default:
             return f"`{name}={value!r}`"
     extra = set(model_kwargs) - _HARMLESS_MODEL_KWARGS
-    if type(model_kwargs.get("past_key_values")) is DynamicCache:  # other caches: HF's generate
+    if model_kwargs.get("past_key_values") is None or type(model_kwargs["past_key_values"]) is DynamicCache:
+        # None (HF's "no cache", as a chat loop's first turn passes it) or a DynamicCache; others: HF
         extra.discard("past_key_values")
     if extra:
         return f"model inputs {sorted(extra)}"

@@ -18,6 +18,8 @@ class SpecStats:
     num_sequences: int = 0
     forwards: int = 0  # model forwards: prefill chunks and decode/verify steps
     prefill_forwards: int = 0  # forwards that carried at least one prompt chunk
+    prompt_tokens: int = 0  # prompt tokens over all rows
+    cached_prompt_tokens: int = 0  # of those, tokens whose K/V came from the prefix pool (not prefilled)
     row_steps: int = 0  # (sequence, forward) pairs that produced tokens
     new_tokens: int = 0  # generated tokens over all rows (stops included, padding not)
     drafted: int = 0  # draft tokens fed to verification
@@ -34,6 +36,7 @@ class SpecStats:
     delegated: bool = False  # True when the call went to HF's own generate
     delegated_reason: str = ""
     attn_backend: str = ""
+    prefix_cache: bool = False  # the prefix pool was on for this call (engine: EngineOptions.prefix_cache)
     invariant: bool = False  # invariant mode ran (engine.invariant: drafts change no token's arithmetic)
     k: int = 0  # prompt_lookup_num_tokens (0: plain greedy)
 
@@ -79,6 +82,9 @@ class SpecStats:
             "num_sequences": self.num_sequences,
             "forwards": self.forwards,
             "prefill_forwards": self.prefill_forwards,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefix_cache": self.prefix_cache,
             "row_steps": self.row_steps,
             "new_tokens": self.new_tokens,
             "drafted": self.drafted,

@@ -54,6 +54,10 @@ class EngineOptions:
     # every token computed bitwise as in a 1-token step (engine.invariant): True | False | "auto"
     # (on where it measured cheap: see invariant.INVARIANT_AUTO)
     invariant: bool | str = "auto"
+    # keep full pages of prefilled prompts after a call and reuse them for prompts that start the
+    # same way: True | False | "auto" (on where a pooled page holds the bits a fresh prefill
+    # computes: with invariant mode, whose prompt chunks are cut at fixed offsets)
+    prefix_cache: bool | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_cache_tokens", "num_blocks"):
@@ -72,8 +76,10 @@ class EngineOptions:
         if self.tree_min_score is not None and (isinstance(self.tree_min_score, bool) or not isinstance(
                 self.tree_min_score, (int, float)) or not 0.0 <= self.tree_min_score <= 1.0):
             raise ValueError(f"tree_min_score must be a number in [0, 1] or None, got {self.tree_min_score!r}")
-        if self.invariant not in ("auto", True, False) or not isinstance(self.invariant, (bool, str)):
-            raise ValueError(f"invariant must be 'auto', True or False, got {self.invariant!r}")
+        for name in ("invariant", "prefix_cache"):
+            v = getattr(self, name)
+            if v not in ("auto", True, False) or not isinstance(v, (bool, str)):
+                raise ValueError(f"{name} must be 'auto', True or False, got {v!r}")
         if not 0.0 < self.cache_memory_fraction <= 1.0:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction!r}")
         if self.attn_backend not in BACKEND_CHOICES:
@@ -92,6 +98,28 @@ COMPILE_AUTO = {"cuda": True, "cpu": False}
 # fed. A tree_min_score set by the user is used as is.
 TREE_MIN_SCORE = {"cpu": 0.1, "cuda": 0.0}
 STEP_FIXED_TOKENS = {"cpu": 19.0}
+# invariant mode cuts prompts into chunks at multiples of this many tokens from their start (at
+# most max_batch_tokens): a chunk's rows then come out the same whatever else runs, and a pooled
+# prefix ends where a fresh prefill's chunk would, so the rest of the prompt is chunked as without it
+PREFILL_UNIT = 256
+
+
+def weights_fingerprint(model: torch.nn.Module) -> tuple | None:
+    """What decides the K/V a prompt gets besides its tokens: every parameter's and buffer's
+    storage, version counter (bumped by in-place changes: optimizer steps, `load_state_dict`,
+    merging adapters), dtype and device, and each PEFT layer's active adapters, enabled state and
+    scaling. None where a tensor has no version counter (inference tensors): nothing is pooled."""
+    parts = []
+    try:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            parts.append((t.data_ptr(), t._version, t.dtype, t.device))
+    except RuntimeError:
+        return None
+    for m in model.modules():
+        if hasattr(m, "_active_adapter"):
+            parts.append((m._active_adapter if isinstance(m._active_adapter, str) else tuple(m._active_adapter),
+                          getattr(m, "_disable_adapters", None), repr(getattr(m, "scaling", None))))
+    return tuple(parts)
 
 
 def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str, hooked: bool = False) -> bool:
@@ -149,6 +177,16 @@ class Engine:
         self._state_lock = threading.Lock()  # guards _batch and _pending
         self._batch: Batch | None = None  # the running loop's rows
         self._pending: list[Call] = []  # calls waiting to join it at the next step
+        # prefix pool (BlockManager): on with invariant mode under "auto"; its pages are kept as
+        # long as the weights' fingerprint does not change
+        self.prefix_cache = invariant if options.prefix_cache == "auto" else bool(options.prefix_cache)
+        bs = self.options.block_size
+        self.prefill_unit = min(PREFILL_UNIT, options.max_batch_tokens) if invariant else None
+        unit = self.prefill_unit or max(bs, PREFILL_UNIT // bs * bs)
+        if unit % bs:  # a chunk unit that is not whole pages (max_batch_tokens < block_size)
+            self.prefix_cache = False
+        self.prefix_unit_pages = max(unit // bs, 1)
+        self._weights: tuple | None = None  # the fingerprint the pooled pages were computed under
 
     @property
     def capacity_blocks(self) -> int:
@@ -186,6 +224,45 @@ class Engine:
             self._graphs = GraphRunner(self.model, self.cache(), self.options.attn_backend, self.options.max_num_seqs,
                                        capture=self.use_graphs, compiled=self.use_compile, invariant=self.invariant)
         return self._graphs
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every pooled prompt page (no loop may be running)."""
+        with self._loop_lock:
+            if self.blocks is not None:
+                self.blocks.clear_prefixes()
+            self._weights = None
+
+    def _prefix_hooks(self, batch: Batch, blocks: BlockManager):
+        """The admission hook (a new sequence starts from the longest pooled run of whole chunk
+        units of its prompt, leaving at least one token to prefill) and the registration after
+        each prefill chunk (whole units of the prompt enter the pool), or (None, None)."""
+        if not self.prefix_cache:
+            return None, None
+        weights = weights_fingerprint(self.model)
+        if weights is None or weights != self._weights:
+            blocks.clear_prefixes()
+            self._weights = weights
+        if weights is None:
+            return None, None
+        bs, unit = blocks.block_size, self.prefix_unit_pages
+        hashes: dict[int, list[bytes]] = {}
+
+        def admit(seq) -> None:
+            pages = seq.prompt_len // bs // unit * unit  # whole units: what a fresh prefill computes as full chunks
+            hashes[seq.seq_id] = h = blocks.page_hashes(batch.history[seq.row], pages)
+            usable = (seq.prompt_len - 1) // bs // unit * unit  # one prompt token is always prefilled (its logits)
+            seq.num_cached = blocks.match(seq.seq_id, h[:usable], unit) * bs
+            stats = batch.call_of_row[seq.row].stats
+            stats.cached_prompt_tokens += seq.num_cached
+
+        def register(seq) -> None:
+            h = hashes.get(seq.seq_id)
+            if h:
+                blocks.register(seq.seq_id, h[: seq.num_cached // bs])
+                if seq.num_cached >= seq.prompt_len:
+                    del hashes[seq.seq_id]
+
+        return admit, register
 
     def pad_to(self, drafts: int) -> int | None:
         """Tokens every sequence feeds in a verify step when drafts are padded (`drafts` + 1: k for
@@ -231,6 +308,8 @@ class Engine:
         stats = stats if stats is not None else SpecStats()
         stats.attn_backend = self.options.attn_backend
         stats.invariant = self.invariant is not None
+        stats.prefix_cache = self.prefix_cache
+        stats.prompt_tokens = sum(len(p) for p in prompts)
         call = Call(prompts, cfg, stats)
         with self._state_lock:
             batch = self._batch
@@ -259,8 +338,9 @@ class Engine:
         graphs = self.graph_runner()
         compile_before = graphs.compile_seconds if graphs is not None else 0.0
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
-                          aligned_prefill=self.invariant is not None)
+                          aligned_prefill=self.prefill_unit)
         batch = Batch(cfg, self.proposer(cfg), sched, self._ids, self.tree_min_score, self.step_fixed_tokens)
+        sched.on_admit, register = self._prefix_hooks(batch, blocks)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
                              graphs, self.head, self.invariant)
@@ -286,6 +366,8 @@ class Engine:
                 for c in chunks:
                     if c.is_prefill:
                         c.seq.num_cached += c.num_tokens
+                        if register is not None:
+                            register(c.seq)
                 if active:
                     cache.move_slots(*batch.verify_and_commit(active, logits))  # accepted tree paths into place
                 if batch.keeps_kv:  # past_key_values: keys/values of finished rows, before their blocks go

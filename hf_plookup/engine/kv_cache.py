@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,12 +156,28 @@ class PagedKVCache:
 
 @dataclass(slots=True)
 class BlockManager:
-    """Free list of block ids and each sequence's block table."""
+    """Free list of block ids, each sequence's block table, and the prefix pool.
+
+    Prefix pool: full pages of prefilled prompt tokens are *registered* under the hash chain of
+    their tokens (`page_hashes`). A registered block outlives its sequence: when no table holds
+    it any more it waits, evictable, least recently used first, and a later sequence whose prompt
+    starts with the same pages `match`es it instead of computing them again. Evictable blocks
+    count as free: `ensure` takes truly free blocks first, then evicts.
+
+    Example, 4-token pages: a first sequence prefills `[5, 6, 7, 8, 9, 10, 11, 12, 13]` and
+    registers its two full pages; a second sequence whose prompt starts with the same 8 tokens
+    matches both and prefills from token 8 on; one that starts `[5, 6, 7, 8, 0, ...]` matches
+    the first page only.
+    """
 
     num_blocks: int
     block_size: int
     free_blocks: list[int] = field(init=False)
     tables: dict[int, list[int]] = field(init=False, default_factory=dict)  # seq id -> block ids
+    hash_of: dict[int, bytes] = field(init=False, default_factory=dict)  # registered block -> its page hash
+    block_of: dict[bytes, int] = field(init=False, default_factory=dict)  # page hash -> registered block
+    refs: dict[int, int] = field(init=False, default_factory=dict)  # registered block -> tables holding it
+    evictable: OrderedDict[int, None] = field(init=False, default_factory=OrderedDict)  # LRU first
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -169,7 +187,13 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        """Blocks a sequence can get: free ones and evictable pooled ones."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_pooled(self) -> int:
+        """Registered blocks (in use or evictable)."""
+        return len(self.hash_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -183,26 +207,93 @@ class BlockManager:
         bs = self.block_size
         return table[positions // bs] * bs + positions % bs
 
+    def _take(self) -> int:
+        if self.free_blocks:
+            return self.free_blocks.pop()
+        block, _ = self.evictable.popitem(last=False)  # the least recently used pooled page
+        self._forget(block)
+        return block
+
+    def _forget(self, block: int) -> None:
+        del self.block_of[self.hash_of.pop(block)]
+        self.refs.pop(block, None)
+
+    def _release(self, block: int) -> None:
+        """A table lets go of `block`: a registered one waits in the pool when no table holds it."""
+        if block in self.hash_of:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.evictable[block] = None
+        else:
+            self.free_blocks.append(block)
+
     def ensure(self, seq_id: int, num_tokens: int) -> None:
         """Grow `seq_id`'s table to hold `num_tokens` tokens."""
         table = self.tables.setdefault(seq_id, [])
         need = self.blocks_for(num_tokens) - len(table)
-        if need > len(self.free_blocks):
-            raise RuntimeError(f"KV cache out of blocks: need {need}, {len(self.free_blocks)} free")
+        if need > self.num_free:
+            raise RuntimeError(f"KV cache out of blocks: need {need}, {self.num_free} free")
         for _ in range(need):
-            table.append(self.free_blocks.pop())
+            table.append(self._take())
 
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Shrink `seq_id`'s table to what `num_tokens` tokens need; freed blocks return to the pool."""
         table = self.tables[seq_id]
         keep = self.blocks_for(num_tokens)
         while len(table) > keep:
-            self.free_blocks.append(table.pop())
+            self._release(table.pop())
 
     def free(self, seq_id: int) -> None:
         for b in reversed(self.tables.pop(seq_id, [])):
-            self.free_blocks.append(b)
+            self._release(b)
 
     def free_all(self) -> None:
         for seq_id in list(self.tables):
             self.free(seq_id)
+
+    # -- prefix pool --------------------------------------------------------------------------
+    def page_hashes(self, tokens: np.ndarray, num_pages: int) -> list[bytes]:
+        """The hash chain of the first `num_pages` full pages of `tokens`: page i's hash covers
+        pages 0..i, so equal hashes mean equal prefixes."""
+        out, prev = [], b""
+        bs = self.block_size
+        for i in range(num_pages):
+            prev = hashlib.blake2b(prev + np.ascontiguousarray(tokens[i * bs : (i + 1) * bs], dtype=np.int64).tobytes(),
+                                   digest_size=16).digest()
+            out.append(prev)
+        return out
+
+    def match(self, seq_id: int, hashes: list[bytes], unit_pages: int = 1) -> int:
+        """Start `seq_id`'s (new) table with the pooled blocks of the longest run of `hashes`,
+        cut to a multiple of `unit_pages`. Returns the pages matched."""
+        if self.tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        table = self.tables.setdefault(seq_id, [])
+        for h in hashes:
+            block = self.block_of.get(h)
+            if block is None:
+                break
+            table.append(block)
+            self.refs[block] += 1
+            self.evictable.pop(block, None)
+        while len(table) % unit_pages:
+            self._release(table.pop())
+        return len(table)
+
+    def register(self, seq_id: int, hashes: list[bytes]) -> None:
+        """Record that `seq_id`'s first `len(hashes)` blocks hold the pages of those hashes (a page
+        another block already holds stays with that block)."""
+        table = self.tables[seq_id]
+        for block, h in zip(table, hashes):
+            if block in self.hash_of or h in self.block_of:
+                continue
+            self.hash_of[block], self.block_of[h], self.refs[block] = h, block, 1
+
+    def clear_prefixes(self) -> None:
+        """Forget every pooled page (its KV was computed with weights that have changed)."""
+        for block in list(self.evictable):
+            self._forget(block)
+            self.free_blocks.append(block)
+        self.evictable.clear()
+        for block in list(self.hash_of):  # still held by a table: freed normally when let go
+            self._forget(block)

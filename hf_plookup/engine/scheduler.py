@@ -26,15 +26,20 @@ class Scheduler:
     of blocks and nothing needs preempting. Prefill runs before decode; decode steps take all
     running sequences."""
 
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_num_seqs: int, aligned_prefill: bool = False):
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_num_seqs: int, aligned_prefill: int | None = None,
+                 on_admit: Callable[[Sequence], None] | None = None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
-        # invariant mode: prompts are cut only at multiples of max_batch_tokens from their start,
-        # so a prompt's chunks do not depend on the other rows (a chunk that does not fit waits)
+        # invariant mode: prompts are cut only at multiples of this many tokens from their start,
+        # so a prompt's chunks do not depend on the other rows or on a prefix found in the pool
+        # (a chunk that does not fit waits)
+        if aligned_prefill is not None and not 1 <= aligned_prefill <= max_batch_tokens:
+            raise ValueError(f"aligned_prefill must be in [1, max_batch_tokens], got {aligned_prefill}")
         self.aligned_prefill = aligned_prefill
+        self.on_admit = on_admit  # gives an admitted sequence its pooled prefix (engine)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -58,6 +63,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            if self.on_admit is not None:
+                self.on_admit(seq)
             b.tables.setdefault(seq.seq_id, [])
 
     def retire_finished(self) -> list[Sequence]:
@@ -83,7 +90,8 @@ class Scheduler:
             for s in prefill:
                 n = min(s.prompt_len - s.num_cached, budget)
                 if self.aligned_prefill:
-                    n = min(s.prompt_len - s.num_cached, self.max_batch_tokens - s.num_cached % self.max_batch_tokens)
+                    unit = self.aligned_prefill
+                    n = min(s.prompt_len - s.num_cached, unit - s.num_cached % unit)
                     if n > budget:
                         break
                 if n <= 0:
