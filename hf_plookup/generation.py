@@ -18,6 +18,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .engine.sequence import DecodeConfig
+from .outputs import CACHE_FIELD
 
 logger = logging.getLogger("hf_plookup")
 
@@ -160,6 +161,27 @@ def _check_past(past: DynamicCache, input_ids: torch.Tensor, config: GenerationC
                          f"{input_ids.shape[0]} rows")
 
 
+def caller_kv(past: DynamicCache, attention_mask: torch.Tensor) -> list | None:
+    """The caller's cache per row, for the engine to copy into pages: per row and layer
+    (K [H_kv, n, D], V [H_kv, n, Dv]) of the row's first n attended tokens (its columns before the
+    cache's end, padding left out). None when it cannot be read whole: an empty cache, or layers
+    that keep fewer columns than the cache's length (sliding windows); those rows are prefilled.
+
+    Example: a cache of 5 columns and a row masked [0, 1, 1, 1, 1, 1, 1] gives that row columns
+    1-4 of each layer, its first 4 tokens (n = 4)."""
+    length = past.get_seq_length()
+    if not length or any(layer.keys is None or layer.keys.shape[-2] != length or layer.keys.shape[0] != attention_mask.shape[0]
+                         for layer in past.layers):
+        return None
+    mask = attention_mask[:, :length].bool().cpu()
+    rows = []
+    for b in range(mask.shape[0]):
+        cols = torch.nonzero(mask[b]).view(-1)
+        rows.append([(layer.keys[b][:, cols.to(layer.keys.device)], layer.values[b][:, cols.to(layer.values.device)])
+                     for layer in past.layers])
+    return rows
+
+
 def attended_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[np.ndarray]:
     """Each row's tokens where the mask is 1 (left, right or inner padding removed)."""
     ids = input_ids.cpu().numpy()
@@ -289,6 +311,10 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
         and model.generation_config.min_length is None
     )
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    if CACHE_FIELD == "cache" and "cache" in model_kwargs:  # HF's new name for past_key_values
+        if model_kwargs.get("past_key_values") is not None:
+            raise ValueError("pass either `cache` or `past_key_values` (its old name), not both")
+        model_kwargs["past_key_values"] = model_kwargs.pop("cache")
     reason = delegation_reason(config, args, model_kwargs)
     if reason:
         return reason
@@ -370,6 +396,8 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
         pad_token_id=pad,
         # HF returns its cache with return_dict_in_generate (unless use_cache=False) and extends a given one
         keep_kv=past is not None or bool(config.return_dict_in_generate and model_kwargs.get("use_cache", config.use_cache)),
+        # its keys and values are read, as HF reads them, not computed again
+        prompt_kv=caller_kv(past, mask) if past is not None else None,
     )
     return Request(
         input_ids=input_ids,

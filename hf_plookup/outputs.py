@@ -1,12 +1,13 @@
 """What `generate` returns, laid out as HF lays it out: `sequences` (input rows as given, then
 the new tokens, shorter rows padded), and with `return_dict_in_generate` the per-step `scores`
 and `logits` (rows that finished earlier included, as HF computes them on pad tokens) and
-`past_key_values` (a `DynamicCache` built from the engine's pages)."""
+`past_key_values` (`cache` from transformers 5.24 on: a `DynamicCache` built from the engine's
+pages)."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -15,6 +16,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafting.sampling import process_scores
 from .stats import SpecStats
+
+
+# transformers 5.24 renamed `generate`'s `past_key_values` (argument and output field) to `cache`
+CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
 @dataclass
@@ -150,5 +155,4 @@ def assemble(model, request, result, stats: SpecStats, exclusive=contextlib.null
         if result.scores is not None:
             scores = per_step(result.scores, tail_scores(request.decode.processors, tails, sequences, width, steps),
                               sequences.device)
-    return PlookupGenerateOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=cache,
-                                 stats=stats)
+    return PlookupGenerateOutput(sequences=sequences, scores=scores, logits=logits, stats=stats, **{CACHE_FIELD: cache})

@@ -19,7 +19,7 @@ class SpecStats:
     forwards: int = 0  # model forwards: prefill chunks and decode/verify steps
     prefill_forwards: int = 0  # forwards that carried at least one prompt chunk
     prompt_tokens: int = 0  # prompt tokens over all rows
-    cached_prompt_tokens: int = 0  # of those, tokens whose K/V came from the prefix pool (not prefilled)
+    cached_prompt_tokens: int = 0  # of those, tokens whose K/V came from the prefix pool or the caller's cache (not prefilled)
     row_steps: int = 0  # (sequence, forward) pairs that produced tokens
     new_tokens: int = 0  # generated tokens over all rows (stops included, padding not)
     drafted: int = 0  # draft tokens fed to verification

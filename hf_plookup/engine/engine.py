@@ -24,7 +24,7 @@ from .invariant import InvariantLinears, resolve_invariant
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import DecodeConfig
+from .sequence import DecodeConfig, Sequence
 
 
 @dataclass(slots=True)
@@ -90,8 +90,9 @@ class EngineOptions:
 COMPILE_AUTO = {"cuda": True, "cpu": False}
 # tree_min_score by device type. A node is worth feeding when its score beats the share of a step
 # one more token costs times the tokens a step yields. On the CPU, where verify steps run through
-# engine.cpu_kernels, a step of N fed tokens costs about c (F + N) with F about 19 (README "A step's
-# cost on this CPU": 5 tokens cost about 1.2x one), so a fed token adds about 5% to a 1-token step;
+# engine.cpu_kernels, a step of N fed tokens costs about c (F + N) with F about 19 (docs/results.md,
+# "A step's cost on this CPU": 5 tokens cost about 1.2x one), so a fed token adds about 5% to a
+# 1-token step;
 # a step yields about 2 tokens, hence 0.1 at batch 1, raised with the batch by
 # drafting.tree.batch_min_score with the step's fixed cost STEP_FIXED_TOKENS = F. On CUDA a verify
 # step's tokens cost little and graph steps are padded to the whole budget anyway, so every node is
@@ -101,7 +102,7 @@ STEP_FIXED_TOKENS = {"cpu": 19.0}
 # invariant mode cuts prompts into chunks at multiples of this many tokens from their start (at
 # most max_batch_tokens): a chunk's rows then come out the same whatever else runs, and a pooled
 # prefix ends where a fresh prefill's chunk would, so the rest of the prompt is chunked as without it
-PREFILL_UNIT = 256
+PREFILL_UNIT = 128
 
 
 def weights_fingerprint(model: torch.nn.Module) -> tuple | None:
@@ -232,28 +233,94 @@ class Engine:
                 self.blocks.clear_prefixes()
             self._weights = None
 
-    def _prefix_hooks(self, batch: Batch, blocks: BlockManager):
-        """The admission hook (a new sequence starts from the longest pooled run of whole chunk
-        units of its prompt, leaving at least one token to prefill) and the registration after
-        each prefill chunk (whole units of the prompt enter the pool), or (None, None)."""
-        if not self.prefix_cache:
-            return None, None
-        weights = weights_fingerprint(self.model)
+    def _prefix_hooks(self, batch: Batch, blocks: BlockManager, cache: PagedKVCache):
+        """The hooks that give a sequence its prompt's keys and values without prefilling them:
+        (admit, defer, register), the last two None without the prefix pool.
+
+        * admit: a new sequence starts from the longest pooled run of whole chunk units of its
+          prompt (leaving at least one token to prefill); then the caller's `past_key_values`, if
+          given, fill its pages up to the cache's end (those pages are never pooled: they hold
+          the caller's bits, not a fresh prefill's); it claims the units after that which no live
+          sequence has claimed: it will compute them;
+        * defer: before each prefill chunk, a sequence takes the units that have entered the pool
+          since (another row computed them), then waits while its next unit is claimed by another
+          sequence still prefilling it. Rows of one call, or calls joining a loop, that share a
+          beginning thus compute it once. Claims go to the earlier sequence, so the one a row
+          waits on never waits on it;
+        * register: after each prefill chunk, the prompt's whole units enter the pool.
+
+        Example (units of 128 tokens): rows A and B share their first 300 tokens and are admitted
+        together. A claims its units 0 and 1 (and the rest of its own); B waits; after A's first
+        chunk B takes unit 0 from the pool, after A's second unit 1, then prefills from token 256 on.
+        """
+        def copy_caller_kv(seq) -> bool:
+            """Write the caller's past_key_values for this row (past what the pool gave) into its
+            pages, as HF reads a given cache instead of computing it again; True if any was."""
+            call = batch.call_of_row[seq.row]
+            if call.cfg.prompt_kv is None:
+                return False
+            layers = call.cfg.prompt_kv[call.seqs.index(seq)]
+            start, end = seq.num_cached, min(layers[0][0].shape[1], seq.prompt_len - 1)
+            if end <= start or len(layers) != len(cache.keys) or any(
+                    x.shape[0] != p.shape[2] or x.shape[2] != p.shape[3]
+                    for (k, v), pk, pv in zip(layers, cache.keys, cache.values) for x, p in ((k, pk), (v, pv))):
+                return False  # nothing past the pool, or not laid out as the pages are: prefilled
+            blocks.ensure(seq.seq_id, end)
+            slots = torch.from_numpy(blocks.slots(seq.seq_id, np.arange(start, end)))
+            for pages_k, pages_v, (k, v) in zip(cache.keys, cache.values, layers):
+                for pages, x in ((pages_k, k), (pages_v, v)):
+                    pages.view(-1, *pages.shape[2:])[slots.to(pages.device)] = x[:, start:end].transpose(0, 1).to(pages)
+            call.stats.cached_prompt_tokens += end - start
+            seq.num_cached = end
+            return True
+
+        weights = weights_fingerprint(self.model) if self.prefix_cache else None
         if weights is None or weights != self._weights:
             blocks.clear_prefixes()
             self._weights = weights
         if weights is None:
-            return None, None
+            return copy_caller_kv, None, None
         bs, unit = blocks.block_size, self.prefix_unit_pages
-        hashes: dict[int, list[bytes]] = {}
+        hashes: dict[int, list[bytes]] = {}  # seq id -> its prompt's page hashes (whole units)
+        owner: dict[bytes, Sequence] = {}  # a unit's last page hash -> the sequence computing it
+
+        def usable_pages(seq) -> int:  # one prompt token is always prefilled (its logits)
+            return (seq.prompt_len - 1) // bs // unit * unit
+
+        def computing(seq, page: int) -> bool:  # `seq` is live and has not yet computed that page
+            return not seq.finished and seq.num_cached < (page + 1) * bs
+
+        def take_pooled(seq) -> None:
+            h = hashes[seq.seq_id]
+            before = len(blocks.tables.get(seq.seq_id, ()))
+            got = blocks.match(seq.seq_id, h[: usable_pages(seq)], unit)
+            seq.num_cached = got * bs
+            batch.call_of_row[seq.row].stats.cached_prompt_tokens += (got - before) * bs
 
         def admit(seq) -> None:
             pages = seq.prompt_len // bs // unit * unit  # whole units: what a fresh prefill computes as full chunks
             hashes[seq.seq_id] = h = blocks.page_hashes(batch.history[seq.row], pages)
-            usable = (seq.prompt_len - 1) // bs // unit * unit  # one prompt token is always prefilled (its logits)
-            seq.num_cached = blocks.match(seq.seq_id, h[:usable], unit) * bs
-            stats = batch.call_of_row[seq.row].stats
-            stats.cached_prompt_tokens += seq.num_cached
+            take_pooled(seq)
+            pooled = seq.num_cached // bs
+            if copy_caller_kv(seq):  # pages past the pooled ones hold the caller's bits: never pooled
+                hashes[seq.seq_id] = h = h[:pooled]
+            for last in range(seq.num_cached // bs + unit - 1, len(h), unit):
+                o = owner.get(h[last])
+                if o is None or not computing(o, last):
+                    owner[h[last]] = seq
+
+        def defer(seq) -> bool:
+            h = hashes.get(seq.seq_id)
+            if not h or seq.num_cached % (unit * bs) or seq.num_cached != len(blocks.tables.get(seq.seq_id, ())) * bs:
+                return False  # mid-unit: nothing to share
+            shareable = min(usable_pages(seq), len(h))
+            if seq.num_cached < shareable * bs:
+                take_pooled(seq)
+            last = seq.num_cached // bs + unit - 1
+            if last >= shareable:
+                return False
+            o = owner.get(h[last])
+            return o is not None and o is not seq and computing(o, last)
 
         def register(seq) -> None:
             h = hashes.get(seq.seq_id)
@@ -262,7 +329,7 @@ class Engine:
                 if seq.num_cached >= seq.prompt_len:
                     del hashes[seq.seq_id]
 
-        return admit, register
+        return admit, defer, register
 
     def pad_to(self, drafts: int) -> int | None:
         """Tokens every sequence feeds in a verify step when drafts are padded (`drafts` + 1: k for
@@ -332,7 +399,8 @@ class Engine:
             # the call's sampling seed, from the generator HF's sampling would draw from
             own.seed = int(torch.randint(0, 2**63 - 1, (1,), device=self.specs[0].device).item())
             if self.tensor_parallel:
-                own.seed = agree_seed(own.seed)  # every rank samples with rank 0's seed, so rank 0's tokens
+                # every rank samples with rank 0's seed, so the ranks draw the same tokens
+                own.seed = agree_seed(own.seed)
         cache = self.cache()
         blocks = self.blocks
         graphs = self.graph_runner()
@@ -340,7 +408,7 @@ class Engine:
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
                           aligned_prefill=self.prefill_unit)
         batch = Batch(cfg, self.proposer(cfg), sched, self._ids, self.tree_min_score, self.step_fixed_tokens)
-        sched.on_admit, register = self._prefix_hooks(batch, blocks)
+        sched.on_admit, sched.defer, register = self._prefix_hooks(batch, blocks, cache)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
                              graphs, self.head, self.invariant)

@@ -264,12 +264,18 @@ class BlockManager:
         return out
 
     def match(self, seq_id: int, hashes: list[bytes], unit_pages: int = 1) -> int:
-        """Start `seq_id`'s (new) table with the pooled blocks of the longest run of `hashes`,
-        cut to a multiple of `unit_pages`. Returns the pages matched."""
-        if self.tables.get(seq_id):
-            raise ValueError(f"sequence {seq_id} already holds blocks")
+        """Extend `seq_id`'s table, which holds the pages of the first `len(table)` of `hashes` (none
+        for a new sequence), with the pooled blocks of the longest further run of `hashes`, cut to
+        a multiple of `unit_pages`. Returns the pages the table then holds.
+
+        Example (one-page units): the pool holds pages h0, h1; a new table matches [h0, h1, h2] to
+        2 pages; once another sequence registers h2, `match` again with the same hashes gives 3.
+        """
         table = self.tables.setdefault(seq_id, [])
-        for h in hashes:
+        start = len(table)
+        if start % unit_pages:
+            raise ValueError(f"sequence {seq_id} holds {start} pages, not whole units of {unit_pages}")
+        for h in hashes[start:]:
             block = self.block_of.get(h)
             if block is None:
                 break

@@ -27,7 +27,7 @@ class Scheduler:
     running sequences."""
 
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_num_seqs: int, aligned_prefill: int | None = None,
-                 on_admit: Callable[[Sequence], None] | None = None):
+                 on_admit: Callable[[Sequence], None] | None = None, defer: Callable[[Sequence], bool] | None = None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.blocks = blocks
@@ -40,6 +40,10 @@ class Scheduler:
             raise ValueError(f"aligned_prefill must be in [1, max_batch_tokens], got {aligned_prefill}")
         self.aligned_prefill = aligned_prefill
         self.on_admit = on_admit  # gives an admitted sequence its pooled prefix (engine)
+        # True: the sequence's next prompt chunk waits, because an earlier sequence is computing
+        # the same tokens (rows sharing a beginning; the engine's prefix pool). It may extend the
+        # sequence's pooled prefix first.
+        self.defer = defer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -88,6 +92,8 @@ class Scheduler:
         if prefill:
             budget = self.max_batch_tokens
             for s in prefill:
+                if self.defer is not None and self.defer(s):
+                    continue
                 n = min(s.prompt_len - s.num_cached, budget)
                 if self.aligned_prefill:
                     unit = self.aligned_prefill
@@ -98,6 +104,8 @@ class Scheduler:
                     break
                 chunks.append(ScheduledChunk(s, s.num_cached, n, True))
                 budget -= n
+            if not chunks:  # never every sequence waiting on another (the engine's rule forbids it)
+                raise RuntimeError("every prefilling sequence was deferred")
         else:
             drafts = propose(self.running) if propose is not None else [0] * len(self.running)
             for s, d in zip(self.running, drafts):

@@ -3,14 +3,17 @@ pages across calls with outputs equal to a run without the pool, never serving s
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import hf_plookup
 from hf_plookup.engine.kv_cache import BlockManager
+from hf_plookup.outputs import CACHE_FIELD
 from tests.conftest import VOCAB, tiny_model, wrap_copy
 
 # tiny pages and chunks so short prompts span several chunk units: 8-token pages, 32-token units
@@ -57,6 +60,21 @@ def test_pool_match_cut_to_whole_units_and_lru_eviction():
     assert bm.num_pooled == 0 and bm.num_free == 4 and not bm.evictable
     with pytest.raises(RuntimeError, match="out of blocks"):
         bm.ensure(4, 10)
+
+
+def test_match_extends_a_table_as_pages_enter_the_pool():
+    """A sequence waiting on another row's prefill takes the pages that row registered since."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    h = bm.page_hashes(np.arange(6), 3)
+    bm.ensure(1, 6)
+    bm.register(1, h[:2])  # row 1 has computed two pages so far
+    assert bm.match(2, h) == 2 and bm.table(2) == bm.table(1)[:2]
+    bm.register(1, h)  # and now the third
+    assert bm.match(2, h) == 3 and bm.table(2) == bm.table(1)
+    assert bm.match(2, h) == 3  # nothing further pooled: unchanged
+    bm.ensure(3, 2)
+    with pytest.raises(ValueError, match="whole units"):
+        bm.match(3, h, unit_pages=2)  # one page held, units of two
 
 
 def test_clear_while_held_frees_on_release():
@@ -107,24 +125,82 @@ def test_questions_about_one_document_reuse_its_pages(model):
     assert blocks.num_free == blocks.num_blocks and blocks.num_pooled > 0 and not blocks.tables
 
 
-def test_multi_turn_chat_with_past_key_values(model):
+def _left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return ids, mask
+
+
+def test_rows_of_one_call_share_their_beginning(model):
+    """Three rows ask about one 150-token document, a fourth about another: the first row
+    prefills the document's four whole 32-token units, the other two wait and take them from the
+    pool (2 x 128 cached tokens on an empty pool); tokens equal HF's and the run without the pool."""
+    doc = _doc(30, 150)
+    rows = [_ask(doc, 0)[0], _ask(doc, 1)[0], _ask(_doc(31, 100), 2)[0], _ask(doc, 3)[0]]
+    ids, mask = _left_padded(rows)
+    on, off = wrap_copy(model, **OPTIONS), wrap_copy(model, prefix_cache=False, **OPTIONS)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
+    want = model.generate(ids, **kw)
+    for k in (None, 4):
+        on.clear_prefix_cache()
+        got = on.generate(ids, prompt_lookup_num_tokens=k, **kw)
+        assert torch.equal(got, want) and torch.equal(got, off.generate(ids, prompt_lookup_num_tokens=k, **kw))
+        assert on.last_stats.prompt_tokens == 157 * 3 + 107
+        assert on.last_stats.cached_prompt_tokens == 2 * 128, k
+
+
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_multi_turn_chat_with_past_key_values(model, name):
     """HF's multi-turn pattern: each turn passes the previous output's cache and the whole
-    conversation; tokens equal HF's, and later turns find the earlier prompt in the pool."""
+    conversation; tokens equal HF's, and later turns find the earlier prompt in the pool.
+    `cache` is the argument's and the output field's name from transformers 5.24 on."""
+    if name != CACHE_FIELD and name == "cache":
+        pytest.skip(f"transformers {transformers.__version__} names the cache `past_key_values`")
     wrapped = wrap_copy(model, **OPTIONS)
     conv_hf = conv = _doc(3, 70)[None]
     past_hf = past = None
     for turn in range(3):
-        ref = model.generate(conv_hf, attention_mask=torch.ones_like(conv_hf), past_key_values=past_hf,
-                             max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
-        out = wrapped.generate(conv, attention_mask=torch.ones_like(conv), past_key_values=past,
-                               max_new_tokens=10, prompt_lookup_num_tokens=4, return_dict_in_generate=True)
+        ref = model.generate(conv_hf, attention_mask=torch.ones_like(conv_hf), max_new_tokens=10, do_sample=False,
+                             return_dict_in_generate=True, **{CACHE_FIELD: past_hf})
+        out = wrapped.generate(conv, attention_mask=torch.ones_like(conv), max_new_tokens=10, prompt_lookup_num_tokens=4,
+                               return_dict_in_generate=True, **{name: past})
+        assert not wrapped.last_stats.delegated
         assert torch.equal(ref.sequences, out.sequences), f"turn {turn}"
-        assert out.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length()
+        assert getattr(out, CACHE_FIELD).get_seq_length() == getattr(ref, CACHE_FIELD).get_seq_length()
         if turn:
             assert wrapped.last_stats.cached_prompt_tokens >= 64
+            assert getattr(out, CACHE_FIELD) is past  # extended in place, as HF does
         user = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(turn))
-        conv_hf, past_hf = torch.cat([ref.sequences, user], 1), ref.past_key_values
-        conv, past = torch.cat([out.sequences, user], 1), out.past_key_values
+        conv_hf, past_hf = torch.cat([ref.sequences, user], 1), getattr(ref, CACHE_FIELD)
+        conv, past = torch.cat([out.sequences, user], 1), getattr(out, CACHE_FIELD)
+    if CACHE_FIELD == "cache":
+        with pytest.raises(ValueError, match="either `cache` or `past_key_values`"):
+            wrapped.generate(conv, cache=past, past_key_values=past, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_cache_hf_made_is_read_not_prefilled(model, prefix_cache):
+    """A cache from the plain model (nothing of it pooled) for a left-padded batch of two: its
+    keys and values are copied into the pages (every attended cached token counts as cached, with
+    the pool on or off) and the continuation equals HF's own from that cache."""
+    rows = [_doc(40, 30), _doc(41, 21)]
+    ids, mask = _left_padded(rows)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    user = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(7))
+    conv = torch.cat([first.sequences, user], 1)
+    conv_mask = torch.cat([mask, torch.ones(2, conv.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    kw = dict(attention_mask=conv_mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    cached = getattr(first, CACHE_FIELD).get_seq_length()  # 30 + 6 - 1 columns
+    want = model.generate(conv, **kw, **{CACHE_FIELD: copy.deepcopy(getattr(first, CACHE_FIELD))})
+    wrapped = wrap_copy(model, prefix_cache=prefix_cache, **OPTIONS)
+    got = wrapped.generate(conv, **kw, **{CACHE_FIELD: copy.deepcopy(getattr(first, CACHE_FIELD))})
+    s = wrapped.last_stats
+    assert not s.delegated and torch.equal(got.sequences, want.sequences)
+    assert s.cached_prompt_tokens == int(conv_mask[:, :cached].sum())  # 35 + 26: pads are not tokens
+    assert getattr(got, CACHE_FIELD).get_seq_length() == getattr(want, CACHE_FIELD).get_seq_length()
 
 
 def _cached_after_change(wrapped, ids, change) -> tuple[int, torch.Tensor]:
