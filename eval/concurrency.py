@@ -48,7 +48,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     common.set_threads(args.threads)
     model, tokenizer = common.load_model(args.model, torch.float32, "cpu")
-    wrapped = hf_plookup.wrap(model, join_calls=not args.no_join)
+    # no prefix pool: both phases run the same prompts, and the first would prefill for the second
+    wrapped = hf_plookup.wrap(model, join_calls=not args.no_join, prefix_cache=False)
     docs = common.load_jsonl(common.BUILTIN_PATH)
     chat = common.use_chat(args.model, tokenizer)  # a base model gets the few-shot prompt
     n = args.clients * args.calls_per_client

@@ -337,6 +337,7 @@ def run_one(name, model, wrapped, ids, args, eos, device, max_new_tokens, mask=N
         sync(device)
         return time.perf_counter() - t0, generated(out, ids.shape[1], eos), None, None
     w = wrapped[name.rsplit("-", 1)[1] if name.endswith(("-eager", "-nocompile")) else "graphs"]
+    common.empty_prefix_pool(w)
     with StepTimer(device) as timer:
         t0 = time.perf_counter()
         if _tree(name):

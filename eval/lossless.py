@@ -72,6 +72,7 @@ def main(argv=None) -> int:
         wrapped = hf_plookup.wrap(model, invariant=mode == "on", attn_backend=args.attn_backend)
 
         def run(ids: torch.Tensor, mask: torch.Tensor, **kw) -> tuple[list[list[int]], float]:
+            common.empty_prefix_pool(wrapped)  # each variant prefills its prompts itself
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = wrapped.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device), **gen, **kw)

@@ -5,9 +5,9 @@ prefix pool on and off, side by side in one run.
     python eval/prefix_bench.py --workloads chat --turns 6
 
 Workloads (documents: the CNN/DailyMail sample in eval/data/):
-  * chat: HF's multi-turn pattern: each turn passes the previous output's `past_key_values` and
-    the whole conversation (previous output + the next user message); new stories arrive every
-    other turn, so the conversation grows past 2,000 tokens;
+  * chat: HF's multi-turn pattern: each turn passes the previous output's cache (`past_key_values`,
+    named `cache` from transformers 5.24 on) and the whole conversation (previous output + the next
+    user message); new stories arrive every other turn, so the conversation grows past 2,000 tokens;
   * questions: questions about one document of about 1,500 tokens, one call each;
   * fewshot: lm-eval's `HFLM.generate_until` on few-shot requests that share their examples.
 
@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `eval.lib.common` importa
 import hf_plookup  # noqa: E402
 from eval.lib import common  # noqa: E402
 from hf_plookup.embedded import default_example_model  # noqa: E402
+from hf_plookup.outputs import CACHE_FIELD  # noqa: E402
 
 DATA = common.REPO_ROOT / "eval" / "data" / "cnn_dailymail.jsonl"
 CHAT_FOLLOW_UPS = ["Who is named in it, and what did each of them do?", "Quote its most important sentence exactly."]
@@ -103,13 +104,13 @@ def run_chat(model, tok, messages: list[str], k: int | None, max_new: int) -> di
         turn = torch.tensor([user_turn(tok, msg, ids)])
         ids = turn if ids is None else torch.cat([ids, turn], 1)
         kw = {"prompt_lookup_num_tokens": k} if k else {}
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=past, max_new_tokens=max_new,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE_FIELD: past}, max_new_tokens=max_new,
                              do_sample=False, return_dict_in_generate=True, pad_token_id=tok.pad_token_id, **kw)
         outputs.append(out.sequences[0, ids.shape[1]:].tolist())
         prompt += ids.shape[1]
         stats = getattr(model, "last_stats", None)
         cached += stats.cached_prompt_tokens if stats is not None else 0
-        ids, past = out.sequences, out.past_key_values
+        ids, past = out.sequences, getattr(out, CACHE_FIELD)
     return {"seconds": time.perf_counter() - start, "outputs": outputs, "prompt_tokens": prompt, "cached_prompt_tokens": cached,
             "final_length": int(ids.shape[1])}
 

@@ -40,7 +40,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -446,13 +445,15 @@ def write_report(results: dict, out_dir, plot: bool = True) -> dict[str, Path]:
     paths["json"].write_text(json.dumps(results, indent=1) + "\n")
     cfg = results["config"]
     data = results.get("dataset") or {"name": cfg["dataset"], "license": "?", "source": "?"}
+    machine = results.get("machine", {})
+    cpu = f" ({machine['cpu']})" if machine.get("cpu") and cfg["device"] == "cpu" else ""
     md = [
         "# Summarization eval",
         "",
         f"dataset **{data['name']}** ({data['source']}; license {data['license']}), {results['num_docs']} documents.",
         "",
         f"model `{cfg['model']}`, prompt style {cfg.get('prompt_style', '?')} ({results.get('prompt', '')}), "
-        f"dtype {cfg['dtype']}, device {cfg['device']}, threads {results.get('machine', {}).get('threads', '?')}, "
+        f"dtype {cfg['dtype']}, device {cfg['device']}{cpu}, threads {machine.get('threads', '?')}, "
         f"batch {cfg.get('batch_size', '?')}, max_new_tokens {cfg['max_new_tokens']}, "
         f"max_matching_ngram_size {cfg['ngram']}, processes {results['num_processes']}, ROUGE via {results['rouge_backend']}.",
         "",

@@ -350,6 +350,14 @@ def run_hf_generate_batch(model, rows: list[list[int]], max_new_tokens: int, pad
     return CallResult(tokens, seconds, counter.count, sum(len(t) for t in tokens))
 
 
+def empty_prefix_pool(wrapped) -> None:
+    """Forget the prompt pages earlier calls left in hf_plookup's prefix pool. The benchmarks run
+    several variants on the same prompts: without this, the first variant would prefill the
+    prompts for the ones after it (eval/prefix_bench.py measures the pool itself)."""
+    if hasattr(wrapped, "clear_prefix_cache"):
+        wrapped.clear_prefix_cache()
+
+
 def run_plookup(wrapped, input_ids, attention_mask, max_new_tokens: int, k: int | None = None, ngram: int = 2,
                 pad: int | None = None, tree_nodes: int | None = None, extra_eos: set[int] | None = None) -> CallResult:
     """hf_plookup's `generate` (plain batched greedy when `k` is falsy; candidate trees of
@@ -360,6 +368,7 @@ def run_plookup(wrapped, input_ids, attention_mask, max_new_tokens: int, k: int 
     if tree_nodes:
         kwargs.update(prompt_lookup_tree_nodes=tree_nodes)
     eos = _with_stops(kwargs, wrapped, extra_eos)
+    empty_prefix_pool(wrapped)
     with torch.inference_mode():
         _sync(input_ids.device)
         t0 = time.perf_counter()
@@ -382,6 +391,27 @@ def run_plookup(wrapped, input_ids, attention_mask, max_new_tokens: int, k: int 
     )
 
 
+def cpu_model() -> str:
+    """The CPU's name and the vector extensions that decide which kernels run fast (torch's
+    bf16 GEMM, for one, needs AVX-512 BF16 or AMX), e.g. "AMD EPYC (avx2)"."""
+    import platform
+
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:  # not Linux
+        pass
+    wanted = ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
+    return f"{name} ({', '.join(f for f in wanted if f in flags) or 'no avx2'})"
+
+
 def machine_info(device) -> dict:
     import platform
 
@@ -397,6 +427,7 @@ def machine_info(device) -> dict:
     }
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    info["cpu"] = cpu_model()
     try:
         info["load_average"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:  # pragma: no cover
