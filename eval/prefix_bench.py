@@ -13,7 +13,8 @@ Workloads (documents: the CNN/DailyMail sample in eval/data/):
 
 Every variant runs the same inputs; the table gives each variant's seconds for the whole
 workload (the fastest of `--repeats` rounds, variants rotated between rounds), its speed against
-HF greedy, the share of prompt tokens that came from the pool, and whether its tokens equal HF's.
+HF greedy, the share of prompt tokens not prefilled (from the pool or the caller's cache), and
+whether its tokens equal HF's.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
         report["workloads"][name] = rows
         extra = f", conversation {best[args.variants[0]].get('final_length')} tokens" if name == "chat" else ""
         print(f"\n{name} ({len(inputs)} {'turns' if name == 'chat' else 'calls'}{extra}), fastest of {args.repeats}:")
-        print("| variant | seconds | × HF greedy | prompt tokens from the pool | = HF tokens |")
+        print("| variant | seconds | × HF greedy | prompt tokens not prefilled (pool, caller's cache) | = HF tokens |")
         print("|---|---:|---:|---:|---|")
         for row in rows:
             share = f"{row['cached_share']:.0%}"
