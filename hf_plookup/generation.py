@@ -162,24 +162,22 @@ def _check_past(past: DynamicCache, input_ids: torch.Tensor, config: GenerationC
 
 
 def caller_kv(past: DynamicCache, attention_mask: torch.Tensor) -> list | None:
-    """The caller's cache per row, for the engine to copy into pages: per row and layer
-    (K [H_kv, n, D], V [H_kv, n, Dv]) of the row's first n attended tokens (its columns before the
-    cache's end, padding left out). None when it cannot be read whole: an empty cache, or layers
-    that keep fewer columns than the cache's length (sliding windows); those rows are prefilled.
+    """The caller's cache per row, for the engine to copy into pages: per row, the cache columns
+    of its attended tokens before the cache's end (padding left out; n of them for its first n
+    tokens) and per layer its keys [H_kv, W, D] and values [H_kv, W, Dv], views of the cache (the
+    engine copies only the columns the prefix pool does not give). None when it cannot be read
+    whole: an empty cache, or layers that keep fewer columns than the cache's length (sliding
+    windows); those rows are prefilled.
 
     Example: a cache of 5 columns and a row masked [0, 1, 1, 1, 1, 1, 1] gives that row columns
-    1-4 of each layer, its first 4 tokens (n = 4)."""
+    [1, 2, 3, 4] of each layer, its first 4 tokens."""
     length = past.get_seq_length()
     if not length or any(layer.keys is None or layer.keys.shape[-2] != length or layer.keys.shape[0] != attention_mask.shape[0]
                          for layer in past.layers):
         return None
     mask = attention_mask[:, :length].bool().cpu()
-    rows = []
-    for b in range(mask.shape[0]):
-        cols = torch.nonzero(mask[b]).view(-1)
-        rows.append([(layer.keys[b][:, cols.to(layer.keys.device)], layer.values[b][:, cols.to(layer.values.device)])
-                     for layer in past.layers])
-    return rows
+    return [(torch.nonzero(mask[b]).view(-1), [(layer.keys[b], layer.values[b]) for layer in past.layers])
+            for b in range(mask.shape[0])]
 
 
 def attended_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[np.ndarray]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..attention.pages import store_kv
 from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS, resolve_backend, resolve_block_size
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import history_free
@@ -259,8 +260,8 @@ class Engine:
             call = batch.call_of_row[seq.row]
             if call.cfg.prompt_kv is None:
                 return False
-            layers = call.cfg.prompt_kv[call.seqs.index(seq)]
-            start, end = seq.num_cached, min(layers[0][0].shape[1], seq.prompt_len - 1)
+            cols, layers = call.cfg.prompt_kv[call.seqs.index(seq)]
+            start, end = seq.num_cached, min(len(cols), seq.prompt_len - 1)
             if end <= start or len(layers) != len(cache.keys) or any(
                     x.shape[0] != p.shape[2] or x.shape[2] != p.shape[3]
                     for (k, v), pk, pv in zip(layers, cache.keys, cache.values) for x, p in ((k, pk), (v, pv))):
@@ -268,8 +269,9 @@ class Engine:
             blocks.ensure(seq.seq_id, end)
             slots = torch.from_numpy(blocks.slots(seq.seq_id, np.arange(start, end)))
             for pages_k, pages_v, (k, v) in zip(cache.keys, cache.values, layers):
-                for pages, x in ((pages_k, k), (pages_v, v)):
-                    pages.view(-1, *pages.shape[2:])[slots.to(pages.device)] = x[:, start:end].transpose(0, 1).to(pages)
+                idx = cols[start:end].to(k.device)
+                store_kv(pages_k, pages_v, slots.to(pages_k.device), k.index_select(1, idx)[None].to(pages_k.device),
+                         v.index_select(1, idx)[None].to(pages_v.device))
             call.stats.cached_prompt_tokens += end - start
             seq.num_cached = end
             return True

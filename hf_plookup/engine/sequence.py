@@ -29,9 +29,10 @@ class DecodeConfig:
     hf_input_ids: np.ndarray | None = None  # [B, W] int64 input rows as given (processors see these)
     pad_token_id: int | None = None  # what HF writes after a row's end (stopping criteria see it)
     keep_kv: bool = False  # copy each row's keys/values out of the pages when it finishes (past_key_values)
-    # the caller's past_key_values, per row and cache layer (K [H_kv, n, D], V [H_kv, n, Dv]): the
-    # keys and values of the row's first n prompt tokens, copied into its pages instead of prefilled
-    prompt_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    # the caller's past_key_values, per row: the cache columns of its first n prompt tokens [n] and
+    # per cache layer (K [H_kv, W, D], V [H_kv, W, Dv]); copied into its pages instead of prefilled
+    # (generation.caller_kv)
+    prompt_kv: list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
