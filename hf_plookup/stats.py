@@ -51,6 +51,37 @@ class SpecStats:
         self.accepted_per_position = [0] * k
         self.accepted_hist = [0] * (k + 1)
 
+    def count_forward(self, prefill: bool) -> None:
+        """One model forward that carried a row of this call (`prefill`: a prompt chunk among them)."""
+        self.forwards += 1
+        self.prefill_forwards += prefill
+
+    def count_propose(self, seconds: float) -> None:
+        """One proposer call of `seconds` that drafted for a row of this call."""
+        self.propose_time += seconds
+        self.propose_calls += 1
+
+    def count_verify(self, drafted: int, accepted: int, deepest: int) -> None:
+        """One row's verify step: `drafted` draft tokens fed, `accepted` of them taken, the
+        deepest fed node `deepest` levels below the row's last token (a chain: `drafted`);
+        drafts at the levels 1..deepest count per position, those on the accepted path as taken."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_steps += 1
+        self.accepted_hist[min(accepted, len(self.accepted_hist) - 1)] += 1
+        for j in range(min(deepest, len(self.drafted_per_position))):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += j < accepted
+
+    def count_emitted(self, tokens: int) -> None:
+        """One row step that appended `tokens` (a stopping criterion may take some back: `uncount`)."""
+        self.row_steps += 1
+        self.new_tokens += tokens
+
+    def uncount(self, tokens: int) -> None:
+        """`tokens` generated tokens dropped by a stopping criterion that cut their row."""
+        self.new_tokens -= tokens
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0

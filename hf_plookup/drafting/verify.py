@@ -18,6 +18,7 @@ logits being the same in invariant mode) in any batch. A row's seed comes from t
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
@@ -57,29 +58,52 @@ def sample_targets(probs: torch.Tensor, uniforms: np.ndarray) -> np.ndarray:
     return torch.minimum(idx, last).cpu().numpy()
 
 
-def _draft_rows(offsets: np.ndarray, num_drafts: np.ndarray, drafts: np.ndarray):
-    """Flat score-row index and token of every draft: ([D], [D]) with D = num_drafts.sum()."""
-    seg = np.repeat(np.arange(len(offsets)), num_drafts)  # [D] owning sequence
-    j = np.arange(len(seg)) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)  # [D] draft index
-    return offsets[seg] + j, drafts[seg, j], seg, j
+@numba.njit(cache=True, nogil=True)
+def _walk(targets, offsets, num_drafts, drafts, parents, paths, accepted, final):
+    for s in range(len(offsets)):
+        node, n = 0, 0
+        while True:
+            want = targets[offsets[s] + node]
+            child = 0
+            for i in range(num_drafts[s]):
+                if parents[s, i] == node and drafts[s, i] == want:
+                    child = i + 1
+                    break
+            if child == 0:
+                break
+            paths[s, n] = child
+            n += 1
+            node = child
+        accepted[s], final[s] = n, want
 
 
-def _leading(ok: np.ndarray, seg: np.ndarray, j: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
-    """Per sequence, how many leading drafts are accepted ([S] int64)."""
-    accepted = num_drafts.copy()
-    bad = ~ok
-    # first rejection per sequence: the smallest j among its rejected drafts
-    np.minimum.at(accepted, seg[bad], j[bad])
-    return accepted
-
-
-def accept_targets(
+def accept_paths(
     targets: np.ndarray,  # [N] int64: the token each fed position emits (argmax or draw)
-    offsets: np.ndarray,  # [S] int64
+    offsets: np.ndarray,  # [S] int64: each sequence's first fed position
     num_drafts: np.ndarray,  # [S] int64
-    drafts: np.ndarray,  # [S, k] int64
-) -> tuple[np.ndarray, np.ndarray]:
-    """Returns (accepted [S], next token [S]): accept while drafts equal the targets."""
-    rows, toks, seg, j = _draft_rows(offsets, num_drafts, drafts)
-    accepted = _leading(targets[rows] == toks, seg, j, num_drafts)
-    return accepted, targets[offsets + accepted]
+    drafts: np.ndarray,  # [S, K] int64: draft tokens in node order
+    parents: np.ndarray,  # [S, K] int64: each draft's parent (chunk index: 0 the root, j + 1 draft j)
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Walk every sequence's drafts by the targets: a draft is accepted when its parent was and
+    its token is its parent's target; the first target no child matches is the next token. A
+    chain is the tree whose draft j has parent j, so both take this one walk.
+
+    Returns (accepted [S], paths [S, K] the accepted drafts' chunk indices in order, -1 after
+    them, next token [S]). Example, one chain of 3 drafts [5, 6, 7] with targets [5, 6, 9, 8]
+    (the root emits 5, draft 1 emits 6, draft 2 emits 9): accepted [2], paths [[1, 2, -1]],
+    next token [9].
+    """
+    s, k = drafts.shape
+    paths = np.full((s, max(k, 1)), -1, dtype=np.int64)
+    accepted = np.zeros(s, dtype=np.int64)
+    final = np.zeros(s, dtype=np.int64)
+    if s:
+        _walk(np.ascontiguousarray(targets, dtype=np.int64), np.ascontiguousarray(offsets, dtype=np.int64),
+              np.ascontiguousarray(num_drafts, dtype=np.int64), np.ascontiguousarray(drafts, dtype=np.int64),
+              np.ascontiguousarray(parents, dtype=np.int64), paths, accepted, final)
+    return accepted, paths, final
+
+
+def chain_parents(k: int) -> np.ndarray:
+    """[k] the parents of a chain of k drafts as a tree: draft j's parent is chunk index j."""
+    return np.arange(k, dtype=np.int64)

@@ -6,24 +6,16 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import time
+
 import numpy as np
 import torch
-
-import time
 
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import process_scores
 from ..drafting.suffix import SuffixIndex
-from ..drafting.tree import (
-    TreeProposer,
-    accept_tree,
-    acceptance_estimate,
-    batch_min_score,
-    compaction,
-    depths,
-    walk_rejected,
-)
-from ..drafting.verify import accept_targets, position_uniforms, row_seeds, sample_targets
+from ..drafting.tree import TreeProposer, acceptance_estimate, batch_min_score, compaction, walk_rejected
+from ..drafting.verify import accept_paths, chain_parents, position_uniforms, row_seeds, sample_targets
 from ..stats import SpecStats
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import DecodeConfig, Sequence
@@ -73,7 +65,7 @@ class Batch:
     each node's parent, see drafting.tree)."""
 
     def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | TreeProposer | None, sched: Scheduler, ids,
-                 tree_min_score: float = 0.0, step_fixed_tokens: float | None = None):
+                 cache, tree_min_score: float = 0.0, step_fixed_tokens: float | None = None):
         self.cfg = cfg  # the first call's config: it sets drafting and stopping for every row
         self.proposer = proposer
         self.tree = isinstance(proposer, TreeProposer)
@@ -81,11 +73,14 @@ class Batch:
         # step_fixed_tokens is set (engine.TREE_MIN_SCORE, drafting.tree.batch_min_score)
         self.tree_min_score, self.step_fixed_tokens = tree_min_score, step_fixed_tokens
         self.sched = sched
+        self.cache = cache  # the engine's PagedKVCache (tree paths move in it; past_key_values read from it)
+        self.register = None  # the prefix pool's hook: a sequence's prefilled prompt pages enter the pool
         self._ids = ids  # itertools.count shared by the engine: unique sequence ids
         self.width_drafts = max(cfg.k, proposer.budget if self.tree else 0, 1)  # K: draft slots per row
         self.history = np.zeros((0, 1), dtype=np.int64)  # [B, L]
         self.drafts = np.full((0, self.width_drafts), -1, dtype=np.int64)  # [B, K]
-        self.parents = np.full((0, self.width_drafts), -1, dtype=np.int64) if self.tree else None  # [B, K]
+        # [B, K] each draft's parent (chunk index; drafting.tree): a chain's draft j has parent j
+        self.parents = np.full((0, self.width_drafts), -1, dtype=np.int64)
         self.n_drafts = np.zeros(0, dtype=np.int64)  # [B]
         self._index: SuffixIndex | None = None  # trees: occurrences of every source (drafting.suffix)
         # per row: drafts accepted and verify steps that rejected one (the row's acceptance rate
@@ -101,6 +96,7 @@ class Batch:
         self.rec_logits: list[list[torch.Tensor]] | None = None
         self.criteria: BatchCriteria | None = None  # HF's stopping-criteria calls (first call only)
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # row -> per layer (K, V) (keep_kv)
+        self._streamed = 0  # tokens of row 0 its streamer has had (streamers run at batch 1)
 
     def add(self, call: Call) -> None:
         """Give `call`'s prompts rows (growing the buffers) and queue them in the scheduler."""
@@ -113,8 +109,7 @@ class Batch:
         history[:first, : self.history.shape[1]] = self.history
         self.history = history
         self.drafts = np.concatenate([self.drafts, np.full((b, self.drafts.shape[1]), -1, dtype=np.int64)])
-        if self.tree:
-            self.parents = np.concatenate([self.parents, np.full((b, self.parents.shape[1]), -1, dtype=np.int64)])
+        self.parents = np.concatenate([self.parents, np.full((b, self.parents.shape[1]), -1, dtype=np.int64)])
         self.n_drafts = np.concatenate([self.n_drafts, np.zeros(b, dtype=np.int64)])
         self.n_accepted = np.concatenate([self.n_accepted, np.zeros(b, dtype=np.int64)])
         self.n_rejected = np.concatenate([self.n_rejected, np.zeros(b, dtype=np.int64)])
@@ -124,6 +119,7 @@ class Batch:
                 self.width = cfg.hf_input_ids.shape[1]
                 self.hf_rows = np.zeros((b, self.width + extra), dtype=np.int64)
                 self.hf_rows[:, : self.width] = cfg.hf_input_ids
+            self._streamed = len(call.prompts[0])
             self.rec_scores = [[] for _ in range(b)] if cfg.output_scores else None
             self.rec_logits = [[] for _ in range(b)] if cfg.output_logits else None
             if cfg.stopping:
@@ -175,11 +171,11 @@ class Batch:
             self.parents[rows, : par.shape[1]] = par
         else:
             d, nd = self.proposer.propose(self.history[rows], lengths, cap)
+            self.parents[rows, : d.shape[1]] = chain_parents(d.shape[1])
         spent = time.perf_counter() - t0
         self.drafts[rows, : d.shape[1]], self.n_drafts[rows] = d, nd
         for call in {id(self.call_of_row[r]): self.call_of_row[r] for r in rows}.values():
-            call.stats.propose_time += spent
-            call.stats.propose_calls += 1
+            call.stats.count_propose(spent)
         for s in running:  # drafts are fed (and seen by processors) right after the last token
             m = self.n_drafts[s.row]
             self.history[s.row, s.num_tokens : s.num_tokens + m] = self.drafts[s.row, :m]
@@ -187,12 +183,6 @@ class Batch:
                 at = self.width + s.num_generated
                 self.hf_rows[s.row, at : at + m] = self.drafts[s.row, :m]
         return nd
-
-    def count_forward(self, chunks: list[ScheduledChunk]) -> None:
-        """One forward, counted for every call that had a row in it."""
-        for call in {id(self.call_of_row[c.seq.row]): self.call_of_row[c.seq.row] for c in chunks}.values():
-            call.stats.forwards += 1
-            call.stats.prefill_forwards += chunks[0].is_prefill
 
     def finish_calls(self) -> list[Call]:
         """Calls whose rows have all stopped and that have no result yet: their results are set."""
@@ -234,15 +224,100 @@ class Batch:
         """Parents [num_drafts] (chunk indices) of row `row`'s draft nodes this step; None for chains."""
         return None if not self.tree else self.parents[row, :num_drafts]
 
-    def _walk(self, picks: np.ndarray, offsets: np.ndarray, num_drafts: np.ndarray, rows: np.ndarray):
-        """Per sequence, the accepted tree path (chunk indices) and next token, from one pick
-        per fed node (`picks` [N]: argmax or draw)."""
-        paths, final = [], np.empty(len(rows), dtype=np.int64)
-        for i, r in enumerate(rows):
-            m = num_drafts[i]
-            path, final[i] = accept_tree(picks[offsets[i] : offsets[i] + m + 1], self.drafts[r, :m], self.parents[r, :m])
-            paths.append(np.asarray(path, dtype=np.int64))
-        return paths, final
+    # ---- after a forward: the one place a step's outcome changes sequence state ----
+
+    def postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor, fed_depth: np.ndarray) -> list[Call]:
+        """Everything one forward changes, in order: prompt chunks advance (and enter the prefix
+        pool); every row that got logits (`logits` [N, V], kept rows in chunk order) takes its
+        tokens (accepted drafts, then the next token, up to EOS or its length limit); accepted
+        tree paths move into a chain's slots; HF's stopping criteria may cut rows back; finished
+        rows save their keys/values (past_key_values), give back their blocks, and the others
+        drop the blocks of rejected drafts. `fed_depth` [N]: each kept row's depth below its
+        chunk's first token. Returns the calls whose rows are now all done (their results set).
+
+        Example: a chain row with 3 drafts and 200 cached tokens whose first two drafts are
+        accepted appends 3 tokens and ends the step with 203 cached tokens (its last token's
+        keys/values come with the next step); its blocks past 203 tokens are freed."""
+        for call in {id(self.call_of_row[c.seq.row]): self.call_of_row[c.seq.row] for c in chunks}.values():
+            call.stats.count_forward(chunks[0].is_prefill)
+        for c in chunks:
+            if c.is_prefill:
+                c.seq.num_cached += c.num_tokens
+                if self.register is not None:
+                    self.register(c.seq)
+        # rows with logits: decode chunks and the last chunk of a prompt
+        active = [c for c in chunks if not c.is_prefill or c.seq.num_cached >= c.seq.prompt_len]
+        if active:
+            self._commit(active, logits, fed_depth)
+            if self.criteria is not None:
+                self.criteria.device = logits.device  # HF's input_ids live on the model's device
+                self._check_criteria()
+            if self.cfg.streamer is not None:  # batch 1: its every token was checked above
+                seq, before = active[0].seq, self._streamed
+                for t in self.history[seq.row, before : seq.num_tokens]:
+                    self.cfg.streamer.put(torch.tensor([int(t)]))
+                self._streamed = seq.num_tokens
+        if self.keeps_kv:  # past_key_values: keys/values of finished rows, before their blocks go
+            self.save_kv([s for s in self.sched.running if s.finished], self.cache)
+        self.sched.retire_finished()
+        for c in active:
+            if not c.seq.finished:
+                self.sched.blocks.trim(c.seq.seq_id, c.seq.num_cached)
+        return self.finish_calls()
+
+    def _targets(self, rows: np.ndarray, n_pos: np.ndarray, fed_depth: np.ndarray, gen: np.ndarray,
+                 logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        """Per fed position, its processed scores [N, V] and the token it emits [N]: the argmax,
+        or a draw keyed by (row seed, output position) (drafting.verify)."""
+        out_pos = np.repeat(gen, n_pos) + fed_depth  # [N] the output position each fed row scores
+        if self.cfg.processors:
+            scores = process_scores(self.cfg.processors, logits, np.repeat(rows, n_pos), self.width + out_pos,
+                                    self.hf_rows)
+        else:
+            scores = logits.float()
+        if self.cfg.do_sample:
+            u = position_uniforms(self.seeds[np.repeat(rows, n_pos)], out_pos)
+            return scores, sample_targets(torch.softmax(scores, dim=-1), u)
+        return scores, scores.argmax(dim=-1).cpu().numpy()
+
+    def _commit(self, active: list[ScheduledChunk], logits: torch.Tensor, fed_depth: np.ndarray) -> None:
+        """Accept drafts and append tokens for every row of `active` (see postprocess)."""
+        seqs = [c.seq for c in active]
+        rows = np.array([s.row for s in seqs], dtype=np.int64)  # [S]
+        n_pos = np.array([1 if c.is_prefill else c.num_tokens for c in active], dtype=np.int64)  # [S]
+        offsets = np.cumsum(n_pos) - n_pos  # [S]
+        num_drafts = n_pos - 1  # [S]
+        gen = np.array([s.num_generated for s in seqs], dtype=np.int64)  # [S] before this step
+        scores, targets = self._targets(rows, n_pos, fed_depth, gen, logits)
+        drafts, parents = self.drafts[rows], self.parents[rows]  # [S, K]
+        accepted, paths, final = accept_paths(targets, offsets, num_drafts, drafts, parents)
+        move_src, move_dst = [], []
+        for i, (c, seq) in enumerate(zip(active, seqs)):
+            stats = self.call_of_row[seq.row].stats
+            a, m = int(accepted[i]), int(num_drafts[i])
+            path = paths[i, :a]  # chunk indices of the accepted drafts
+            if not c.is_prefill:
+                self.n_accepted[seq.row] += a
+                self.n_rejected[seq.row] += walk_rejected(path, parents[i, :m])
+                stats.count_verify(m, a, int(fed_depth[offsets[i] : offsets[i] + m + 1].max()))
+                src, dst = compaction(path)  # a chain's path is in place already
+                if len(src):
+                    move_src.append(self.sched.blocks.slots(seq.seq_id, c.start + src))
+                    move_dst.append(self.sched.blocks.slots(seq.seq_id, c.start + dst))
+                seq.num_cached += 1 + a
+            tokens = np.append(drafts[i, path - 1], final[i])
+            emitted = seq.append(self.history, tokens.tolist(), self.cfg.eos_token_ids)
+            if self.hf_rows is not None:
+                self.hf_rows[seq.row, self.width + gen[i] : self.width + gen[i] + emitted] = tokens[:emitted]
+            stats.count_emitted(emitted)
+            # the fed rows that scored the emitted tokens: the root, then the accepted path
+            kept = torch.from_numpy(offsets[i] + np.concatenate(([0], path))[:emitted]).to(scores.device)
+            if self.rec_scores is not None:
+                self.rec_scores[seq.row].extend(scores[kept])
+            if self.rec_logits is not None:
+                self.rec_logits[seq.row].extend(logits[kept].float())
+        if move_src:  # accepted tree paths into the slots a chain would have used
+            self.cache.move_slots(np.concatenate(move_src), np.concatenate(move_dst))
 
     def _check_criteria(self) -> None:
         """Run HF's stopping-criteria calls that every row has reached (engine.stopping), and cut
@@ -264,88 +339,7 @@ class Batch:
             seq.num_tokens = seq.prompt_len + keep
             seq.num_cached = min(seq.num_cached, seq.num_tokens)
             seq.finished = True
-            call.stats.new_tokens -= drop
+            call.stats.uncount(drop)
             for rec in (self.rec_scores, self.rec_logits):
                 if rec is not None:
                     del rec[row][keep:]
-
-    def verify_and_commit(self, active: list[ScheduledChunk], logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """Score every verified position (`logits` [N, V]), accept drafts, append tokens up to EOS
-        or the length limit, then run the stopping-criteria checks every row has reached (which
-        may cut rows back). Returns the cache moves of accepted tree paths (source slots [M], destination
-        slots [M]; empty for chains): the caller copies those keys/values before the next step."""
-        cfg, history, hf_rows, width = self.cfg, self.history, self.hf_rows, self.width
-        seqs = [c.seq for c in active]
-        rows = np.array([s.row for s in seqs], dtype=np.int64)  # [S]
-        n_pos = np.array([1 if c.is_prefill else c.num_tokens for c in active], dtype=np.int64)  # [S]
-        offsets = np.cumsum(n_pos) - n_pos  # [S]
-        num_drafts = n_pos - 1
-        gen = np.array([s.num_generated for s in seqs], dtype=np.int64)  # [S] before this step
-        step_drafts = self.drafts[rows]  # [S, K]
-        # depth of every fed position below its chunk's first token (a chain: its index)
-        if self.tree:
-            depth = np.concatenate([depths(self.parents[r, : num_drafts[i]]) for i, r in enumerate(rows)])
-        else:
-            depth = np.arange(n_pos.sum()) - np.repeat(offsets, n_pos)
-        if cfg.processors:
-            pos_rows = np.repeat(rows, n_pos)
-            pos_len = width + np.repeat(gen, n_pos) + depth
-            scores = process_scores(cfg.processors, logits, pos_rows, pos_len, hf_rows)  # [N, V]
-        else:
-            scores = logits.float()
-        if cfg.do_sample:  # one draw per fed position, keyed by (row seed, output position): drafting.verify
-            out_pos = np.repeat(gen, n_pos) + depth
-            u = position_uniforms(self.seeds[np.repeat(rows, n_pos)], out_pos)
-            targets = sample_targets(torch.softmax(scores, dim=-1), u)  # [N]
-        else:
-            targets = scores.argmax(dim=-1).cpu().numpy()  # [N]
-        if self.tree:
-            paths, final = self._walk(targets, offsets, num_drafts, rows)
-            accepted = np.array([len(p) for p in paths], dtype=np.int64)
-        else:
-            accepted, final = accept_targets(targets, offsets, num_drafts, step_drafts)
-            paths = [np.arange(1, a + 1, dtype=np.int64) for a in accepted]
-        # the tokens a row may emit and, for each, the fed position that scored it
-        candidates = [np.append(step_drafts[i, paths[i] - 1], final[i]) for i in range(len(seqs))]
-        cand_rows = [offsets[i] + np.concatenate(([0], paths[i])) for i in range(len(seqs))]
-        move_src, move_dst = [], []
-        for i, (c, seq) in enumerate(zip(active, seqs)):
-            stats = self.call_of_row[seq.row].stats
-            m = num_drafts[i]
-            if not c.is_prefill:
-                a = int(accepted[i])
-                deepest = int(depth[offsets[i] : offsets[i] + m + 1].max())
-                self.n_accepted[seq.row] += a
-                self.n_rejected[seq.row] += walk_rejected(paths[i], self.parents[seq.row, :m]) if self.tree else a < m
-                stats.drafted += int(m)
-                stats.accepted += a
-                stats.verify_steps += 1
-                stats.accepted_hist[min(a, len(stats.accepted_hist) - 1)] += 1
-                for j in range(min(deepest, len(stats.drafted_per_position))):
-                    stats.drafted_per_position[j] += 1
-                    stats.accepted_per_position[j] += j < a
-                if self.tree and a:
-                    src, dst = compaction(paths[i].tolist())
-                    if len(src):
-                        for off, out in ((src, move_src), (dst, move_dst)):
-                            out.append(self.sched.blocks.slots(seq.seq_id, c.start + np.asarray(off)))
-                seq.num_cached += 1 + a
-            emitted = seq.append(history, candidates[i].tolist(), cfg.eos_token_ids)
-            if hf_rows is not None:
-                hf_rows[seq.row, width + gen[i] : width + gen[i] + emitted] = candidates[i][:emitted]
-            stats.row_steps += 1
-            stats.new_tokens += emitted
-            kept = torch.from_numpy(cand_rows[i][:emitted]).to(scores.device)
-            if self.rec_scores is not None:
-                self.rec_scores[seq.row].extend(scores[kept])
-            if self.rec_logits is not None:
-                self.rec_logits[seq.row].extend(logits[kept].float())
-        if self.criteria is not None:
-            self.criteria.device = logits.device  # HF's input_ids live on the model's device
-            self._check_criteria()
-        if cfg.streamer is not None:  # batch 1: its every token was checked above
-            seq = seqs[0]
-            for t in history[seq.row, seq.prompt_len + gen[0] : seq.num_tokens]:
-                cfg.streamer.put(torch.tensor([int(t)]))
-        empty = np.zeros(0, dtype=np.int64)
-        return (np.concatenate(move_src) if move_src else empty, np.concatenate(move_dst) if move_dst else empty)

@@ -144,6 +144,18 @@ def resolve_compile(requested: bool | str, devices: list[torch.device], backend:
     return bool(requested)
 
 
+def _fed_depth(chunks, parents):
+    from ..drafting.tree import depths
+    out = []
+    for c in chunks:
+        if c.is_prefill:
+            if c.start + c.num_tokens >= c.seq.prompt_len:
+                out.append([0])
+        else:
+            out.append(depths(parents[c.seq.row, : c.num_tokens - 1]))
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
 class Engine:
     """Owns the paged cache (allocated on first use, kept across calls) and runs calls."""
 
@@ -409,8 +421,8 @@ class Engine:
         compile_before = graphs.compile_seconds if graphs is not None else 0.0
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
                           aligned_prefill=self.prefill_unit)
-        batch = Batch(cfg, self.proposer(cfg), sched, self._ids, self.tree_min_score, self.step_fixed_tokens)
-        sched.on_admit, sched.defer, register = self._prefix_hooks(batch, blocks, cache)
+        batch = Batch(cfg, self.proposer(cfg), sched, self._ids, cache, self.tree_min_score, self.step_fixed_tokens)
+        sched.on_admit, sched.defer, batch.register = self._prefix_hooks(batch, blocks, cache)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
                              graphs, self.head, self.invariant)
@@ -431,22 +443,7 @@ class Engine:
                         break
                 chunks = sched.schedule(batch.propose)
                 logits = runner.run(chunks, batch.history, tree_parents)  # [N, V]
-                batch.count_forward(chunks)
-                active = [c for c in chunks if not (c.is_prefill and c.seq.num_cached + c.num_tokens < c.seq.prompt_len)]
-                for c in chunks:
-                    if c.is_prefill:
-                        c.seq.num_cached += c.num_tokens
-                        if register is not None:
-                            register(c.seq)
-                if active:
-                    cache.move_slots(*batch.verify_and_commit(active, logits))  # accepted tree paths into place
-                if batch.keeps_kv:  # past_key_values: keys/values of finished rows, before their blocks go
-                    batch.save_kv([s for s in sched.running if s.finished], cache)
-                sched.retire_finished()
-                for c in active:
-                    if not c.seq.finished:
-                        blocks.trim(c.seq.seq_id, c.seq.num_cached)
-                for call in batch.finish_calls():
+                for call in batch.postprocess(chunks, logits, _fed_depth(chunks, batch.parents)):
                     if call is not own:
                         call.done.set()  # a joiner returns as soon as its rows are done
         except BaseException as e:
