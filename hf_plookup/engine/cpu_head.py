@@ -3,13 +3,11 @@
 On CPU a verify step's k+1 rows cost far more than one row in the LM head: MKL's sgemm for a
 `[m, H] x [H, V]` product with a handful of rows m and a large vocabulary V streams the weight
 poorly, while the same product written as `(W @ x^T)^T` (`[V, H] x [H, m]`) runs close to the
-1-row cost (SmolLM2's 49152 x 576 head, 5 rows, 2 AMD EPYC cores: 19.0 ms against 6.3 ms; one
-row 7.4 ms either way; Gemma 3's 262144 x 640 head: 119 against 37 ms). Which layout wins
-depends on the CPU and its BLAS, so the first multi-row step times both once on the real head
-and keeps the faster for every row count from 2 to `max_rows` (timing each row count apart cost
-more than it saved on a 262k-token vocabulary). The swap holds only inside engine forwards
-(`fast_head`), and only for an `nn.Linear` head; other layers keep `F.linear` (the transposed
-layout is slower for them).
+1-row cost (docs/results.md, "Why the CPU kernels"). Which layout wins depends on the CPU and
+its BLAS, so the first multi-row step times both once on the real head and keeps the faster for
+every row count from 2 to `max_rows` (timing each row count apart cost more than it saved on a
+262k-token vocabulary). The swap holds only inside engine forwards (`fast_head`), and only for
+an `nn.Linear` head; other layers keep `F.linear` (the transposed layout is slower for them).
 """
 
 from __future__ import annotations

@@ -90,14 +90,12 @@ class EngineOptions:
 # Where compile="auto" turns compiled steps on, by device type (measured: docs/results.md, "GPU: compiled steps").
 COMPILE_AUTO = {"cuda": True, "cpu": False}
 # tree_min_score by device type. A node is worth feeding when its score beats the share of a step
-# one more token costs times the tokens a step yields. On the CPU, where verify steps run through
-# engine.cpu_kernels, a step of N fed tokens costs about c (F + N) with F about 19 (docs/results.md,
-# "A step's cost on this CPU": 5 tokens cost about 1.2x one), so a fed token adds about 5% to a
-# 1-token step;
-# a step yields about 2 tokens, hence 0.1 at batch 1, raised with the batch by
-# drafting.tree.batch_min_score with the step's fixed cost STEP_FIXED_TOKENS = F. On CUDA a verify
-# step's tokens cost little and graph steps are padded to the whole budget anyway, so every node is
-# fed. A tree_min_score set by the user is used as is.
+# one more token costs times the tokens a step yields. On the CPU a verify step of N fed tokens
+# costs about c (F + N), F the step's fixed cost in tokens (docs/results.md, "A step's cost on
+# this CPU"), so a fed token adds about 1/F of a 1-token step; a step yields about 2 tokens,
+# hence 0.1 at batch 1, raised with the batch by drafting.tree.batch_min_score with
+# STEP_FIXED_TOKENS = F. On CUDA a verify step's tokens cost little and graph steps are padded to
+# the whole budget anyway, so every node is fed. A tree_min_score set by the user is used as is.
 TREE_MIN_SCORE = {"cpu": 0.1, "cuda": 0.0}
 STEP_FIXED_TOKENS = {"cpu": 19.0}
 # invariant mode cuts prompts into chunks at multiples of this many tokens from their start (at

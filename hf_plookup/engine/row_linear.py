@@ -5,18 +5,15 @@ product over K, compiled once into one loop: every row runs the same instruction
 whichever other rows share the call and whichever thread takes it, so row i of an M-row call is
 bitwise the same as that row alone. MKL's `F.linear` gives no such thing on CPU: it picks its
 kernel by M and splits rows between threads, so a row rounds differently in a 1-row call, a
-5-row call and at another position of the same call (measured on the project's AMD EPYC,
-fp32, 2 threads: rows of 1, 2-3 and 4+ rows form three different roundings, and at 5-7 and 9-11
-rows the last row rounds unlike the first).
+5-row call and at another position of the same call.
 
 The dot product is vectorized by LLVM (`fastmath` reassociation, so the order of the sum is the
 compiled loop's, fixed per K, not left to right), weights are read once per call in their
 `nn.Linear` layout (`[N, K]`, no copy), output rows split between numba's threads by blocks of N.
-For the handful of rows of a decode or verify step this is faster than MKL on that CPU
-(SmolLM2-135M's 211 linear weights, 2 threads: 27 ms against 49 ms for 1 row, 35 against 88 for
-5 rows, 81 against 96 for 16; eval/step_bench.py measures it in a whole step), because it
-streams each weight row once for all M rows. Used by invariant mode (engine.invariant) for
-float32 where the C kernels of engine.cpu_kernels were not built; numba has no bfloat16 arithmetic.
+For the handful of rows of a decode or verify step this beats MKL, because it streams each
+weight row once for all M rows (docs/results.md, "Why the CPU kernels"). Used by invariant mode
+(engine.invariant) for float32 where the C kernels of engine.cpu_kernels were not built; numba
+has no bfloat16 arithmetic.
 """
 
 from __future__ import annotations
