@@ -64,6 +64,10 @@ def shrink(d: dict, layers_before: int | None = None) -> dict:
             kinds = list(dict.fromkeys(v)) if all(isinstance(x, str) for x in v) else []
             # per-layer kinds (sliding/full attention, linear attention, ...): keep one layer of each
             out[k] = (kinds + v)[:n_new] if 1 < len(kinds) <= n_new else v[:n_new]
+    if out.get("is_decoder") is False and layers_before is None:
+        # BERT-style models attend both ways unless told they decode (HF warns "add is_decoder=True"
+        # when one is built as a causal LM): a causal LM checkpoint of them carries it
+        out["is_decoder"] = True
     if isinstance(out.get("num_key_value_heads"), int) and isinstance(out.get("num_attention_heads"), int):
         if out["num_attention_heads"] % out["num_key_value_heads"]:
             out["num_key_value_heads"] = out["num_attention_heads"]

@@ -72,9 +72,14 @@ ARCHS = {
                     "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1},
     "minicpm3": {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
                  "qk_nope_head_dim": 16, "v_head_dim": 12},
+    # BERT and RoBERTa as decoders: absolute position embeddings (RoBERTa's counted from its padding
+    # index unless given position_ids, which HF's generate gives), token type embeddings
+    "bert_decoder": {"model_type": "bert", "is_decoder": True},
+    "roberta_decoder": {"model_type": "roberta", "is_decoder": True},
 }
 # refused at wrap time, with the architecture and the reason in the message
 REFUSED_ARCHS = {"mamba": "attention", "bloom": "AttentionInterface", "falcon": "probe forward",
+                 "bert": "attend both ways",  # built as a causal LM without is_decoder=True
                  # takes its positions from its cache's length, not from position_ids: decode steps would differ
                  "diffllama": "fed the way the engine feeds later tokens"}
 

@@ -105,6 +105,13 @@ def input_device(model: torch.nn.Module) -> torch.device:
     return emb.weight.device
 
 
+def _takes_positions(model: torch.nn.Module) -> bool:
+    """Whether the model's forward has a `position_ids` parameter (HF's generate then passes them)."""
+    import inspect
+
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
 def _num_layers(model: torch.nn.Module) -> int | None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return getattr(config, "num_hidden_layers", None)
@@ -119,8 +126,11 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % vocab  # a few distinct tokens
     ids = ids[None].to(input_device(model))  # [1, PROBE_TOKENS]
+    # HF's generate hands position_ids to every forward that takes them, counted from 0 (Roberta's
+    # embeddings would count from their padding index without them): the reference does the same
+    pos = {"position_ids": torch.arange(PROBE_TOKENS, device=ids.device)[None]} if _takes_positions(model) else {}
     try:
-        reference = model(input_ids=ids, use_cache=False).logits.float()
+        reference = model(input_ids=ids, use_cache=False, **pos).logits.float()
     except Exception as e:  # a forward that cannot run on plain input_ids at all
         raise ValueError(f"hf_plookup cannot run {_arch(model)}: its own forward on {PROBE_TOKENS} tokens failed "
                          f"({type(e).__name__}: {e})") from e
@@ -128,7 +138,7 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
     token = _RECORDING.set(rec)
     try:
         with engine_attention(model, PROBE_IMPLEMENTATION):
-            probed = model(input_ids=ids, attention_mask=None, use_cache=False).logits.float()
+            probed = model(input_ids=ids, attention_mask=None, use_cache=False, **pos).logits.float()
     except Exception as e:  # e.g. an attention path that needs the mask transformers builds
         if not rec.layouts and not rec.anonymous_calls:
             # it failed before any layer called the attention function: its attention does not go
@@ -157,6 +167,10 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
     diff = float((reference - probed).abs().max())
     tol = atol if reference.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 5e-2
     scale = max(float(reference.abs().max()), 1.0)
+    if not diff <= tol * scale and any(getattr(m, "is_causal", None) is False for m in model.modules()):
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: its attention layers attend both ways "
+                         "(is_causal=False), not only to earlier tokens as a generating model does; a BERT-style "
+                         "model generates as a decoder with is_decoder=True in its config")
     if not diff <= tol * scale:
         raise ValueError(f"hf_plookup cannot run {_arch(model)}: its outputs change when its attention runs through "
                          f"AttentionInterface (max logit difference {diff:.3g}); it attends in a way the paged cache "

@@ -31,7 +31,8 @@ from .kv_cache import PagedKVCache
 
 def decoder_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
     """(layer, index of its pages) for every decoder layer, in model order; [] when the model
-    names no block class or a block holds other than one attention module."""
+    names no block class or a block holds more than one attention module. Blocks with none
+    (BERT's embeddings) are not layers."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = []
     for module in model.modules():
@@ -39,7 +40,9 @@ def decoder_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
             continue
         idx = [m.layer_idx for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)
                and m is not module]
-        if len(idx) != 1:
+        if not idx:
+            continue
+        if len(idx) > 1:
             return []
         found.append((module, idx[0]))
     return found
