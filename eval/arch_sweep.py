@@ -29,6 +29,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from eval.lib.report import report, write_json
+
 # sizes set wherever a config (or a sub-config) has the field
 TINY = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2,
@@ -175,8 +177,7 @@ def main(argv=None) -> int:
     counts = {s: sum(r["status"] == s for r in results) for s in STATUSES}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"transformers": transformers.__version__, "counts": counts,
-                                                    "results": results}, indent=1))
+    write_json(out.with_suffix(".json"), report("arch_sweep", argv, args, "cpu", results, counts=counts))
     lines = [f"# Architecture sweep (transformers {transformers.__version__}, {len(results)} causal-LM config types)", "",
              " · ".join(f"{s}: {n}" for s, n in counts.items() if n), "", "| config type | outcome | detail |", "|---|---|---|"]
     lines += [f"| `{r['model_type']}` | {r['status']} | {r['detail'].replace('|', '/').replace(chr(10), ' ')} |" for r in results]

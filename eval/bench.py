@@ -1,225 +1,266 @@
-"""Throughput and latency of hf_plookup against HF `generate`, measured in one run.
+"""Throughput of hf_plookup against HF `generate`, measured side by side in one run, on CPU or CUDA.
 
-Variants, each at every `--batch-sizes` value (same prompts, same max_new_tokens):
+Per model and batch size the variants (eval/lib/variants.py) run on the same prompts, interleaved
+batch by batch in rotating order so drift in machine speed hits all of them alike; tok/s takes
+each batch's fastest of --repeats passes:
   hf-greedy        HF generate, greedy, left-padded batch (the reference of every ratio)
   hf-pl-k{k}       HF's own prompt lookup (HF allows it at batch size 1 only)
+  hf-static        HF generate(cache_implementation="static"): HF compiles its forward on CUDA
+                   (the compiling first call is reported as first_call_s)
   hf-batch         HF continuous batching, model.generate_batch (paged attention, greedy, no
-                   speculative decoding; --variants hf-batch, off by default)
-  plk-greedy       hf_plookup, plain batched greedy on the paged engine
+                   speculative decoding)
+  plk-greedy       hf_plookup, plain batched greedy (wrap's defaults: attn_backend and compile
+                   "auto", CUDA graphs on CUDA)
   plk-k{k}         hf_plookup with prompt lookup, prompt_lookup_num_tokens=k
-  plk-k{k}-t{n}    the same with candidate trees of n nodes (prompt_lookup_tree_nodes=n, --tree-nodes)
-Variants run interleaved (batch by batch, in rotating order) so drift in machine speed hits
-all of them alike. A variant that runs out of memory at a batch size is reported as skipped.
+  plk-k{k}-t{n}    the same with candidate trees of n nodes (--tree-nodes)
+  plk-*-nocompile  plk-greedy and the first k with compile=False (CUDA graphs of the eager forward)
+  plk-*-eager      the same with cuda_graphs=False, compile=False
+A variant that runs out of memory at a batch size is reported as skipped, one that fails as an
+error (the run goes on; the exit status is 1). Per hf_plookup variant also the median decode
+step (1 token per sequence for greedy, k+1 for prompt lookup; device-synchronised around the
+engine's forward) and, on CUDA, the GPU kernels one un-captured forward of that step launches;
+per model its weight bytes, the measured copy bandwidth and the bound of a decode step that
+reads every weight once; with --proposer-cost the numba proposer's time at batch 256 with
+8k-token contexts.
+
+Models (--model, one after another): an embedded alias (smollm2-135m, gemma3-270m), a hub id or
+checkpoint directory, a .gguf file, or random:SHAPE, random weights of a real model's shape
+(SHAPE: smollm2-135m, qwen3-0.6b, qwen3-1.7b, qwen3-8b, tiny-qwen3; no tokenizer, so synthetic
+prompts). With random weights drafts are accepted as often as the random model repeats itself:
+tokens/forward is reported, and step times are the portable result (a k+1-token verify step pays
+off when tokens/forward exceeds its time over a 1-token step's). Defaults depend on --device:
+the CPU ones give README's figures, the CUDA ones the four random shapes in bf16.
 
     python eval/bench.py --model smollm2-135m --batch-sizes 1 8 --k 4 10 --max-new-tokens 128
-    python eval/bench.py --device cuda --dtype bf16 --batch-sizes 1 4 16 64 --json results/bench.json
+    python eval/bench.py --device cuda --model random:qwen3-8b --batch-sizes 1 16 64 --time-budget 540
+    python eval/bench.py --device cuda --model shared/SmolLM2-135M-Instruct.Q4_1.gguf --batch-sizes 1 16 --k 4 8
+    python eval/bench.py --smoke --json /tmp/bench.json     # every variant on a tiny random model, CPU, seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import random
-import re
+import gc
+import os
+import statistics
 import sys
 import time
-from pathlib import Path
+import traceback
 
-if __package__ in (None, ""):  # run as a script: make `eval.lib.common` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
 
-from eval.lib import common  # noqa: E402
+import hf_plookup
+from eval.lib.batching import left_pad, pad_id, workload
+from eval.lib.calls import CallResult, run_hf, run_hf_generate_batch, run_plookup
+from eval.lib.cli import DTYPES, INVARIANT, add_threads_option, default_device, default_model, parse_dtype, set_threads, show_defaults
+from eval.lib.models import SHAPES, check_name, is_random, label, load_model
+from eval.lib.prompts import builtin_prompts, plain_vocab, random_vocab, synthetic_prompts
+from eval.lib.report import cell, report, write_json
+from eval.lib.timing import StepTimer, copy_bandwidth, count_kernels
+from eval.lib.variants import FAMILIES, HF_GREEDY, engine_of, k_of, tree_of, variant_names
 
-HF_GREEDY = "hf-greedy"
+# option -> (default on CPU, default on CUDA); None in the CPU column of `model`: the embedded default
+DEVICE_DEFAULTS = {
+    "model": (None, ["random:smollm2-135m", "random:qwen3-0.6b", "random:qwen3-1.7b", "random:qwen3-8b"]),
+    "dtype": ("fp32", "bf16"),
+    "batch_sizes": ([1, 4], [1, 16, 64]),
+    "k": ([4, 10], [4, 8]),
+    "prompt_len": (256, 512),
+    "num_prompts": (8, None),  # None: the batch size, one batch of distinct prompts per batch size
+    "max_new_tokens": (64, 128),
+    "repeats": (1, 2),
+    "variants": (["hf-greedy", "hf-pl", "plk-greedy", "plk"], list(FAMILIES)),
+    "invariant": ("auto", "off"),
+    "proposer_cost": (False, True),
+}
+# --smoke: the CUDA defaults (every variant family) on CPU with a tiny random model, in seconds,
+# so their code paths run where no GPU is; these replace the CUDA defaults and any value given
+SMOKE = dict(model=["random:tiny-qwen3"], dtype="fp32", batch_sizes=[1, 2], k=[4], prompt_len=36, max_new_tokens=8, repeats=1)
+# warm-up calls generate this many tokens (a prefill and a few decode steps: lazy inits, compiles
+# and graph captures of the first buckets stay out of the timed calls); hf-static warms up on the
+# full length, as HF compiles for its static cache's length
+WARMUP_NEW_TOKENS = 4
+
+
+def _defaults(name: str) -> str:
+    """An option's help on its two defaults: "default: 1 4 on CPU, 1 16 64 on CUDA"."""
+    shown = [" ".join(map(str, v)) if isinstance(v, list) else str(v) for v in DEVICE_DEFAULTS[name]]
+    return f"default: {shown[0]} on CPU, {shown[1]} on CUDA"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="embedded alias (gemma3-270m, smollm2-135m) or HF id/path (default: the embedded default)")
-    p.add_argument("--dtype", default="fp32", choices=sorted(common.DTYPES))
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: 1 4 16 64 on GPU, 1 4 on CPU")
-    p.add_argument("--k", type=int, nargs="+", default=[4, 10], help="prompt_lookup_num_tokens values")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
+    p.add_argument("--model", nargs="+", default=None,
+                   help="models, one after another: embedded alias (gemma3-270m, smollm2-135m), HF id/path, .gguf file, or "
+                        f"random:SHAPE ({', '.join(sorted(SHAPES))}) (default: the embedded default on CPU, "
+                        f"{' '.join(DEVICE_DEFAULTS['model'][1])} on CUDA)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help=_defaults("dtype"))
+    add_threads_option(p, "torch CPU threads (--smoke: 1)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help=_defaults("batch_sizes"))
+    p.add_argument("--k", type=int, nargs="+", default=None, help=f"prompt_lookup_num_tokens values ({_defaults('k')})")
     p.add_argument("--ngram", type=int, default=2, help="max_matching_ngram_size (HF's default: 2)")
     p.add_argument("--tree-nodes", type=int, nargs="*", default=[],
                    help="also run hf_plookup with candidate trees of these many nodes (prompt_lookup_tree_nodes) at every k")
-    p.add_argument("--prompt-source", default="builtin", choices=["builtin", "synthetic"],
-                   help="builtin: summarization prompts of the builtin documents; synthetic: random token prompts with repeats")
-    p.add_argument("--prompt-len", type=int, default=256, help="tokens per synthetic prompt")
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts per batch size (cycled up to the batch size when fewer)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts; tok/s takes the fastest pass of each batch")
-    p.add_argument("--variants", nargs="+", default=["hf-greedy", "hf-pl", "plk-greedy", "plk"],
-                   choices=["hf-greedy", "hf-pl", "hf-batch", "plk-greedy", "plk"], help="which variant families to run (hf-greedy always runs)")
-    p.add_argument("--invariant", default="auto", choices=list(common.INVARIANT),
-                   help="hf_plookup's invariant mode (wrap(invariant=...)): drafts change no token's arithmetic")
+    p.add_argument("--prompt-source", default="auto", choices=["auto", "builtin", "synthetic"],
+                   help="builtin: summary requests for the builtin documents; synthetic: random token prompts with repeats; "
+                        "auto: builtin for a model with a tokenizer, synthetic for random weights")
+    p.add_argument("--prompt-len", type=int, default=None, help=f"tokens per synthetic prompt ({_defaults('prompt_len')})")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per batch size, cycled up to the batch size when fewer (default: 8 on CPU; "
+                        "on CUDA the batch size, one batch of distinct prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help=_defaults("max_new_tokens"))
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"timed passes over the prompts; tok/s takes the fastest pass of each batch ({_defaults('repeats')})")
+    p.add_argument("--variants", nargs="+", default=None, choices=list(FAMILIES),
+                   help="variant families to run, hf-greedy always: " + "; ".join(f"{k}: {v}" for k, v in FAMILIES.items())
+                        + f" (default: {' '.join(DEVICE_DEFAULTS['variants'][0])} on CPU, all on CUDA)")
+    p.add_argument("--attn-backend", default="auto", help="hf_plookup's attn_backend for the plk variants")
+    p.add_argument("--invariant", default=None, choices=list(INVARIANT),
+                   help="hf_plookup's invariant mode (wrap(invariant=...)): drafts change no token's arithmetic; CUDA "
+                        f"graphs then need --attn-backend triton ({_defaults('invariant')})")
+    p.add_argument("--proposer-cost", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the numba proposer at batch 256 with 8,192-token contexts (default: off on CPU, on on CUDA)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds; models and batch sizes not started by then are skipped (default: none)")
+    p.add_argument("--json", default=None,
+                   help="write the results here, after every batch size (default: none on CPU; on CUDA $OUT/bench.json "
+                        "where $OUT is set, else results/bench.json)")
+    p.add_argument("--smoke", action="store_true",
+                   help="every variant family on a tiny random Qwen3 on CPU, fp32, a few tokens (seconds; for tests)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the results here")
-    return common.show_defaults(p)
+    return show_defaults(p)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("max_new_tokens", "num_prompts", "prompt_len", "repeats", "ngram"):
+    if args.smoke:
+        args.device = args.device or "cpu"
+        args.threads = args.threads or 1
+    args.device = args.device or default_device()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("no CUDA device (use --device cpu, or --smoke for every variant on a tiny model on CPU)")
+    column = 1 if args.device.startswith("cuda") or args.smoke else 0
+    for name, values in DEVICE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, copy.copy(values[column]))
+    if args.smoke:
+        for name, value in SMOKE.items():
+            setattr(args, name, copy.copy(value))
+    if args.model is None:
+        args.model = [default_model()]
+    for name in ("max_new_tokens", "prompt_len", "repeats", "ngram"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.batch_sizes is not None and any(b < 1 for b in args.batch_sizes):
+    if args.num_prompts is not None and args.num_prompts < 1:
+        p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if any(b < 1 for b in args.batch_sizes):
         p.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
     if any(k < 1 for k in args.k):
         p.error(f"--k values must be >= 1, got {args.k}")
-    if args.model is None:
-        args.model = common.default_model()
-    if args.device is None:
-        args.device = common.default_device()
-    if args.batch_sizes is None:
-        args.batch_sizes = [1, 4, 16, 64] if args.device.startswith("cuda") else [1, 4]
+    if any(n < 1 for n in args.tree_nodes):
+        p.error(f"--tree-nodes must be >= 1, got {args.tree_nodes}")
+    for name in args.model:
+        if check_name(name):
+            p.error(check_name(name))
+        if args.prompt_source == "builtin" and is_random(name):
+            p.error(f"--prompt-source builtin needs a tokenizer, and {name} has none (random weights): use synthetic")
     args.k = list(dict.fromkeys(args.k))
     args.batch_sizes = list(dict.fromkeys(args.batch_sizes))
-    if "hf-greedy" not in args.variants:
-        args.variants = ["hf-greedy"] + args.variants
+    args.model = list(dict.fromkeys(args.model))
+    if HF_GREEDY not in args.variants:
+        args.variants = [HF_GREEDY] + args.variants
+    if args.json is None and column == 1:
+        args.json = os.path.join(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else "results/bench.json"
     return args
 
 
-# -- prompts --------------------------------------------------------------------------------
-def builtin_prompts(tokenizer, n: int) -> list[list[int]]:
-    docs = common.load_jsonl(common.BUILTIN_PATH)
-    chat = common.has_chat_template(tokenizer)
-    return [common.encode_prompt(tokenizer, common.build_prompt(tokenizer, d["document"], chat), chat) for d in docs[:n]]
-
-
-def synthetic_prompts(vocab_ids: list[int], n: int, length: int, seed: int = 0) -> list[list[int]]:
-    """`n` prompts of `length` tokens: random phrases (4-16 tokens) of which about half
-    repeat an earlier phrase of the same prompt, so n-gram lookup has something to find."""
-    if not vocab_ids:
-        raise ValueError("synthetic_prompts: empty vocabulary")
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        toks: list[int] = []
-        phrases: list[list[int]] = []
-        while len(toks) < length:
-            if phrases and rng.random() < 0.5:
-                phrase = rng.choice(phrases)
-            else:
-                phrase = [rng.choice(vocab_ids) for _ in range(rng.randint(4, 16))]
-                phrases.append(phrase)
-            toks.extend(phrase)
-        out.append(toks[:length])
-    return out
-
-
-def plain_vocab(tokenizer, limit: int = 20000) -> list[int]:
-    """Ordinary (non-special) token ids to draw synthetic prompts from."""
-    special = set(tokenizer.all_special_ids)
-    size = min(len(tokenizer), limit)
-    return [i for i in range(size) if i not in special]
-
-
-def workload(prompts: list[list[int]], num_prompts: int, batch_size: int) -> list[list[list[int]]]:
-    """Batches of `batch_size` over max(num_prompts, batch_size) prompts (cycled)."""
-    if not prompts:
-        raise ValueError("no prompts")
-    n = max(num_prompts, batch_size)
-    cycled = [prompts[i % len(prompts)] for i in range(n)]
-    return common.batches(cycled, batch_size)
-
-
-def variant_names(args, batch_size: int) -> list[str]:
-    names = [HF_GREEDY]
-    if "hf-pl" in args.variants and batch_size == 1:
-        names += [f"hf-pl-k{k}" for k in args.k]
-    if "hf-batch" in args.variants:
-        names.append("hf-batch")
-    if "plk-greedy" in args.variants:
-        names.append("plk-greedy")
-    if "plk" in args.variants:
-        names += [f"plk-k{k}" for k in args.k]
-        names += [f"plk-k{k}-t{n}" for k in args.k for n in args.tree_nodes]
-    return names
-
-
-def _k_of(name: str) -> int | None:
-    m = re.search(r"-k(\d+)", name)
-    return int(m.group(1)) if m else None
-
-
-def _tree_of(name: str) -> int | None:
-    m = re.search(r"-t(\d+)$", name)
-    return int(m.group(1)) if m else None
-
-
-def run_variant(name: str, model, wrapped, batch: list[list[int]], pad: int, device, max_new_tokens: int, ngram: int) -> common.CallResult:
+# -- one batch size -------------------------------------------------------------------------------
+def run_variant(name: str, model, engines: dict, batch: list[list[int]], pad: int, device, max_new_tokens: int,
+                ngram: int) -> tuple[CallResult, list[tuple[int, float]]]:
+    """One timed call of variant `name` on `batch` (unpadded prompts): its result and, for
+    hf_plookup, (tokens per sequence, seconds) of its decode steps that ran the whole batch."""
     if name == "hf-batch":
-        return common.run_hf_generate_batch(model, batch, max_new_tokens, pad)
-    ids, mask = common.left_pad(batch, pad, device)
-    k = _k_of(name)
+        return run_hf_generate_batch(model, batch, max_new_tokens, pad), []
+    ids, mask = left_pad(batch, pad, device)
+    k = k_of(name)
     if name.startswith("plk"):
-        return common.run_plookup(wrapped, ids, mask, max_new_tokens, k, ngram, pad, _tree_of(name))
-    return common.run_hf(model, ids, mask, max_new_tokens, k, ngram, pad)
+        with StepTimer(device) as timer:
+            res = run_plookup(engines[engine_of(name)], ids, mask, max_new_tokens, k, ngram, pad, tree_of(name))
+        return res, timer.decode_steps(len(batch))
+    return run_hf(model, ids, mask, max_new_tokens, k, ngram, pad, cache_implementation="static" if name == "hf-static" else None), []
 
 
 def _is_oom(e: BaseException) -> bool:
-    import torch
-
     if isinstance(e, torch.OutOfMemoryError):
         return True
     msg = str(e).lower()
     return "out of memory" in msg or "kv cache holds" in msg
 
 
-def bench_batch_size(args, model, wrapped, prompts, pad: int, batch_size: int) -> list[dict]:
+def bench_batch_size(args, model, engines: dict, prompts: list[list[int]], pad: int, batch_size: int) -> list[dict]:
     """Rows (one per variant) for one batch size."""
-    import torch
-
-    names = variant_names(args, batch_size)
-    groups = workload(prompts, args.num_prompts, batch_size)
+    names = variant_names(args.variants, args.k, args.tree_nodes, batch_size)
+    groups = workload(prompts, args.num_prompts or batch_size, batch_size)
     calls: list[dict] = []
     skipped: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    first: dict[str, float] = {}
 
     def attempt(name, batch, max_new):
         try:
-            return run_variant(name, model, wrapped, batch, pad, args.device, max_new, args.ngram)
-        except (RuntimeError, ValueError) as e:
-            if not _is_oom(e):
-                raise
-            skipped[name] = f"out of memory at batch size {batch_size}: {str(e).splitlines()[0][:160]}"
+            return run_variant(name, model, engines, batch, pad, args.device, max_new, args.ngram)
+        except Exception as e:  # keep measuring the other variants; the row says what happened
+            if _is_oom(e):
+                skipped[name] = f"out of memory at batch size {batch_size}: {str(e).splitlines()[0][:160]}"
+            else:
+                errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return None
 
-    for name in names:  # warm-up (not timed)
-        attempt(name, groups[0], 2)
+    for name in names:  # warm-up (not timed, but its time is reported: compiles, captures)
+        t0 = time.perf_counter()
+        attempt(name, groups[0], args.max_new_tokens if name == "hf-static" else WARMUP_NEW_TOKENS)
+        first[name] = time.perf_counter() - t0
     for rep in range(args.repeats):
         for b, batch in enumerate(groups):
             shift = (rep * len(groups) + b) % len(names)
-            results = {}
+            results, steps = {}, {}
             for name in names[shift:] + names[:shift]:
-                if name in skipped:
+                if name in skipped or name in errors:
                     continue
-                res = attempt(name, batch, args.max_new_tokens)
-                if res is not None:
-                    results[name] = res
+                out = attempt(name, batch, args.max_new_tokens)
+                if out is not None:
+                    results[name], steps[name] = out
             reference = results.get(HF_GREEDY)
             for name, res in results.items():
                 calls.append({
                     "variant": name, "batch": b, "repeat": rep, "seconds": res.seconds, "tokens": res.num_tokens,
                     "row_steps": res.row_steps, "forwards": res.forwards, "rows": len(res.tokens),
                     "rows_equal": None if reference is None else sum(x == y for x, y in zip(res.tokens, reference.tokens)),
+                    "decode_steps": steps[name], "drafted": res.stats["drafted"] if res.stats else None,
+                    "accepted": res.stats["accepted"] if res.stats else None,
+                    "attn_backend": res.stats["attn_backend"] if res.stats else None,
                 })
-    return aggregate(calls, names, batch_size, skipped)
+    return aggregate(calls, names, batch_size, skipped, errors, first)
 
 
-def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dict[str, str] | None = None) -> list[dict]:
+def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dict[str, str] | None = None,
+              errors: dict[str, str] | None = None, first_calls: dict[str, float] | None = None) -> list[dict]:
     """One row per variant from its timed calls ({variant, batch, repeat, seconds, tokens,
-    row_steps, forwards, rows, rows_equal}).
+    row_steps, forwards, rows, rows_equal}; hf_plookup's also decode_steps [(q, seconds)],
+    drafted, accepted, attn_backend).
 
     tokens_per_second counts, for every batch, the fastest of its repeats (best-of-N, the
     least disturbed estimate on a shared machine); tokens_per_second_mean uses all calls.
-    The ratio to HF greedy compares best-of figures at the same batch size."""
-    skipped = skipped or {}
+    The ratio to HF greedy compares best-of figures at the same batch size; decode_step_s is the
+    median over the decode steps of those fastest calls."""
+    skipped, errors, first_calls = skipped or {}, errors or {}, first_calls or {}
     rows = []
     for name in names:
         mine = [c for c in calls if c["variant"] == name]
@@ -233,11 +274,14 @@ def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dic
         tokens = sum(c["tokens"] for c in mine)
         row_steps = sum(c["row_steps"] for c in mine)
         compared = [c for c in mine if c["rows_equal"] is not None]
+        steps = [s for c in best.values() for s in c.get("decode_steps") or []]
+        drafted = sum(c.get("drafted") or 0 for c in mine)
         rows.append({
             "batch_size": batch_size,
             "variant": name,
-            "k": _k_of(name),
+            "k": k_of(name),
             "skipped": skipped.get(name),
+            "error": errors.get(name),
             "tokens_per_second": best_tokens / best_seconds if best_seconds > 0 else None,
             "tokens_per_second_mean": tokens / seconds if seconds > 0 else None,
             "ratio_to_hf_greedy": None,
@@ -248,6 +292,12 @@ def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dic
             "seconds": seconds,
             "forwards": sum(c["forwards"] for c in mine),
             "calls": len(mine),
+            "first_call_s": first_calls.get(name),
+            "decode_step_s": statistics.median(t for _, t in steps) if steps else None,
+            "q": max(q for q, _ in steps) if steps else None,
+            "kernels_per_step": None,
+            "acceptance_rate": sum(c.get("accepted") or 0 for c in mine) / drafted if drafted else None,
+            "attn_backend": next((c["attn_backend"] for c in mine if c.get("attn_backend")), None),
         })
     base = next((r for r in rows if r["variant"] == HF_GREEDY), None)
     if base and base["tokens_per_second"]:
@@ -257,65 +307,199 @@ def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dic
     return rows
 
 
-def _f(x, spec) -> str:
-    return "–" if x is None else format(x, spec)
+def step_kernels(engines: dict, name: str, batch: int, q: int | None, device) -> int | None:
+    """GPU kernels one un-captured forward of the variant's decode step launches (its engine's
+    bucketed step for `batch` sequences of q tokens; None off CUDA or when it has none)."""
+    gr = engines[engine_of(name)]._engine._graphs
+    if gr is None or q is None or torch.device(device).type != "cuda":
+        return None
+    from hf_plookup.engine.graphs import batch_bucket
+
+    keys = [key for key in gr.graphs if key[0] == q and key[1] == batch_bucket(batch)]
+    if not keys:
+        return None
+    return count_kernels(lambda: gr._forward(gr.graphs[max(keys)]), device)
+
+
+# -- one model ------------------------------------------------------------------------------------
+def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = float("inf")) -> tuple[dict, list[dict]]:
+    """One model's (info, rows). `on_rows(rows)` runs after every batch size with the rows so far
+    (partial results survive a kill); batch sizes not started before `deadline` (perf_counter
+    seconds) are skipped."""
+    device = torch.device(args.device)
+    tag = label(name)
+    t0 = time.perf_counter()
+    model, tok = load_model(name, parse_dtype(args.dtype), device, args.seed)
+    load_s = time.perf_counter() - t0
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
+    pad = pad_id(model, tok)
+    source = args.prompt_source if args.prompt_source != "auto" else ("synthetic" if tok is None else "builtin")
+    n = args.num_prompts or max(args.batch_sizes)
+    if source == "builtin":
+        prompts = builtin_prompts(tok, n)
+    else:
+        vocab = plain_vocab(tok) if tok is not None else random_vocab(model.config.vocab_size)
+        prompts = synthetic_prompts(vocab, n, args.prompt_len, args.seed)
+    lens = [len(p) for p in prompts]
+
+    inv = INVARIANT[args.invariant]
+    wanted = {engine_of(v) for b in args.batch_sizes for v in variant_names(args.variants, args.k, args.tree_nodes, b)} - {None}
+    # the extra engines get a cache sized for the run: sized from free memory, as the default
+    # engine's is on CUDA, each would take a share of what the others need
+    need = max(args.batch_sizes) * (max(lens) + args.max_new_tokens + max(args.k) + 1)
+    options = {"default": {}, "nocompile": dict(compile=False, max_cache_tokens=need + need // 4),
+               "eager": dict(cuda_graphs=False, compile=False, max_cache_tokens=need + need // 4)}
+    engines = {e: hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, invariant=inv, **options[e])
+               for e in ("default", "nocompile", "eager") if e in wanted}
+    engine = engines["default"]._engine if "default" in engines else None
+    info = {
+        "model": tag, "name": name, "weights": "random" if is_random(name) else "pretrained", "dtype": args.dtype,
+        "load_s": load_s, "num_params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes,
+        "copy_bandwidth_Bps": bw, "bandwidth_bound_step_s": weight_bytes / bw, "prompt_source": source, "prompt_tokens": lens,
+        "attn_backend": engine.options.attn_backend if engine else None, "block_size": engine.options.block_size if engine else None,
+        "cuda_graphs": engine.use_graphs if engine else None, "compile": engine.use_compile if engine else None,
+    }
+    print(f"\n== {tag} ({info['weights']} weights, {info['num_params'] / 1e9:.2f}B params, {weight_bytes / 2**30:.2f} GiB), "
+          f"{args.dtype} on {device}, {torch.get_num_threads()} threads; {source} prompts (n={len(prompts)}, "
+          f"{min(lens)}-{max(lens)} tokens), max_new_tokens {args.max_new_tokens}, ngram {args.ngram}, repeats {args.repeats}; "
+          f"load {load_s:.1f}s; backend {info['attn_backend']} block {info['block_size']} graphs {info['cuda_graphs']} "
+          f"compile {info['compile']}; copy {bw / 1e12:.3f} TB/s -> bound {1e3 * weight_bytes / bw:.2f} ms/step", flush=True)
+    print(HEADER, flush=True)
+    rows: list[dict] = []
+    for bs in args.batch_sizes:
+        if time.perf_counter() > deadline:
+            row = {"model": tag, "batch_size": bs, "variant": None, "skipped": f"time budget {args.time_budget}s spent", "error": None}
+            new = [row]
+        else:
+            new = [{"model": tag, **r} for r in bench_batch_size(args, model, engines, prompts, pad, bs)]
+            for r in new:
+                if r["variant"].startswith("plk") and r["q"] is not None:
+                    r["kernels_per_step"] = step_kernels(engines, r["variant"], bs, r["q"], device)
+        for r in new:
+            print(format_row(r), flush=True)
+        rows += new
+        on_rows(rows)
+    info["step_summary"] = step_summary(info, rows)
+    for line in info["step_summary"]["lines"]:
+        print(line, flush=True)
+    gr = engine._graphs if engine else None
+    info["graphs_captured"] = sorted(list(key) for key in gr.graphs) if gr is not None else []
+    del engines, engine, gr, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return info, rows
+
+
+def step_summary(info: dict, rows: list[dict]) -> dict:
+    """Per batch size: decode step times of greedy (1 token/seq) and prompt lookup (k+1) on the
+    default engine, their ratio (the tokens/forward a verify step must reach to pay off), and the
+    bandwidth bound."""
+    by = {(r["batch_size"], r["variant"]): r for r in rows if r.get("decode_step_s")}
+    out, lines = {}, []
+    for batch in sorted({b for b, _ in by}):
+        one = by.get((batch, "plk-greedy"), {}).get("decode_step_s")
+        entry = {"step_1_s": one}
+        parts = [f"{info['model']} batch {batch}: 1-token step {cell(None if one is None else 1e3 * one, '.2f')} ms"]
+        for (b, v), r in sorted(by.items()):
+            k = k_of(v)
+            if b == batch and k and engine_of(v) == "default" and not tree_of(v):
+                entry[f"step_{k + 1}_s"] = r["decode_step_s"]
+                ratio = r["decode_step_s"] / one if one else None
+                entry[f"ratio_{k + 1}"] = ratio
+                parts.append(f"{k + 1}-token {1e3 * r['decode_step_s']:.2f} ms (x{cell(ratio, '.2f')})")
+        out[batch] = entry
+        lines.append(", ".join(parts) + f"; bandwidth bound {1e3 * info['bandwidth_bound_step_s']:.2f} ms")
+    return {"per_batch": out, "lines": lines}
+
+
+def proposer_cost(batch: int = 256, context: int = 8192, k: int = 8, calls: int = 20) -> dict:
+    """Median seconds of one batched numba proposer call (contexts of repeated phrases)."""
+    import numba
+
+    from hf_plookup.drafting.ngram import NgramProposer
+
+    rng = np.random.default_rng(0)
+    phrases = rng.integers(3, 32000, size=(64, 16))
+    hist = phrases[rng.integers(0, 64, size=(batch, context // 16))].reshape(batch, context)  # [B, L]
+    lengths = np.full(batch, context, dtype=np.int64)
+    prop = NgramProposer(k, 3)
+    prop.propose(hist, lengths)
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        prop.propose(hist, lengths)
+        times.append(time.perf_counter() - t0)
+    return {"batch": batch, "context": context, "k": k, "max_ngram": 3, "median_s": statistics.median(times),
+            "min_s": min(times), "numba_threads": numba.get_num_threads()}
+
+
+# -- the table -----------------------------------------------------------------------------------
+HEADER = ("| model | batch | variant | tok/s | × HF greedy | tokens/forward | = HF greedy | latency/call (s) "
+          "| decode step ms (tokens/seq) | kernels/step | first call s |\n"
+          "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def format_row(r: dict) -> str:
+    head = f"| {r.get('model', '')} | {r['batch_size']} | {r['variant'] or '–'} |"
+    if r.get("skipped") or r.get("error"):
+        what = f"skipped ({r['skipped'][:60]})" if r.get("skipped") else f"error ({r['error'][:100]})"
+        return f"{head} {what} | | | | | | | |"
+    step = r.get("decode_step_s")
+    return (f"{head} {cell(r['tokens_per_second'], '.1f')} | {cell(r['ratio_to_hf_greedy'], '.2f')} "
+            f"| {cell(r['tokens_per_forward'], '.2f')} | {cell(r['equal_to_hf_greedy'], '.0%')} | {cell(r['latency_per_call_s'], '.2f')} "
+            f"| {cell(None if step is None else 1e3 * step, '.2f')} ({cell(r.get('q'), 'd')}) | {cell(r.get('kernels_per_step'), 'd')} "
+            f"| {cell(r.get('first_call_s'), '.1f')} |")
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| batch | variant | tok/s | × HF greedy | tokens/forward | = HF greedy | latency/call (s) |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if r["skipped"]:
-            lines.append(f"| {r['batch_size']} | {r['variant']} | skipped ({r['skipped'][:60]}) | | | | |")
-            continue
-        lines.append(
-            f"| {r['batch_size']} | {r['variant']} | {_f(r['tokens_per_second'], '.1f')} | {_f(r['ratio_to_hf_greedy'], '.2f')} "
-            f"| {_f(r['tokens_per_forward'], '.2f')} | {_f(r['equal_to_hf_greedy'], '.0%')} | {_f(r['latency_per_call_s'], '.2f')} |"
-        )
-    return "\n".join(lines)
+    return "\n".join([HEADER] + [format_row(r) for r in rows])
 
 
 def main(argv=None) -> int:
-    t_start = time.perf_counter()
+    start = time.perf_counter()
     args = parse_args(argv)
-    import torch
-
-    import hf_plookup
-
-    common.set_threads(args.threads)
+    set_threads(args.threads)
     torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
-    model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
-    load_seconds = time.perf_counter() - t0
-    wrapped = hf_plookup.wrap(copy.copy(model), invariant=common.INVARIANT[args.invariant])
-    pad = common.pad_id(model, tokenizer)
-    if args.prompt_source == "builtin":
-        prompts = builtin_prompts(tokenizer, args.num_prompts)
-    else:
-        prompts = synthetic_prompts(plain_vocab(tokenizer), args.num_prompts, args.prompt_len, args.seed)
+    rows: list[dict] = []
+    doc = report("bench", argv, args, args.device, rows, models=[])
 
-    from tqdm.auto import tqdm
+    def save():
+        doc["wall_s"] = time.perf_counter() - start
+        if args.json:
+            write_json(args.json, doc)
 
-    rows = []
-    for bs in tqdm(args.batch_sizes, desc="batch sizes"):
-        rows += bench_batch_size(args, model, wrapped, prompts, pad, bs)
-    table = format_table(rows)
-    wall = time.perf_counter() - t_start
-    lens = [len(p) for p in prompts]
-    print()
-    print(f"model {args.model} ({args.dtype}, {args.device}, {torch.get_num_threads()} threads), {args.prompt_source} prompts "
-          f"(n={len(prompts)}, {min(lens)}-{max(lens)} tokens), max_new_tokens {args.max_new_tokens}, ngram {args.ngram}, "
-          f"repeats {args.repeats}; load {load_seconds:.1f}s, total {wall:.1f}s")
-    print(table)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({
-            "config": vars(args), "machine": common.machine_info(args.device), "prompt_tokens": lens,
-            "model_load_seconds": load_seconds, "wall_seconds": wall, "rows": rows,
-        }, indent=1) + "\n")
-        print(f"wrote {path}")
-    return 0
+    if args.proposer_cost:
+        doc["proposer"] = p = proposer_cost(*((8, 256) if args.smoke else ()))
+        print(f"proposer: batch {p['batch']} x {p['context']} tokens, k={p['k']}: median {1e3 * p['median_s']:.2f} ms "
+              f"({p['numba_threads']} numba threads)")
+    deadline = start + args.time_budget if args.time_budget is not None else float("inf")
+    for name in args.model:
+        if time.perf_counter() > deadline:
+            doc["models"].append({"model": label(name), "name": name, "skipped": f"time budget {args.time_budget}s spent"})
+            continue
+        done = len(rows)
+
+        def partial(model_rows, done=done):
+            rows[done:] = model_rows
+            save()
+
+        try:
+            info, model_rows = bench_model(args, name, partial, deadline)
+        except Exception as e:  # e.g. out of memory while loading: keep the other models' results
+            traceback.print_exc()
+            info = {"model": label(name), "name": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+            print(f"{label(name)}: {info['error']}", flush=True)
+        else:
+            rows[done:] = model_rows
+        doc["models"].append(info)
+        save()
+    save()
+    failed = [r for r in rows if r.get("error")] + [m for m in doc["models"] if m.get("error")]
+    print(f"\ntotal {doc['wall_s']:.1f}s" + (f"; wrote {args.json}" if args.json else "")
+          + (f"; {len(failed)} failed (see error)" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

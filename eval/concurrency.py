@@ -12,20 +12,18 @@ turns. Every output is compared with the sequential run's (same tokens expected)
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `eval.lib.common` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import hf_plookup  # noqa: E402
-from eval.lib import common  # noqa: E402
-from hf_plookup.embedded import default_example_model  # noqa: E402
+import hf_plookup
+from eval.lib.cli import add_threads_option, set_threads, show_defaults
+from eval.lib.documents import BUILTIN_PATH, load_jsonl
+from eval.lib.models import load_model
+from eval.lib.prompts import build_prompt, encode_prompt, use_chat
+from eval.lib.report import report, write_json
+from hf_plookup.embedded import default_example_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calls-per-client", type=int, default=8, help="one-prompt generate calls per client")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens")
-    common.add_threads_option(p)
+    add_threads_option(p)
     p.add_argument("--no-join", action="store_true", help="wrap with join_calls=False (callers take turns)")
     p.add_argument("--json", default=None, help="write the results here")
-    return common.show_defaults(p)
+    return show_defaults(p)
 
 
 def main(argv=None) -> int:
@@ -46,14 +44,14 @@ def main(argv=None) -> int:
     for name in ("clients", "calls_per_client", "max_new_tokens", "k"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    common.set_threads(args.threads)
-    model, tokenizer = common.load_model(args.model, torch.float32, "cpu")
+    set_threads(args.threads)
+    model, tokenizer = load_model(args.model, torch.float32, "cpu")
     # no prefix pool: both phases run the same prompts, and the first would prefill for the second
     wrapped = hf_plookup.wrap(model, join_calls=not args.no_join, prefix_cache=False)
-    docs = common.load_jsonl(common.BUILTIN_PATH)
-    chat = common.use_chat(args.model, tokenizer)  # a base model gets the few-shot prompt
+    docs = load_jsonl(BUILTIN_PATH)
+    chat = use_chat(args.model, tokenizer)  # a base model gets the few-shot prompt
     n = args.clients * args.calls_per_client
-    prompts = [common.encode_prompt(tokenizer, common.build_prompt(tokenizer, docs[i % len(docs)]["document"], chat), chat)
+    prompts = [encode_prompt(tokenizer, build_prompt(tokenizer, docs[i % len(docs)]["document"], chat), chat)
                for i in range(n)]
     kw = dict(max_new_tokens=args.max_new_tokens, prompt_lookup_num_tokens=args.k)
 
@@ -93,14 +91,13 @@ def main(argv=None) -> int:
         "max_new_tokens": args.max_new_tokens, "k": args.k, "join_calls": not args.no_join,
         "sequential_s": t_seq, "concurrent_s": t_conc, "new_tokens": tokens,
         "sequential_tok_s": tokens / t_seq, "concurrent_tok_s": tokens / t_conc,
-        "speedup": t_seq / t_conc, "identical": f"{same}/{n}", "machine": common.machine_info("cpu"),
+        "speedup": t_seq / t_conc, "identical": f"{same}/{n}",
     }
     print(f"{args.clients} clients x {args.calls_per_client} calls, {args.model}, {tokens} new tokens: "
           f"sequential {tokens / t_seq:.1f} tok/s, concurrent ({'joining' if not args.no_join else 'taking turns'}) "
           f"{tokens / t_conc:.1f} tok/s = {t_seq / t_conc:.2f}x; identical outputs {same}/{n}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, report("concurrency", argv, args, "cpu", [result]))
     return 0 if same == n else 1
 
 

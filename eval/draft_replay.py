@@ -16,25 +16,25 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.lib import common  # noqa: E402
-from eval.bench import builtin_prompts  # noqa: E402
+from eval.lib.batching import eos_ids, pad_id
+from eval.lib.calls import run_plookup
+from eval.lib.cli import DTYPES, add_threads_option, parse_dtype, set_threads, show_defaults
+from eval.lib.models import load_model
+from eval.lib.prompts import builtin_prompts
+from eval.lib.report import report, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="embedded alias (gemma3-270m, smollm2-135m) or HF id/path")
-    p.add_argument("--dtype", default="fp32", choices=sorted(common.DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--device", default=None)
-    common.add_threads_option(p)
+    add_threads_option(p)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="prompt_lookup_num_tokens values")
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-candidates", type=int, nargs="+", default=[None],
                    help="TreeProposer max_candidates values (default: its own)")
     p.add_argument("--json", default=None)
-    return common.show_defaults(p)
+    return show_defaults(p)
 
 
 def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
@@ -114,17 +114,17 @@ def main(argv=None) -> int:
     from hf_plookup.drafting.ngram import NgramProposer
     from hf_plookup.drafting.tree import TreeProposer
 
-    common.set_threads(args.threads)
-    model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
+    set_threads(args.threads)
+    model, tokenizer = load_model(args.model, parse_dtype(args.dtype), args.device)
     wrapped = hf_plookup.wrap(copy.copy(model))
-    pad = common.pad_id(model, tokenizer)
+    pad = pad_id(model, tokenizer)
     prompts = builtin_prompts(tokenizer, args.num_prompts)
-    eos = common.eos_ids(model)
+    eos = eos_ids(model)
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
         # prompt lookup for speed: its greedy output is HF's greedy output (tests/engine)
-        res = common.run_plookup(wrapped, ids, torch.ones_like(ids), args.max_new_tokens, max(args.k), args.ngram, pad)
+        res = run_plookup(wrapped, ids, torch.ones_like(ids), args.max_new_tokens, max(args.k), args.ngram, pad)
         outs.append([int(x) for x in res.tokens[0]])
     rows = []
     for k in args.k:
@@ -151,8 +151,7 @@ def main(argv=None) -> int:
         print(f"| {r['k']} | {r['drafter']} | {r['tokens_per_forward']:.3f} | {r['tokens_per_forward'] / chain[r['k']]:.3f} "
               f"| {r['drafts_per_step']:.1f} | {r['propose_ms_per_step']:.3f} |")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1) + "\n")
+        write_json(args.json, report("draft_replay", argv, args, args.device or "cpu", rows))
     return 0
 
 

@@ -21,22 +21,21 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `eval.lib.common` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hf_plookup
+from eval.lib.cli import DTYPES, add_threads_option, parse_dtype, set_threads, show_defaults
+from eval.lib.documents import DATA_DIR, load_jsonl
+from eval.lib.models import load_model
+from eval.lib.prompts import encode_prompt
+from eval.lib.report import report, write_json
+from hf_plookup.embedded import default_example_model
+from hf_plookup.outputs import CACHE_FIELD
 
-import hf_plookup  # noqa: E402
-from eval.lib import common  # noqa: E402
-from hf_plookup.embedded import default_example_model  # noqa: E402
-from hf_plookup.outputs import CACHE_FIELD  # noqa: E402
-
-DATA = common.REPO_ROOT / "eval" / "data" / "cnn_dailymail.jsonl"
+DATA = DATA_DIR / "cnn_dailymail.jsonl"
 CHAT_FOLLOW_UPS = ["Who is named in it, and what did each of them do?", "Quote its most important sentence exactly."]
 QUESTIONS = [
     "Summarize the text above in two sentences.", "Who are the people named in the text above?",
@@ -57,9 +56,9 @@ VARIANTS = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=default_example_model(), help="embedded alias or HF id/path")
-    p.add_argument("--dtype", default="fp32", choices=sorted(common.DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
-    common.add_threads_option(p)
+    add_threads_option(p)
     p.add_argument("--workloads", nargs="+", default=["chat", "questions", "fewshot"], choices=["chat", "questions", "fewshot"])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--turns", type=int, default=6, help="chat turns")
@@ -67,11 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2, help="rounds per workload; each variant's fastest counts")
     p.add_argument("--out", default="results/prefix_bench.json")
-    return common.show_defaults(p)
+    return show_defaults(p)
 
 
 def stories(n: int) -> list[str]:
-    return [d["document"] for d in common.load_jsonl(DATA, "article", "highlights")[:n]]
+    return [d["document"] for d in load_jsonl(DATA, "article", "highlights")[:n]]
 
 
 def user_turn(tok, text: str, previous: torch.Tensor | None) -> list[int]:
@@ -122,7 +121,7 @@ def question_prompts(tok, doc_tokens: int) -> list[list[int]]:
         text += docs.pop(0) + "\n\n"
     ids = tok(text, add_special_tokens=False)["input_ids"][:doc_tokens]
     doc = tok.decode(ids)
-    return [common.encode_prompt(tok, tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\n{q}"}],
+    return [encode_prompt(tok, tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\n{q}"}],
                                                                add_generation_prompt=True, tokenize=False), True)
             for q in QUESTIONS]
 
@@ -146,7 +145,7 @@ def run_calls(model, tok, prompts: list[list[int]], k: int | None, max_new: int)
 
 
 def fewshot_requests(n_shots: int = 3, n_queries: int = 8) -> list[tuple[str, dict]]:
-    rows = common.load_jsonl(DATA, "article", "highlights")
+    rows = load_jsonl(DATA, "article", "highlights")
     shots = "".join(f"Article: {r['document'][:1200]}\nHighlights: {r['summary']}\n\n" for r in rows[:n_shots])
     return [(f"{shots}Article: {r['document'][:1200]}\nHighlights:", {"until": ["\n\n", "Article:"]})
             for r in rows[n_shots : n_shots + n_queries]]
@@ -181,15 +180,15 @@ def run_fewshot(model, tok, requests, k: int | None, max_new: int) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    common.set_threads(args.threads)
-    model, tok = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
+    set_threads(args.threads)
+    model, tok = load_model(args.model, parse_dtype(args.dtype), args.device)
     wrapped = {True: hf_plookup.wrap(copy.copy(model)), False: hf_plookup.wrap(copy.copy(model), prefix_cache=False)}
     workloads = {
         "chat": (run_chat, chat_messages(args.turns)),
         "questions": (run_calls, question_prompts(tok, args.doc_tokens)),
         "fewshot": (run_fewshot, fewshot_requests()),
     }
-    report = {"config": vars(args), "machine": common.machine_info(args.device), "workloads": {}}
+    doc = report("prefix_bench", argv, args, args.device, [])
     for name in args.workloads:
         fn, inputs = workloads[name]
         best: dict[str, dict] = {}
@@ -216,7 +215,7 @@ def main(argv=None) -> int:
                 "identical_to_hf": base is not None and res["outputs"] == base["outputs"],
                 **({"final_length": res["final_length"]} if "final_length" in res else {}),
             })
-        report["workloads"][name] = rows
+        doc["results"] += [{"workload": name, **row} for row in rows]
         extra = f", conversation {best[args.variants[0]].get('final_length')} tokens" if name == "chat" else ""
         print(f"\n{name} ({len(inputs)} {'turns' if name == 'chat' else 'calls'}{extra}), fastest of {args.repeats}:")
         print("| variant | seconds | × HF greedy | prompt tokens not prefilled (pool, caller's cache) | = HF tokens |")
@@ -227,9 +226,7 @@ def main(argv=None) -> int:
                 share += f" ({row['cached_share_after_first']:.0%} after the first call)"
             sp = f"{row['speedup_vs_hf']:.2f}" if row["speedup_vs_hf"] else "–"
             print(f"| {row['variant']} | {row['seconds']:.1f} | {sp} | {share} | {row['identical_to_hf']} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out = write_json(args.out, doc)
     print(f"\nwrote {out}")
     return 0
 

@@ -14,17 +14,13 @@ rows as sources), with numba's thread count as run.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
 import numba
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.lib.common import add_threads_option, show_defaults  # noqa: E402
+from eval.lib.cli import add_threads_option, show_defaults
+from eval.lib.report import report, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,9 +119,7 @@ def main(argv=None) -> int:
         print(f"| {r['drafter']} | {r['ms_per_step_median']:.3f} | {r['ms_per_step_p90']:.3f} | "
               f"{r['drafts_per_row']:.1f} | {build} |")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"config": vars(args), "threads": numba.get_num_threads(),
-                                               "rows": rows}, indent=1) + "\n")
+        write_json(args.json, report("proposer_bench", argv, args, "cpu", rows, numba_threads=numba.get_num_threads()))
     return 0
 
 

@@ -1,6 +1,6 @@
 """One decode/verify step of hf_plookup, timed per execution mode: what a k+1-token verify step
 costs against a 1-token step, eager vs compiled vs CUDA graphs, and HF's compiled static-cache
-forward beside it. Random weights of the real shapes (eval/gpu_bench.py's MODELS): step times
+forward beside it. Random weights of the real shapes (eval/lib/models.py's SHAPES): step times
 do not depend on weight values.
 
 Per model, batch size and tokens per sequence q (1 = plain decode, k+1 = verify), each mode
@@ -28,9 +28,7 @@ CUDA also the GPU kernels one un-captured forward launches (torch.profiler).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,23 +36,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-if __package__ in (None, ""):  # run as a script: make hf_plookup and eval importable from the checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.lib.common import add_threads_option, show_defaults  # noqa: E402
-from eval.gpu_bench import DTYPES, MODELS, build_model, copy_bandwidth, sync  # noqa: E402
-from hf_plookup.attention.ops import COMPILABLE_BACKENDS  # noqa: E402
-from hf_plookup.attention.registry import register  # noqa: E402
-from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket  # noqa: E402
-from hf_plookup.engine.kv_cache import PagedKVCache, layer_specs  # noqa: E402
-from hf_plookup.engine.runner import StepPlan  # noqa: E402
+from eval.lib.cli import DTYPES, add_threads_option, show_defaults
+from eval.lib.models import SHAPES, random_model
+from eval.lib.report import report, write_json
+from eval.lib.timing import copy_bandwidth, count_kernels, sync, timed
+from hf_plookup.attention.metadata import StepLayout
+from hf_plookup.attention.ops import COMPILABLE_BACKENDS
+from hf_plookup.attention.registry import register
+from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket
+from hf_plookup.engine.kv_cache import PagedKVCache, layer_specs
 
 MODES = ("eager", "compiled", "graphs", "compiled+graphs")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["smollm2-135m"], choices=sorted(MODELS))
+    p.add_argument("--models", nargs="+", default=["smollm2-135m"], choices=sorted(SHAPES))
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
@@ -82,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     return show_defaults(p)
 
 
-def step_plan(num_seqs: int, q: int, context: int, block_size: int, vocab: int = 1000) -> StepPlan:
+def step_plan(num_seqs: int, q: int, context: int, block_size: int, vocab: int = 1000) -> StepLayout:
     """A uniform decode step: sequence i has `context` cached tokens in its own pages
     (1 + i*W ... ; page 0 stays unused) and feeds q tokens."""
     ctx = context + q
@@ -92,37 +89,13 @@ def step_plan(num_seqs: int, q: int, context: int, block_size: int, vocab: int =
     kv_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size
     pos = np.tile(np.arange(context, ctx), num_seqs)
     rng = np.random.default_rng(q)
-    return StepPlan(
-        input_ids=rng.integers(3, vocab, size=num_seqs * q), positions=pos,
-        slot_mapping=kv_slots[:, context:].reshape(-1), query_pos=np.tile(np.arange(context, ctx), (num_seqs, 1)),
+    return StepLayout(
+        input_ids=rng.integers(3, vocab, size=num_seqs * q), positions=pos, depth=np.tile(np.arange(q), num_seqs),
+        slot_mapping=kv_slots[:, context:].reshape(-1), keep=np.arange(num_seqs * q),
+        prefill=np.zeros(num_seqs, dtype=bool), query_pos=np.tile(np.arange(context, ctx), (num_seqs, 1)),
         kv_slots=kv_slots, context_lens=np.full(num_seqs, ctx), block_tables=tables,
         cu_seqlens_q=np.arange(num_seqs + 1) * q, cu_seqlens_k=np.arange(num_seqs + 1) * ctx,
-        q_gather=None, q_scatter=None, keep=np.arange(num_seqs * q), is_decode=True,
     )
-
-
-def timed(fn, device: torch.device, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def count_kernels(fn, device: torch.device) -> int | None:
-    """GPU kernels launched by one call of `fn` (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    sync(device)
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync(device)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache, invariant: bool = False,
@@ -279,11 +252,10 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out or (Path(os.environ["OUT"]) / "step_bench.json" if os.environ.get("OUT") else "results/step_bench.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
     register()  # the "hf_plookup" attention implementation (wrap does this)
-    result = {"config": vars(args), "torch": torch.__version__, "models": []}
+    result = report("step_bench", argv, args, device, [], models=[])
     for name in args.models:
-        model, _ = build_model(name, DTYPES[args.dtype], device, None, args.seed)
+        model = random_model(name, DTYPES[args.dtype], device, args.seed)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bound = weight_bytes / copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26)
         print(f"== {name} {args.dtype} on {device}: bandwidth bound {1e3 * bound:.2f} ms/step", flush=True)
@@ -308,8 +280,9 @@ def main(argv=None) -> int:
             rows += bench_hf_static(model, args, device)
         if args.breakdown and device.type == "cpu":
             rows += breakdown(model, args, device, cache)
-        result["models"].append({"model": name, "bandwidth_bound_s": bound, "rows": rows})
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        result["models"].append({"model": name, "bandwidth_bound_s": bound})
+        result["results"] += [{"model": name, **r} for r in rows]
+        write_json(out, result)
         del model, cache
     print(f"wrote {out}")
     return 0

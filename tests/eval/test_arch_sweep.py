@@ -46,14 +46,14 @@ def test_whisper_decoder_ignores_logits_to_keep_and_still_matches_hf():
     assert res == {"status": "identical", "detail": ""}
 
 
-def test_whisper_padded_batch_goes_to_hf():
-    """Whisper's forward takes no position_ids, so HF counts a left-padded row's pads into its
-    positions; such a call is handed to HF's generate instead of differing."""
-    res = run_one("whisper", 8, padded=True)
-    assert res == {"status": "delegated", "detail": "padded rows on a model whose forward takes no position_ids"}
+@pytest.mark.parametrize("arch", ["whisper", "bart"])
+def test_padded_batch_on_positions_counted_from_the_cache(arch):
+    """Whisper's and BART's forwards take no position_ids, so HF counts a left-padded row's pads
+    into its positions; the engine hands their position embeddings those positions."""
+    assert run_one(arch, 8, padded=True) == {"status": "identical", "detail": ""}
 
 
-def test_run_one_bart_is_refused_with_the_reason():
-    """BART's decoder takes its positions from its cache's length, not from position_ids."""
-    res = run_one("bart", 8)
-    assert res["status"] == "refused" and "fed the way the engine feeds later tokens" in res["detail"]
+def test_bert_is_swept_as_a_decoder():
+    """BERT-style configs are built with is_decoder=True (HF asks for it to generate)."""
+    assert shrink({"model_type": "bert", "is_decoder": False, "num_hidden_layers": 12})["is_decoder"] is True
+    assert run_one("bert", 8) == {"status": "identical", "detail": ""}

@@ -1,4 +1,4 @@
-"""eval/summarize.py and eval/bench.py end to end on a tiny random Llama (CPU, seconds)."""
+"""eval/summarize.py and eval/bench.py end to end on tiny random models (CPU, seconds)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eval import bench, summarize
-from eval.lib import common
+from eval.lib import calls
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--num-docs", "4", "--batch-size", "2", "--max-new-tokens", "12", "--k", "2", "4", "--threads", "1",
@@ -25,12 +25,12 @@ def test_summarize_main_passes_accuracy_check(tiny_chat_ckpt, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "accuracy check passed" in printed and "| hf_plookup k=4 |" in printed
     res = json.loads((out / "results.json").read_text())
-    names = [v["name"] for v in res["variants"]]
+    names = [v["name"] for v in res["results"]]
     assert names == ["hf-greedy", "plk-k2", "plk-k4", "hf-pl-k2", "hf-pl-k4"]
-    for v in res["variants"]:
+    for v in res["results"]:
         assert v["num_docs"] == 4 and v["exact_match"] == 1.0  # fp32: every document identical
         assert v["new_tokens"] > 0 and v["tokens_per_second"] > 0
-    plk = res["variants"][2]
+    plk = res["results"][2]
     assert len(plk["acceptance_per_position"]) == 4 and plk["tokens_per_forward"] >= 1.0
     assert res["prompt_style"] == "chat" and res["prompt"].startswith("chat template") and res["num_processes"] == 1
     assert res["machine"]["threads"] == 1  # --threads survives hf_plookup.wrap()
@@ -39,14 +39,14 @@ def test_summarize_main_passes_accuracy_check(tiny_chat_ckpt, tmp_path, capsys):
 
 
 def test_summarize_main_fails_accuracy_check(tiny_ckpt, tmp_path, capsys, monkeypatch):
-    real = common.run_plookup
+    real = calls.run_plookup
 
     def corrupted(*args, **kwargs):  # an engine that gets the last token of every row wrong
         res = real(*args, **kwargs)
         res.tokens = [t[:-1] + [t[-1] + 1] if t else t for t in res.tokens]
         return res
 
-    monkeypatch.setattr(common, "run_plookup", corrupted)
+    monkeypatch.setattr(calls, "run_plookup", corrupted)
     rc = summarize.main(["--model", str(tiny_ckpt), *SMALL, "--check-accuracy", "--out", str(tmp_path), "--no-plot"])
     assert rc == 1
     captured = capsys.readouterr()
@@ -54,7 +54,7 @@ def test_summarize_main_fails_accuracy_check(tiny_ckpt, tmp_path, capsys, monkey
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["prompt_style"] == "fewshot"  # no chat template: a base model's few-shot prompt
     assert "prompt style fewshot" in (tmp_path / "results.md").read_text()
-    assert res["accuracy_check"]["failures"] and res["variants"][1]["mean_first_divergence"] > 0
+    assert res["accuracy_check"]["failures"] and res["results"][1]["mean_first_divergence"] > 0
     # without --check-accuracy the same run reports but exits 0
     assert summarize.main(["--model", str(tiny_ckpt), *SMALL, "--out", str(tmp_path), "--no-plot"]) == 0
 
@@ -65,7 +65,9 @@ def test_bench_main(tiny_ckpt, tmp_path, capsys):
                      "--max-new-tokens", "8", "--device", "cpu", "--threads", "1", "--json", str(path)])
     assert rc == 0
     assert "| 3 | plk-k3 |" in capsys.readouterr().out
-    rows = json.loads(path.read_text())["rows"]
+    res = json.loads(path.read_text())
+    assert res["script"] == "bench" and res["args"]["batch_sizes"] == [1, 3] and res["machine"]["threads"] == 1
+    rows = res["results"]
     assert [(r["batch_size"], r["variant"]) for r in rows] == [
         (1, "hf-greedy"), (1, "hf-pl-k3"), (1, "plk-greedy"), (1, "plk-k3"),
         (3, "hf-greedy"), (3, "plk-greedy"), (3, "plk-k3")]
@@ -90,4 +92,4 @@ def test_summarize_two_processes(tiny_ckpt, tmp_path):
     assert res["num_processes"] == 2
     assert sorted({d["index"] for d in res["documents"]}) == [0, 1, 2, 3, 4]
     assert sorted({(b["rank"], b["batch"]) for b in res["batches"] if b["variant"] == "hf-greedy"}) == [(0, 0), (0, 1), (1, 0)]
-    assert all(v["exact_match"] == 1.0 for v in res["variants"])
+    assert all(v["exact_match"] == 1.0 for v in res["results"])

@@ -1,4 +1,4 @@
-"""Pure harness functions of eval/summarize.py, eval/bench.py and eval/lib/common.py."""
+"""Pure harness functions of eval/summarize.py, eval/bench.py and eval/lib/."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from eval import bench, summarize
-from eval.lib import common
+from eval.lib import batching, documents, prompts
+from eval.lib.variants import variant_names
 
 
 # -- exact match / divergence ---------------------------------------------------------------
@@ -25,7 +26,7 @@ from eval.lib import common
     ],
 )
 def test_first_divergence(a, b, expected):
-    assert common.first_divergence(a, b) == expected
+    assert batching.first_divergence(a, b) == expected
     assert summarize.exact_match(a, b) == (expected is None)
 
 
@@ -165,14 +166,14 @@ def test_write_report(tmp_path):
     docs, batches, specs = _records()
     variants = summarize.summarize_results(docs, batches, specs)
     results = {
-        "config": {"model": "tiny", "dtype": "fp32", "device": "cpu", "dataset": "builtin", "max_new_tokens": 3, "ngram": 2},
-        "num_docs": 2, "num_processes": 1, "rouge_backend": "rouge_score", "variants": variants,
+        "args": {"model": "tiny", "dtype": "fp32", "device": "cpu", "dataset": "builtin", "max_new_tokens": 3, "ngram": 2},
+        "num_docs": 2, "num_processes": 1, "rouge_backend": "rouge_score", "results": variants,
         "accuracy_check": {"enabled": True, "min_exact_match": 1.0, "max_rouge_drop": 0.0, "failures": ["x failed"]},
     }
     paths = summarize.write_report(results, tmp_path / "out")
     assert set(paths) == {"json", "md", "png"} and all(p.exists() for p in paths.values())
     loaded = json.loads(paths["json"].read_text())
-    assert [v["name"] for v in loaded["variants"]] == ["hf-greedy", "plk-k2"]
+    assert [v["name"] for v in loaded["results"]] == ["hf-greedy", "plk-k2"]
     md = paths["md"].read_text()
     assert "HF greedy (baseline)" in md and "hf_plookup k=2" in md and "FAIL: x failed" in md
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
@@ -185,7 +186,7 @@ def test_write_report(tmp_path):
 def test_load_jsonl_fields(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"id": "a", "text": "doc one", "ref": "one"}\n\n{"text": "doc two", "ref": "two"}\n')
-    docs = common.load_jsonl(path, text_field="text", summary_field="ref")
+    docs = documents.load_jsonl(path, text_field="text", summary_field="ref")
     assert docs == [{"id": "a", "document": "doc one", "summary": "one"}, {"id": "line-3", "document": "doc two", "summary": "two"}]
     loaded, info = summarize.load_documents(str(path), 2, text_field="text", summary_field="ref")
     assert loaded == [{"id": "a", "document": "doc one", "summary": "one"}, {"id": "row-1", "document": "doc two", "summary": "two"}]
@@ -200,10 +201,10 @@ def test_load_jsonl_fields(tmp_path):
     with pytest.raises(SystemExit, match="must be one of"):
         summarize.load_documents(str(tmp_path / "missing.jsonl"), 1)
     with pytest.raises(ValueError, match="--text-field"):
-        common.load_jsonl(path)
+        documents.load_jsonl(path)
     with pytest.raises(ValueError, match="--summary-field"):
-        common.load_jsonl(path, text_field="text")
-    assert common.load_jsonl(path, text_field="text", summary_field=None)[0]["summary"] is None
+        documents.load_jsonl(path, text_field="text")
+    assert documents.load_jsonl(path, text_field="text", summary_field=None)[0]["summary"] is None
 
 
 def test_builtin_documents():
@@ -241,58 +242,59 @@ def test_prompts_plain_and_chat(tiny_ckpt, tiny_chat_ckpt):
     from transformers import AutoTokenizer
 
     plain = AutoTokenizer.from_pretrained(tiny_ckpt)
-    assert not common.has_chat_template(plain)
-    fewshot = common.build_prompt(plain, "the doc")  # a base model: one example, then the document
+    assert not prompts.has_chat_template(plain)
+    fewshot = prompts.build_prompt(plain, "the doc")  # a base model: one example, then the document
     assert fewshot.startswith("Article: ") and fewshot.endswith("\n\nArticle: the doc\nSummary:")
     assert fewshot.count("Summary:") == 2 and "Summarize" not in fewshot
     chat = AutoTokenizer.from_pretrained(tiny_chat_ckpt)
-    text = common.build_prompt(chat, "the doc")
+    text = prompts.build_prompt(chat, "the doc")
     assert text.startswith("<s><user> ") and "the doc" in text and text.endswith("<assistant> ")
-    assert common.encode_prompt(chat, text, chat=True).count(chat.bos_token_id) == 1
+    assert prompts.encode_prompt(chat, text, chat=True).count(chat.bos_token_id) == 1
     long_doc = " ".join(["river"] * 50)
-    assert common.truncate_document(plain, long_doc, 10) == " ".join(["river"] * 10)
-    assert common.truncate_document(plain, long_doc, None) == long_doc
+    assert prompts.truncate_document(plain, long_doc, 10) == " ".join(["river"] * 10)
+    assert prompts.truncate_document(plain, long_doc, None) == long_doc
 
 
 def test_summary_text_cuts_the_fewshot_pattern():
-    assert common.summary_text(" The board met.\n\nArticle: next one", use_chat=False) == "The board met."
-    assert common.summary_text(" The board met.\nArticle: next", use_chat=False) == "The board met."
-    assert common.summary_text(" Line one.\n\nLine two.", use_chat=True) == "Line one.\n\nLine two."
+    assert prompts.summary_text(" The board met.\n\nArticle: next one", use_chat=False) == "The board met."
+    assert prompts.summary_text(" The board met.\nArticle: next", use_chat=False) == "The board met."
+    assert prompts.summary_text(" Line one.\n\nLine two.", use_chat=True) == "Line one.\n\nLine two."
 
 
 def test_use_chat_follows_the_model_not_the_attached_template(tiny_ckpt, tiny_chat_ckpt):
     from transformers import AutoTokenizer
 
     chat = AutoTokenizer.from_pretrained(tiny_chat_ckpt)
-    assert common.use_chat(str(tiny_chat_ckpt), chat) and not common.use_chat(str(tiny_ckpt), AutoTokenizer.from_pretrained(tiny_ckpt))
-    assert not common.use_chat("gemma3-270m", chat)  # a base model, though a chat template is attached
-    assert common.use_chat("smollm2-135m", chat)
+    assert prompts.use_chat(str(tiny_chat_ckpt), chat) and not prompts.use_chat(str(tiny_ckpt), AutoTokenizer.from_pretrained(tiny_ckpt))
+    assert not prompts.use_chat("gemma3-270m", chat)  # a base model, though a chat template is attached
+    assert prompts.use_chat("smollm2-135m", chat)
 
 
 def test_left_pad_and_new_tokens():
-    ids, mask = common.left_pad([[5, 6, 7], [8]], pad_id=0)
+    ids, mask = batching.left_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     seqs = torch.tensor([[5, 6, 7, 3, 2, 9], [0, 0, 8, 4, 4, 4]])
-    assert common.new_tokens(seqs, 3, eos={2}) == [[3, 2], [4, 4, 4]]
+    assert batching.new_tokens(seqs, 3, eos={2}) == [[3, 2], [4, 4, 4]]
     with pytest.raises(ValueError):
-        common.left_pad([[1], []], 0)
-    assert common.batches([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
+        batching.left_pad([[1], []], 0)
+    assert batching.batches([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
 
 
 def test_bench_workload_and_synthetic_prompts():
-    assert bench.workload([[1], [2], [3]], num_prompts=3, batch_size=2) == [[[1], [2]], [[3]]]
-    assert bench.workload([[1], [2]], num_prompts=2, batch_size=4) == [[[1], [2], [1], [2]]]
-    ps = bench.synthetic_prompts(list(range(10, 60)), n=3, length=40, seed=1)
+    assert batching.workload([[1], [2], [3]], num_prompts=3, batch_size=2) == [[[1], [2]], [[3]]]
+    assert batching.workload([[1], [2]], num_prompts=2, batch_size=4) == [[[1], [2], [1], [2]]]
+    ps = prompts.synthetic_prompts(list(range(10, 60)), n=3, length=40, seed=1)
     assert len(ps) == 3 and all(len(p) == 40 for p in ps)
-    assert ps == bench.synthetic_prompts(list(range(10, 60)), n=3, length=40, seed=1)
+    assert ps == prompts.synthetic_prompts(list(range(10, 60)), n=3, length=40, seed=1)
     p = ps[0]  # some 4-gram occurs twice: the repeats n-gram lookup feeds on
     grams = [tuple(p[i : i + 4]) for i in range(len(p) - 3)]
     assert len(set(grams)) < len(grams)
     args = bench.parse_args(["--k", "3", "5", "--device", "cpu"])
     assert args.batch_sizes == [1, 4]
-    assert bench.variant_names(args, 1) == ["hf-greedy", "hf-pl-k3", "hf-pl-k5", "plk-greedy", "plk-k3", "plk-k5"]
-    assert bench.variant_names(args, 4) == ["hf-greedy", "plk-greedy", "plk-k3", "plk-k5"]
+    names = [variant_names(args.variants, args.k, args.tree_nodes, b) for b in (1, 4)]
+    assert names[0] == ["hf-greedy", "hf-pl-k3", "hf-pl-k5", "plk-greedy", "plk-k3", "plk-k5"]
+    assert names[1] == ["hf-greedy", "plk-greedy", "plk-k3", "plk-k5"]
 
 
 def test_bench_aggregate_best_of_repeats():
@@ -310,3 +312,43 @@ def test_bench_aggregate_best_of_repeats():
     assert hf["ratio_to_hf_greedy"] == 1.0 and hf["latency_per_call_s"] == pytest.approx(1.0)
     assert missing["skipped"] == "out of memory" and missing["tokens_per_second"] is None
     assert "skipped" in bench.format_table([missing])
+
+
+# -- the benchmark's variants and the reports' shape ------------------------------------------
+def test_variant_name_parts():
+    from eval.lib.variants import FAMILIES, engine_of, k_of, tree_of
+
+    assert [k_of(n) for n in ("hf-greedy", "hf-pl-k4", "plk-k10-t16", "plk-k4-eager")] == [None, 4, 10, 4]
+    assert [tree_of(n) for n in ("plk-k4", "plk-k4-t16", "plk-greedy")] == [None, 16, None]
+    assert [engine_of(n) for n in ("hf-static", "plk-greedy", "plk-k4-t6", "plk-k4-nocompile", "plk-greedy-eager")] == [
+        None, "default", "default", "nocompile", "eager"]
+    assert variant_names(list(FAMILIES), [4, 8], [16], 1) == [
+        "hf-greedy", "hf-pl-k4", "hf-pl-k8", "hf-static", "hf-batch", "plk-greedy", "plk-k4", "plk-k8", "plk-k4-t16",
+        "plk-k8-t16", "plk-greedy-nocompile", "plk-k4-nocompile", "plk-greedy-eager", "plk-k4-eager"]
+
+
+def test_report_shape(tmp_path):
+    import argparse
+
+    from eval.lib.report import report, write_json
+
+    args = argparse.Namespace(k=[4], json=str(tmp_path / "r.json"))
+    doc = report("bench", ["--k", "4"], args, "cpu", [{"variant": "plk-k4"}], wall_s=1.5)
+    assert list(doc) == ["script", "command", "machine", "args", "results", "wall_s"]
+    assert doc["command"] == ["eval/bench.py", "--k", "4"] and doc["args"] == {"k": [4], "json": args.json}
+    assert doc["machine"]["device"] == "cpu" and doc["machine"]["torch"]
+    assert json.loads(write_json(tmp_path / "sub" / "r.json", doc).read_text()) == doc
+
+
+def test_random_model_names():
+    from eval.lib.models import check_name, label, load_model
+
+    assert check_name("random:qwen3-8b") is None and check_name("smollm2-135m") is None
+    assert "random:SHAPE takes one of" in check_name("random:qwen9")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--model", "random:qwen9"])
+    with pytest.raises(SystemExit):  # random weights have no tokenizer for the builtin documents
+        bench.parse_args(["--device", "cpu", "--model", "random:tiny-qwen3", "--prompt-source", "builtin"])
+    model, tok = load_model("random:tiny-qwen3", torch.float32, "cpu")
+    assert tok is None and model.config.num_hidden_layers == 2 and batching.pad_id(model, tok) == 0
+    assert label("random:tiny-qwen3") == "random:tiny-qwen3"

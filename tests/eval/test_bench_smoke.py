@@ -1,5 +1,5 @@
-"""eval/gpu_bench.py runs end to end on CPU (--smoke: tiny random Qwen3, fp32), so the GPU
-measurement script cannot rot where no GPU is lent. Not marked gpu: runs everywhere."""
+"""eval/bench.py's CUDA variants end to end on CPU (--smoke: tiny random Qwen3, fp32), so the GPU
+measurement cannot rot where no GPU is lent; started as a script, as on a GPU machine."""
 
 from __future__ import annotations
 
@@ -12,24 +12,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_bench_smoke(tmp_path):
-    out = tmp_path / "gpu_bench.json"
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "eval" / "gpu_bench.py"), "--smoke", "--out", str(out), "--tree-nodes", "6"],
+    proc = subprocess.run([sys.executable, str(ROOT / "eval" / "bench.py"), "--smoke", "--json", str(out), "--tree-nodes", "6"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| tiny-qwen3 | 2 | plk-k4 |" in proc.stdout
+    assert "| random:tiny-qwen3 | 2 | plk-k4 |" in proc.stdout
     res = json.loads(out.read_text())
+    assert res["script"] == "bench" and res["machine"]["device"] == "cpu" and res["args"]["smoke"]
     assert res["proposer"]["median_s"] > 0
     (model,) = res["models"]
     assert model["attn_backend"] == "sdpa" and model["bandwidth_bound_step_s"] > 0
-    rows = {(r["batch"], r["variant"]): r for r in model["rows"]}
+    rows = {(r["batch_size"], r["variant"]): r for r in res["results"]}
     assert set(rows) >= {(1, "hf-greedy"), (1, "hf-pl-k4"), (1, "plk-greedy"), (2, "plk-k4"), (2, "plk-k4-eager"),
                          (2, "hf-batch"), (2, "plk-k4-t6")}
     for key, r in rows.items():
-        assert "error" not in r, (key, r)
-        assert r["rows_equal_hf_greedy"] == 1.0, key  # fp32: token-identical to HF greedy
+        assert r["error"] is None and r["skipped"] is None, (key, r)
+        assert r["equal_to_hf_greedy"] == 1.0, key  # fp32: token-identical to HF greedy
         if key[1].startswith("plk"):
             assert r["decode_step_s"] > 0, key
             if key[1].endswith("-t6"):  # unpadded on CPU: a tree step feeds its kept nodes + root

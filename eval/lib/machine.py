@@ -1,0 +1,62 @@
+"""What a measurement ran on: versions, the device, threads, the CPU and its vector extensions."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def cpu_model() -> str:
+    """The CPU's name and the vector extensions that decide which kernels run fast (torch's
+    bf16 GEMM, for one, needs AVX-512 BF16 or AMX), e.g. "AMD EPYC (avx2)"."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:  # not Linux
+        pass
+    wanted = ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
+    return f"{name} ({', '.join(f for f in wanted if f in flags) or 'no avx2'})"
+
+
+def package_version(name: str) -> str | None:
+    """An installed distribution's version, None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def machine_info(device) -> dict:
+    """Versions (torch, transformers, python), the device, torch's threads and the CPU; on CUDA
+    also the GPU's name, CUDA's version and flash-attn's where installed."""
+    import transformers
+
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        info["cuda"] = torch.version.cuda
+        info["flash_attn"] = package_version("flash_attn")
+    info["cpu"] = cpu_model()
+    try:
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        pass
+    return info

@@ -1,0 +1,109 @@
+"""Timers that wait for the device: engine step times during a `generate` call, the median of
+repeated calls, GPU kernels per call, and device copy bandwidth (the bound of a decode step
+that reads every weight once: weight bytes / bandwidth)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def sync(device) -> None:
+    """Wait for `device`'s queued work (CUDA); nothing to wait for on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Times every engine forward (device-synchronised) while active, as (is_decode, sequences,
+    tokens per sequence q, seconds) in `steps`:
+
+        with StepTimer(device) as timer:
+            wrapped.generate(...)
+        seconds, q = timer.decode_median(batch)   # decode steps that ran all `batch` sequences
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.steps: list[tuple[bool, int, int, float]] = []
+        self._orig = None
+
+    def __enter__(self):
+        from hf_plookup.engine.runner import ModelRunner
+
+        timer, orig = self, ModelRunner.run
+        self._orig = orig
+
+        def run(runner, layout):
+            sync(timer.device)
+            t0 = time.perf_counter()
+            out = orig(runner, layout)
+            sync(timer.device)
+            timer.steps.append((layout.is_decode, layout.num_seqs, layout.max_query_len, time.perf_counter() - t0))
+            return out
+
+        ModelRunner.run = run
+        return self
+
+    def __exit__(self, *exc):
+        from hf_plookup.engine.runner import ModelRunner
+
+        ModelRunner.run = self._orig
+
+    def decode_steps(self, batch: int) -> list[tuple[int, float]]:
+        """(q, seconds) of the decode steps that ran all `batch` sequences."""
+        return [(q, t) for d, b, q, t in self.steps if d and b == batch]
+
+    def decode_median(self, batch: int) -> tuple[float | None, int | None]:
+        """Median seconds and q of decode steps that ran all `batch` sequences."""
+        s = self.decode_steps(batch)
+        if not s:
+            return None, None
+        return statistics.median(t for _, t in s), max(q for q, _ in s)
+
+
+def timed(fn, device, iters: int) -> float:
+    """Median seconds of `iters` calls of `fn`, each synchronised with `device`."""
+    times = []
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def count_kernels(fn, device) -> int | None:
+    """GPU kernels launched by one call of `fn` (None off CUDA)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read and written: the fastest
+    of 10 copies (a bound; on a shared machine the mean moves by a third between runs)."""
+    device = torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    best = float("inf")
+    for _ in range(10):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
