@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from .attention.positions import left_padded, position_embedders
 from .engine.sequence import DecodeConfig
 from .outputs import CACHE_FIELD
 
@@ -350,9 +351,11 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
     if nrs > 1:
         input_ids = input_ids.repeat_interleave(nrs, dim=0)
         mask = mask.repeat_interleave(nrs, dim=0)
-    if not bool(mask.all()) and "position_ids" not in inspect.signature(model.forward).parameters:
-        # HF's generate passes position_ids only to a forward that names them; such a model (Whisper's
-        # decoder) counts a row's pads as positions, which the engine's cache positions cannot mimic
+    if not bool(mask.all()) and "position_ids" not in inspect.signature(model.forward).parameters and not (
+            position_embedders(model) and left_padded(mask)):
+        # HF's generate passes position_ids only to a forward that names them; such a model counts a
+        # row's pads as positions: the engine hands them to its position embedding where it has
+        # one (BART's family, Whisper's decoder: attention.positions) and the pads are all on the left
         return "padded rows on a model whose forward takes no position_ids"
     prompts = attended_rows(input_ids, mask)
     if pad is not None and input_ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):

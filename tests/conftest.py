@@ -76,7 +76,16 @@ ARCHS = {
     # index unless given position_ids, which HF's generate gives), token type embeddings
     "bert_decoder": {"model_type": "bert", "is_decoder": True},
     "roberta_decoder": {"model_type": "roberta", "is_decoder": True},
+    # position embeddings counted from the cache, no position_ids in their forward: handed the
+    # engine's positions plus each row's left pads (attention.positions); learned and sinusoidal
+    "bart": {"decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 128, "encoder_layers": 1,
+             "encoder_attention_heads": 4, "encoder_ffn_dim": 128, "num_key_value_heads": None},
+    "pegasus": {"decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 128, "encoder_layers": 1,
+                "encoder_attention_heads": 4, "encoder_ffn_dim": 128, "num_key_value_heads": None},
 }
+# positions counted from the cache: a left-padded row's pads count (as in HF), so a row alone and
+# in a padded batch differ; run eagerly only (attention.positions patches a module per step)
+POSITIONS_FROM_CACHE = {"bart", "pegasus"}
 # refused at wrap time, with the architecture and the reason in the message
 REFUSED_ARCHS = {"mamba": "attention", "bloom": "AttentionInterface", "falcon": "probe forward",
                  "bert": "attend both ways",  # built as a causal LM without is_decoder=True
@@ -91,7 +100,12 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Modu
     kw = {k: v for k, v in kw.items() if v is not None}
     config = AutoConfig.for_model(kw.pop("model_type", arch), **kw)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if arch in POSITIONS_FROM_CACHE:
+        # their configs force EOS at the length limit, a processor that reads the tokens, with which
+        # no candidate trees are drafted (Engine.uses_trees); the tests compare plain greedy
+        model.generation_config.forced_eos_token_id = None
+    return model
 
 
 def left_padded(batch: int, seed: int = 1, period: int = 12, repeats: float = 2.5, pad_step: int = 3):

@@ -121,6 +121,8 @@ def _processor_cases(conts, width):
         "repetition_penalty_1.3": (dict(repetition_penalty=1.3), {}),  # drafts (copies) always rejected
         "repetition_penalty_1.05": (dict(repetition_penalty=1.05), {}),  # drafts accepted too
         "no_repeat_ngram_size": (dict(no_repeat_ngram_size=3), {}),
+        # n-grams of each input row banned (Blenderbot's configs): per-row state in the processor
+        "encoder_no_repeat_ngram_size": (dict(encoder_no_repeat_ngram_size=2), {}),
         "bad_words_ids": (dict(bad_words_ids=[[c[0][4]], [c[1][2], c[1][3]]]), {}),
         "suppress_tokens": (dict(suppress_tokens=[c[0][5], c[2][3]]), {}),
         "min_new_tokens": (dict(min_new_tokens=8, eos_token_id=eos), dict(eos_token_id=eos)),
@@ -134,7 +136,8 @@ def _processor_cases(conts, width):
     }
 
 
-PROCESSOR_CASES = ["repetition_penalty_1.3", "repetition_penalty_1.05", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
+PROCESSOR_CASES = ["repetition_penalty_1.3", "repetition_penalty_1.05", "no_repeat_ngram_size",
+                   "encoder_no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
                    "min_new_tokens", "min_length", "user_logits_processor", "combined"]
 
 
@@ -496,6 +499,23 @@ def test_beam_search_delegated_unchanged(llama, caplog):
     ref = llama.generate(ids, attention_mask=mask, num_beams=2, max_new_tokens=10, do_sample=False)
     out = _delegated(wrapped, caplog, ids, attention_mask=mask, num_beams=2, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, ref)
+
+
+def test_positions_from_the_cache_with_a_gap_in_the_mask_delegated(caplog):
+    """BART counts a row's masked columns as positions; a mask that is not pads-then-tokens (a
+    gap inside the row) has no engine positions that match, so the call goes to HF's generate."""
+    bart = tiny_model("bart")
+    wrapped = wrap_copy(bart, max_cache_tokens=4096)
+    ids, mask = left_padded(2, seed=4)
+    mask[0, 5] = 0  # a gap inside row 0
+    ref = bart.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    out = _delegated(wrapped, caplog, ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                     prompt_lookup_num_tokens=4)
+    assert torch.equal(out, ref)
+    mask[0, 5] = 1  # left padding only: the engine runs it
+    out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=4)
+    assert not wrapped.last_stats.delegated
+    assert torch.equal(out, bart.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
 
 
 def test_assistant_model_delegated_unchanged(llama, caplog):

@@ -18,7 +18,7 @@ into other vector lanes (measured on this project's CPU: rows of a 5-query call 
   scheduler cuts prompts at fixed offsets in invariant mode (`Scheduler(aligned_prefill=True)`),
   so a prompt's chunks, and with them its keys and values, do not depend on the other rows.
 
-`InvariantLayout` is built once per step from the runner's plan; the sdpa backend calls
+`InvariantLayout` is built once per step from the step's `metadata.StepLayout`; the sdpa backend calls
 `invariant_attend` when one is active (`invariant_layout`)."""
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 
 from ..engine import cpu_kernels
 from .dense import attend
+from .metadata import StepLayout
 
 
 class InvariantLayout:
@@ -144,26 +145,26 @@ class InvariantLayout:
         return got
 
 
-def build_layout(plan, device: torch.device) -> InvariantLayout:
-    """The invariant layout of a runner `StepPlan` (engine.runner)."""
-    offsets = plan.cu_seqlens_q
+def build_layout(step: StepLayout, device: torch.device) -> InvariantLayout:
+    """The invariant layout of one step."""
+    offsets = step.cu_seqlens_q
     prefill, decode = [], []
-    positions = np.zeros_like(plan.kv_slots)  # [B, Lk]
-    for b in range(plan.num_seqs):
+    positions = np.zeros_like(step.kv_slots)  # [B, Lk]
+    for b in range(step.num_seqs):
         lo, hi = int(offsets[b]), int(offsets[b + 1])
         n = hi - lo
-        qp = plan.query_pos[b, :n]
+        qp = step.query_pos[b, :n]
         start = int(qp[0])  # the chunk's first position (a tree's root)
         positions[b] = np.arange(positions.shape[1])
         positions[b, start : start + n] = qp
-        if not plan.is_decode:
+        if step.prefill[b]:
             prefill.append((lo, n, b, start))
             continue
         ctx = np.arange(start)
         for j in range(n):
-            inside = np.flatnonzero(plan.tree_mask[b, j, :n]) if plan.tree_mask is not None else np.arange(j + 1)
+            inside = np.flatnonzero(step.tree_mask[b, j, :n]) if step.tree_mask is not None else np.arange(j + 1)
             decode.append((lo + j, b, int(qp[j]), np.concatenate([ctx, start + inside])))
-    return InvariantLayout(int(offsets[-1]), plan.kv_slots, positions, prefill, decode, device)
+    return InvariantLayout(int(offsets[-1]), step.kv_slots, positions, prefill, decode, device)
 
 
 _LAYOUT: contextvars.ContextVar[InvariantLayout | None] = contextvars.ContextVar("hf_plookup_invariant", default=None)

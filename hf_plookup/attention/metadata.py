@@ -1,9 +1,14 @@
-"""Per-step attention metadata and the context that makes it visible to the attention function.
+"""One step's layout, from the scheduler to the kernels, and the context that makes it visible to
+the attention function.
 
-The engine packs every sequence of a step into one row of `T` tokens. The attention
-function (registered with transformers' `AttentionInterface`) is called by the HF model's
-own attention modules and finds the step's layout here, through a `ContextVar` set around
-the forward, never through forward kwargs (not every architecture passes them through).
+The engine packs every sequence of a step into one row of `T` tokens. The runner lays the step
+out once, on the host, as a `StepLayout` (numpy); CUDA-graph steps pad it to their bucket
+(engine.graphs.pad_layout, again a `StepLayout`). What the attention reads of it goes to the
+device once (`step_tensors`: a graph's static buffers are these tensors), and
+`AttentionMetadata.of` wraps those tensors for the backends, in eager, graph and compiled steps
+alike. The attention function (registered with transformers' `AttentionInterface`) is called by
+the HF model's own attention modules and finds the metadata here, through a `ContextVar` set
+around the forward, never through forward kwargs (not every architecture passes them through).
 """
 
 from __future__ import annotations
@@ -11,42 +16,145 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(slots=True)
+class StepLayout:
+    """One step on the host: `B` sequences, each feeding one chunk (a prompt chunk, or a row's
+    last token and its drafts), packed into `T` tokens; `Tq` is the longest chunk, `Lk` the
+    longest context (cached keys plus the chunk), `N` the rows whose logits are kept.
+
+    Queries are unpacked into a padded `[B, Tq]` grid and keys gathered into a padded `[B, Lk]`
+    grid. Padded draft positions (uniform verify steps) are fed and get positions, slots and keys,
+    but their logits are never kept. A candidate tree's nodes are fed in node order, stored at
+    consecutive cache positions and positioned at start + depth; each sees only its ancestors
+    within the chunk."""
+
+    input_ids: np.ndarray  # [T] int64: token fed at each packed position (0 at padded draft positions)
+    positions: np.ndarray  # [T] int64: position id of each fed token (a tree node: its chunk's start + its depth)
+    depth: np.ndarray  # [T] int64: depth below the chunk's first token (a chain token: its index in the chunk)
+    slot_mapping: np.ndarray  # [T] int64: flat cache slot written by each fed token (token j: position start + j)
+    keep: np.ndarray  # [N] int64: packed rows whose logits are returned, in chunk order
+    prefill: np.ndarray  # [B] bool: sequence b feeds a prompt chunk
+    query_pos: np.ndarray  # [B, Tq] int64: position of each padded query (-1 past a sequence's chunk)
+    kv_slots: np.ndarray  # [B, Lk] int64: cache slot of each key position (past a context: the padding slot)
+    context_lens: np.ndarray  # [B] int64: keys each sequence attends to (cached + this chunk)
+    block_tables: np.ndarray  # [B, W] int64, W = ceil(Lk / block_size): page ids (spare: the scratch page, or 0)
+    cu_seqlens_q: np.ndarray  # [B+1] int64: packed query offsets of each sequence
+    cu_seqlens_k: np.ndarray  # [B+1] int64: cumulative context lengths
+    q_gather: np.ndarray | None = None  # [B*Tq] int64: packed index of each padded query; None when uniform
+    q_scatter: np.ndarray | None = None  # [T] int64: padded index of each packed token; None when uniform
+    tree_mask: np.ndarray | None = None  # [B, Tq, Tq] bool: chunk node j sees node i (drafting.tree); None: chains
+    # [T] int64: the position each token's position embedding gets on a model that counts them
+    # from its cache (positions plus the row's left pads: attention.positions); None for others
+    embed_positions: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        b, tq = self.query_pos.shape
+        t = self.input_ids.shape[0]
+        for name, shape in (("positions", (t,)), ("depth", (t,)), ("slot_mapping", (t,)), ("prefill", (b,)),
+                            ("context_lens", (b,)), ("cu_seqlens_q", (b + 1,)), ("cu_seqlens_k", (b + 1,)),
+                            ("q_gather", (b * tq,)), ("q_scatter", (t,)), ("tree_mask", (b, tq, tq)),
+                            ("embed_positions", (t,))):
+            a = getattr(self, name)
+            if a is not None and a.shape != shape:
+                raise ValueError(f"StepLayout.{name} must be {list(shape)}, got {list(a.shape)}")
+        if self.kv_slots.shape[0] != b or self.block_tables.shape[0] != b:
+            raise ValueError(f"kv_slots and block_tables must have B={b} rows")
+        if (self.q_gather is None) != (self.q_scatter is None):
+            raise ValueError("q_gather and q_scatter go together")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.query_pos.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_query_len(self) -> int:
+        return self.query_pos.shape[1]
+
+    @property
+    def max_context_len(self) -> int:
+        return self.kv_slots.shape[1]
+
+    @property
+    def uniform(self) -> bool:
+        """True when every sequence feeds `max_query_len` tokens (verify steps, padded drafts)."""
+        return self.q_gather is None
+
+    @property
+    def seq_of_token(self) -> np.ndarray:
+        """[T] int64: the sequence (0..B-1) each packed token belongs to."""
+        return np.repeat(np.arange(self.num_seqs), np.diff(self.cu_seqlens_q))
+
+    @property
+    def is_decode(self) -> bool:
+        """No prompt chunk in this step."""
+        return not self.prefill.any()
+
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """What the device reads of this step (the model's inputs, the attention's layout), in the
+        dtypes it reads them in; fields that are None are left out."""
+        out = {}
+        for name, (src, dtype) in DEVICE_ARRAYS.items():
+            a = getattr(self, src)
+            if a is not None:
+                out[name] = np.ascontiguousarray(a, dtype=dtype)
+        return out
+
+
+# name on the device -> (StepLayout field, dtype). flash-attn and the Triton kernel take int32
+# offsets, lengths and tables; cache_seqlens is context_lens in that form.
+DEVICE_ARRAYS = {
+    "input_ids": ("input_ids", np.int64), "positions": ("positions", np.int64),
+    "slot_mapping": ("slot_mapping", np.int64), "query_pos": ("query_pos", np.int64),
+    "kv_slots": ("kv_slots", np.int64), "context_lens": ("context_lens", np.int64),
+    "q_gather": ("q_gather", np.int64), "q_scatter": ("q_scatter", np.int64),
+    "cu_seqlens_q": ("cu_seqlens_q", np.int32), "cu_seqlens_k": ("cu_seqlens_k", np.int32),
+    "cache_seqlens": ("context_lens", np.int32), "block_tables": ("block_tables", np.int32),
+    "tree_mask": ("tree_mask", np.bool_),
+}
+
+
+def step_tensors(layout: StepLayout, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """`layout.device_arrays()` on `device`: the one upload of a step (a CUDA graph keeps these
+    tensors as its static buffers and copies later steps' arrays into them)."""
+    return {name: torch.from_numpy(a).to(device, non_blocking=True) for name, a in layout.device_arrays().items()}
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
-    """Layout of one packed step of `B` sequences and `T` tokens.
+    """The device half of a `StepLayout`, as the attention backends read it (sizes as the
+    layout's: `B`, `T`, `Tq`, `Lk`). Built by `AttentionMetadata.of` from `step_tensors`."""
 
-    Queries are unpacked into a padded `[B, Tq]` grid (`Tq` = longest query chunk) and keys
-    are gathered from the pages into a padded `[B, Lk]` grid (`Lk` = longest context).
-    """
-
-    kv_cache: "PagedKVCache"  # noqa: F821  the pages (engine.kv_cache.PagedKVCache)
+    kv_cache: "PagedKVCache"  # noqa: F821  the pages (engine.kv_cache.PagedKVCache); None inside the compiled op
     slot_mapping: torch.Tensor  # [T] int64: flat cache slot written by each packed token
     query_pos: torch.Tensor  # [B, Tq] int64: absolute position of each padded query (-1 for padding)
-    kv_slots: torch.Tensor  # [B, Lk] int64: cache slot of each key position (0 for padding)
+    kv_slots: torch.Tensor  # [B, Lk] int64: cache slot of each key position
     context_lens: torch.Tensor  # [B] int64: keys each sequence attends to (cached + this chunk)
-    q_gather: torch.Tensor | None  # [B*Tq] int64 packed index of each padded query; None when uniform
-    q_scatter: torch.Tensor | None  # [T] int64 padded index of each packed token; None when uniform
-    num_seqs: int
-    max_query_len: int  # Tq
-    max_context_len: int  # Lk
-    backend: str = "sdpa"  # attention backend that runs this step
-    # Varlen/paged-kernel view of the same step (flash_attn); filled by the runner, None when absent.
+    q_gather: torch.Tensor | None = None  # [B*Tq] int64 packed index of each padded query; None when uniform
+    q_scatter: torch.Tensor | None = None  # [T] int64 padded index of each packed token; None when uniform
+    # varlen/paged-kernel view of the same step (flash_attn, triton); None where a test leaves it out
     cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32: packed query offsets of each sequence
     cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32: cumulative context lengths (keys per sequence)
-    cache_seqlens: torch.Tensor | None = None  # [B] int32: context_lens as int32 (keys each sequence attends to)
-    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32: page ids per sequence (spare entries: a scratch page)
-    # CUDA-graph steps: B and Lk are buckets (Lk longer than the contexts), so masks must come
-    # from the tensors above, never from shape shortcuts decided on the host at capture time.
-    static_shapes: bool = False
-    # Candidate-tree steps (drafting.tree): chunk node j of sequence b may see chunk node i when
+    cache_seqlens: torch.Tensor | None = None  # [B] int32: context_lens as int32
+    block_tables: torch.Tensor | None = None  # [B, W] int32: page ids per sequence (spare entries: a scratch page)
+    # candidate-tree steps (drafting.tree): chunk node j of sequence b may see chunk node i when
     # tree_mask[b, j, i]; each chunk starts at query_pos[b, 0] (its root). None: causal chunks.
     tree_mask: torch.Tensor | None = None  # [B, Tq, Tq] bool
+    backend: str = "sdpa"  # attention backend that runs this step
+    # CUDA-graph and compiled steps: B and Lk are buckets (Lk longer than the contexts), so masks
+    # must come from the tensors above, never from shape shortcuts decided on the host at capture
+    static_shapes: bool = False
     # invariant mode (engine.invariant): kernels that take it compute each query independently
     # of the rest of the step (attention.triton's invariant form)
     invariant: bool = False
@@ -55,19 +163,39 @@ class AttentionMetadata:
     def __post_init__(self) -> None:
         if self.slot_mapping.dim() != 1:
             raise ValueError("slot_mapping must be 1-D [T]")
-        if tuple(self.query_pos.shape) != (self.num_seqs, self.max_query_len):
-            raise ValueError(f"query_pos must be [B={self.num_seqs}, Tq={self.max_query_len}]")
-        if tuple(self.kv_slots.shape) != (self.num_seqs, self.max_context_len):
-            raise ValueError(f"kv_slots must be [B={self.num_seqs}, Lk={self.max_context_len}]")
+        if self.query_pos.dim() != 2 or self.kv_slots.dim() != 2 or self.kv_slots.shape[0] != self.query_pos.shape[0]:
+            raise ValueError(f"query_pos [B, Tq] and kv_slots [B, Lk] must agree on B, got "
+                             f"{list(self.query_pos.shape)} and {list(self.kv_slots.shape)}")
         if (self.q_gather is None) != (self.q_scatter is None):
             raise ValueError("q_gather and q_scatter go together")
         b = self.num_seqs
-        for name, shape in (("cu_seqlens_q", (b + 1,)), ("cu_seqlens_k", (b + 1,)), ("cache_seqlens", (b,))):
+        for name, shape in (("context_lens", (b,)), ("cu_seqlens_q", (b + 1,)), ("cu_seqlens_k", (b + 1,)),
+                            ("cache_seqlens", (b,))):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
         if self.block_tables is not None and (self.block_tables.dim() != 2 or self.block_tables.shape[0] != b):
-            raise ValueError(f"block_tables must be [B={b}, max_blocks], got {list(self.block_tables.shape)}")
+            raise ValueError(f"block_tables must be [B={b}, W], got {list(self.block_tables.shape)}")
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor], kv_cache=None, backend: str = "sdpa", static_shapes: bool = False,
+           invariant: bool = False) -> AttentionMetadata:
+        """The metadata over `tensors` (named as `DEVICE_ARRAYS`: `step_tensors` of a layout, a
+        graph's static buffers, or the compiled op's arguments); names it does not hold are skipped."""
+        return cls(kv_cache, **{name: tensors.get(name) for name in _TENSOR_FIELDS}, backend=backend,
+                   static_shapes=static_shapes, invariant=invariant)
+
+    @property
+    def num_seqs(self) -> int:  # B
+        return self.query_pos.shape[0]
+
+    @property
+    def max_query_len(self) -> int:  # Tq
+        return self.query_pos.shape[1]
+
+    @property
+    def max_context_len(self) -> int:  # Lk
+        return self.kv_slots.shape[1]
 
     @property
     def uniform(self) -> bool:
@@ -96,6 +224,10 @@ class AttentionMetadata:
             m = self._masks[key] = step_mask(self.query_pos, self.context_lens, self.max_context_len, key,
                                              self.tree_mask)
         return m
+
+
+# the metadata's tensors (AttentionMetadata.of picks them by name)
+_TENSOR_FIELDS = tuple(f.name for f in fields(AttentionMetadata) if f.type.startswith("torch.Tensor"))
 
 
 def step_mask(query_pos: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,

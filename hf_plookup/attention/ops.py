@@ -52,7 +52,7 @@ def paged_attention(
     """Attention of the packed queries over the pages; `[1, T, H, D]` in the query's dtype.
     `invariant` (engine invariant mode): the Triton kernel's invariant form, or sdpa's per-query
     calls over the layout the engine made current for this step (read when the op runs)."""
-    b, tq = query_pos.shape
+    tq = query_pos.shape[1]
     if invariant and backend == "sdpa":
         return invariant_attend(current_layout(), query, k_cache, v_cache, scale, sliding_window or None, softcap or None)
     if backend == "triton":
@@ -64,11 +64,10 @@ def paged_attention(
                      sliding_window or None, softcap or None, tree_mask=mask,
                      query_pos=None if mask is None else query_pos, invariant=invariant)
         return out[None].to(query.dtype)
-    meta = AttentionMetadata(
-        kv_cache=None, slot_mapping=cu_seqlens_q.new_empty(0, dtype=torch.int64), query_pos=query_pos,
-        kv_slots=kv_slots, context_lens=context_lens, q_gather=q_gather, q_scatter=q_scatter, num_seqs=b,
-        max_query_len=tq, max_context_len=kv_slots.shape[1], static_shapes=True,
-    )
+    # the step's K/V were written before the op (traced code), so no slot_mapping here
+    meta = AttentionMetadata.of(dict(slot_mapping=kv_slots.new_empty(0), query_pos=query_pos, kv_slots=kv_slots,
+                                     context_lens=context_lens, q_gather=q_gather, q_scatter=q_scatter),
+                                static_shapes=True)
     if mask is not None:
         meta._masks[sliding_window or None] = mask
     return sdpa_attend(query, k_cache, v_cache, meta, scale, sliding_window or None, softcap or None).contiguous()
@@ -81,7 +80,15 @@ def _(query, k_cache, v_cache, kv_slots, query_pos, context_lens, block_tables, 
     return query.new_empty((1, t, h, v_cache.shape[-1]))  # values may be narrower than keys (MLA)
 
 
+# the backends with a branch in the op above; flash-attn's kernels are not wrapped as an op, so
+# steps on them run eagerly (captured in CUDA graphs, not compiled)
 COMPILABLE_BACKENDS = ("sdpa", "triton")
+
+
+def check_compilable(backend: str) -> None:
+    """Raise unless compiled steps can run on attention `backend`."""
+    if backend not in COMPILABLE_BACKENDS:
+        raise ValueError(f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, got {backend!r}")
 
 
 def compiled_paged_attention(
@@ -99,8 +106,6 @@ def compiled_paged_attention(
     `[1, T, H, D]`. The sdpa mask is built here, in traced code: the compiler fuses it into a
     kernel and, in a whole-forward graph where every layer builds the same one, keeps a single
     copy (common subexpressions are merged)."""
-    if meta.backend not in COMPILABLE_BACKENDS:
-        raise ValueError(f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, got {meta.backend!r}")
     k_cache, v_cache = compiled_layer_kv() or meta.kv_cache.layer(module.layer_idx)
     store_kv(k_cache, v_cache, meta.slot_mapping, key, value)  # traced: fused with the RoPE and cast that make key
     mask = meta.tree_mask  # triton: the kernel applies the tree itself

@@ -20,6 +20,7 @@ import torch
 from transformers import AttentionInterface
 
 from .dense import softcapped_attention
+from .positions import given_positions, position_embedders
 from .registry import engine_attention
 
 PROBE_IMPLEMENTATION = "hf_plookup_probe"
@@ -191,11 +192,15 @@ def _continuation_diff(model: torch.nn.Module, ids: torch.Tensor, reference: tor
     split = PROBE_TOKENS - 2
     rec = _Recording(kv={})
     token = _RECORDING.set(rec)
+    embedders = position_embedders(model)  # models counting positions from their cache (attention.positions)
+    parts = []
     try:
         with engine_attention(model, PROBE_IMPLEMENTATION):
-            parts = [model(input_ids=ids[:, lo:hi], position_ids=torch.arange(lo, hi, device=ids.device)[None],
-                           attention_mask=None, use_cache=False).logits.float()
-                     for lo, hi in ((0, split), (split, split + 1), (split + 1, PROBE_TOKENS))]
+            for lo, hi in ((0, split), (split, split + 1), (split + 1, PROBE_TOKENS)):
+                pos = torch.arange(lo, hi, device=ids.device)
+                with given_positions(embedders, pos):
+                    parts.append(model(input_ids=ids[:, lo:hi], position_ids=pos[None], attention_mask=None,
+                                       use_cache=False).logits.float())
     except Exception:  # a model that cannot be fed in pieces this way
         return float("inf")
     finally:

@@ -43,6 +43,12 @@ def _for_rows(processors: LogitsProcessorList, rows: np.ndarray, batch: int) -> 
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == batch:
                 proc = copy.copy(proc)
                 setattr(proc, attr, value[torch.from_numpy(rows).to(value.device)])
+        ngrams = getattr(proc, "generated_ngrams", None)
+        if isinstance(ngrams, list) and len(ngrams) == batch and getattr(proc, "batch_size", None) == batch:
+            # HF's encoder n-gram ban keeps each input row's n-grams and maps a scored row to its
+            # input row as row // (rows scored / batch): give it one entry per scored row
+            proc = copy.copy(proc)
+            proc.generated_ngrams, proc.batch_size = [ngrams[r] for r in rows], len(rows)
         out.append(proc)
     return out
 

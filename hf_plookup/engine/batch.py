@@ -11,6 +11,7 @@ import time
 import numpy as np
 import torch
 
+from ..attention.metadata import StepLayout
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import process_scores
 from ..drafting.suffix import SuffixIndex
@@ -88,6 +89,9 @@ class Batch:
         self.n_accepted = np.zeros(0, dtype=np.int64)  # [B]
         self.n_rejected = np.zeros(0, dtype=np.int64)  # [B]
         self.seeds = np.zeros(0, dtype=np.uint64)  # [B] sampling seed per row
+        # [B] left pads of each row in its call's input (models that count them as positions:
+        # attention.positions)
+        self.pads = np.zeros(0, dtype=np.int64)
         self.calls: list[Call] = []
         self.call_of_row: list[Call] = []
         self.hf_rows: np.ndarray | None = None  # [B, W + extra] rows as HF lays them out (first call only)
@@ -114,6 +118,8 @@ class Batch:
         self.n_accepted = np.concatenate([self.n_accepted, np.zeros(b, dtype=np.int64)])
         self.n_rejected = np.concatenate([self.n_rejected, np.zeros(b, dtype=np.int64)])
         self.seeds = np.concatenate([self.seeds, row_seeds(call.seed, b)])  # sampling (drafting.verify)
+        width_in = cfg.hf_input_ids.shape[1] if cfg.hf_input_ids is not None else 0
+        self.pads = np.concatenate([self.pads, [max(width_in - len(p), 0) for p in call.prompts]]).astype(np.int64)
         if not self.calls:
             if cfg.needs_hf_rows:
                 self.width = cfg.hf_input_ids.shape[1]
@@ -220,20 +226,17 @@ class Batch:
                                     for p in (k, v)))
             self.kv[seq.row] = layers
 
-    def tree_parents(self, row: int, num_drafts: int) -> np.ndarray | None:
-        """Parents [num_drafts] (chunk indices) of row `row`'s draft nodes this step; None for chains."""
-        return None if not self.tree else self.parents[row, :num_drafts]
-
     # ---- after a forward: the one place a step's outcome changes sequence state ----
 
-    def postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor, fed_depth: np.ndarray) -> list[Call]:
+    def postprocess(self, chunks: list[ScheduledChunk], layout: StepLayout, logits: torch.Tensor) -> list[Call]:
         """Everything one forward changes, in order: prompt chunks advance (and enter the prefix
         pool); every row that got logits (`logits` [N, V], kept rows in chunk order) takes its
         tokens (accepted drafts, then the next token, up to EOS or its length limit); accepted
         tree paths move into a chain's slots; HF's stopping criteria may cut rows back; finished
         rows save their keys/values (past_key_values), give back their blocks, and the others
-        drop the blocks of rejected drafts. `fed_depth` [N]: each kept row's depth below its
-        chunk's first token. Returns the calls whose rows are now all done (their results set).
+        drop the blocks of rejected drafts. `layout`: the step as the runner laid it out (its
+        kept rows and their depths). Returns the calls whose rows are now all done (their
+        results set).
 
         Example: a chain row with 3 drafts and 200 cached tokens whose first two drafts are
         accepted appends 3 tokens and ends the step with 203 cached tokens (its last token's
@@ -248,6 +251,9 @@ class Batch:
         # rows with logits: decode chunks and the last chunk of a prompt
         active = [c for c in chunks if not c.is_prefill or c.seq.num_cached >= c.seq.prompt_len]
         if active:
+            # depth of each kept row below its chunk's first token; a prompt's last token scores
+            # the first generated one, at depth 0 as the root of a verify step does
+            fed_depth = np.where(layout.prefill[layout.seq_of_token[layout.keep]], 0, layout.depth[layout.keep])
             self._commit(active, logits, fed_depth)
             if self.criteria is not None:
                 self.criteria.device = logits.device  # HF's input_ids live on the model's device

@@ -11,7 +11,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..attention.ops import COMPILABLE_BACKENDS
 from ..attention.pages import store_kv
+from ..attention.positions import position_embedders
 from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS, resolve_backend, resolve_block_size
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import history_free
@@ -21,7 +23,7 @@ from .batch import Batch, Call, GenerationResult, joinable
 from .cpu_head import head_chooser
 from .distributed import agree_min, agree_seed, tensor_parallel
 from .graphs import GraphRunner
-from .invariant import InvariantLinears, resolve_invariant
+from .invariant import CAPTURED_INVARIANT_BACKENDS, InvariantLinears, resolve_invariant
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -122,12 +124,12 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple | None:
     return tuple(parts)
 
 
-def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str, hooked: bool = False) -> bool:
+def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str, hooked: bool = False,
+                    counts_positions: bool = False) -> bool:
     """Whether steps run compiled. True where it cannot work is a ValueError. `hooked`: accelerate
     hooks move or load weights around module calls (`device_map` dispatch, CPU/disk offload),
-    which neither a compiled graph nor a CUDA graph can hold."""
-    from ..attention.ops import COMPILABLE_BACKENDS
-
+    which neither a compiled graph nor a CUDA graph can hold. `counts_positions`: the model's
+    position embedding is handed positions by a patch around each forward (attention.positions)."""
     reason = None
     if backend not in COMPILABLE_BACKENDS:
         reason = f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, this model runs {backend!r}"
@@ -135,23 +137,13 @@ def resolve_compile(requested: bool | str, devices: list[torch.device], backend:
         reason = f"compiled steps need the model on one device, it is on {[str(d) for d in devices]}"
     elif hooked:
         reason = "the model is dispatched or offloaded by accelerate (its modules carry hooks)"
+    elif counts_positions:
+        reason = "its position embedding counts positions from its cache (they are handed to it eagerly)"
     if requested is True and reason is not None:
         raise ValueError(f"compile=True cannot run: {reason}; use compile=False or 'auto'")
     if requested == "auto":
         return reason is None and COMPILE_AUTO.get(devices[0].type, False)
     return bool(requested)
-
-
-def _fed_depth(chunks, parents):
-    from ..drafting.tree import depths
-    out = []
-    for c in chunks:
-        if c.is_prefill:
-            if c.start + c.num_tokens >= c.seq.prompt_len:
-                out.append([0])
-        else:
-            out.append(depths(parents[c.seq.row, : c.num_tokens - 1]))
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 class Engine:
@@ -166,14 +158,18 @@ class Engine:
         # resolved: the backend that runs (what stats report) and its block size
         self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
         hooked = any(hasattr(m, "_hf_hook") for m in model.modules())  # accelerate dispatch / offload
-        self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda" and not hooked
-        self.use_compile = resolve_compile(options.compile, devices, backend, hooked)
+        # position embedders handed each step's positions (attention.positions): an eager patch
+        # around the forward, which neither a compiled nor a captured step holds
+        self.embedders = position_embedders(model)
+        self.use_graphs = (options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda" and not hooked
+                           and not self.embedders)
+        self.use_compile = resolve_compile(options.compile, devices, backend, hooked, bool(self.embedders))
         self.tensor_parallel = tensor_parallel(model)  # ranks must agree on every decision (engine.distributed)
         invariant = resolve_invariant(options.invariant, devices, dtypes, backend, compiled=self.use_compile,
                                       hooked=hooked, distributed=self.tensor_parallel)
         self.invariant = InvariantLinears(model) if invariant else None
-        if invariant and backend != "triton":  # sdpa's invariant form is one host-side call per query:
-            self.use_graphs = False  # compiled steps run it (an opaque op), a captured graph cannot
+        if invariant and backend not in CAPTURED_INVARIANT_BACKENDS:
+            self.use_graphs = False
         auto = options.tree_min_score is None
         self.tree_min_score = TREE_MIN_SCORE.get(devices[0].type, 0.0) if auto else options.tree_min_score
         self.step_fixed_tokens = STEP_FIXED_TOKENS.get(devices[0].type) if auto else None  # batch scaling
@@ -423,8 +419,7 @@ class Engine:
         sched.on_admit, sched.defer, batch.register = self._prefix_hooks(batch, blocks, cache)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
-                             graphs, self.head, self.invariant)
-        tree_parents = batch.tree_parents if batch.tree else None
+                             graphs, self.head, self.invariant, self.embedders)
         batch.add(own)
         with self._state_lock:
             self._batch = batch
@@ -440,8 +435,9 @@ class Engine:
                         self._batch = None
                         break
                 chunks = sched.schedule(batch.propose)
-                logits = runner.run(chunks, batch.history, tree_parents)  # [N, V]
-                for call in batch.postprocess(chunks, logits, _fed_depth(chunks, batch.parents)):
+                layout = runner.layout(chunks, batch.history, batch.parents if batch.tree else None, batch.pads)
+                logits = runner.run(layout)  # [N, V] at layout.keep
+                for call in batch.postprocess(chunks, layout, logits):
                     if call is not own:
                         call.done.set()  # a joiner returns as soon as its rows are done
         except BaseException as e:

@@ -2,13 +2,14 @@
 
 Every running sequence feeds exactly `q = k + 1` tokens (the runner pads missing drafts), so a
 step's shapes depend only on the batch size B and the longest context Lk. Both are rounded up
-to buckets (B to 1, 2, 4, 8, ...; Lk to a power-of-two number of pages), the step is padded to
-the bucket with dummy rows (they feed token 0 at positions 0..q-1 and write into the cache's
-scratch page), and one graph per `(q, B bucket, Lk bucket)` is captured lazily, the first time
-such a step runs: a warm-up forward on a side stream, then the capture into a graph memory
-pool shared by all graphs (they never run concurrently). A replay copies the step's arrays
-into the graph's static input buffers, replays, and returns the logits of the real rows.
-Prefill steps and batches beyond the largest bucket run eagerly.
+to buckets (B to 1, 2, 4, 8, ...; Lk to a power-of-two number of pages), the step's layout is
+padded to the bucket (`pad_layout`: dummy rows feed token 0 at positions 0..q-1 and write into
+the cache's scratch page), and one graph per `(q, B bucket, Lk bucket, tree)` is captured
+lazily, the first time such a step runs: a warm-up forward on a side stream, then the capture
+into a graph memory pool shared by all graphs (they never run concurrently). The graph's static
+input buffers are the padded layout's `step_tensors`; a replay copies the next step's padded
+arrays into them, replays, and returns the logits of the kept rows. Prefill steps and batches
+beyond the largest bucket run eagerly.
 
 `capture=False` runs the same static-buffer forward without a graph: the padding and buffer
 layout are then testable on CPU (tests/attention/test_backends.py); the capture itself needs
@@ -17,18 +18,16 @@ CUDA (tests/gpu).
 `compiled=True` runs that forward through `torch.compile(fullgraph=True, dynamic=False)`
 (inductor), the attention as the custom op of attention.ops, the metadata found through
 `metadata.compiled_step_context`. Captured steps compile one decoder layer per bucket and run
-every layer through it (engine.regional; SmolLM2 on a CPU: 4-14 s per bucket against 70-80 s);
-uncaptured ones compile the whole forward per bucket, as they would otherwise run dynamo's guard
-checks once per layer and step (about 0.2 ms a call on a CPU) and lose frozen weights. On CUDA the
-compiled forward is then captured like the eager one (compile first, in the warm-up, then
-capture its kernels), so a replay launches inductor's fused kernels from one graph. The
-seconds spent in first calls of new buckets (compile plus warm-up) add up in `compile_seconds`.
+every layer through it (engine.regional); uncaptured ones compile the whole forward per bucket,
+as they would otherwise run dynamo's guard checks once per layer and step and lose frozen
+weights (docs/results.md, "Compile time"). On CUDA the compiled forward is then captured like
+the eager one (compile first, in the warm-up, then capture its kernels), so a replay launches
+inductor's fused kernels from one graph. The seconds spent in first calls of new buckets
+(compile plus warm-up) add up in `compile_seconds`.
 
-`invariant` (an engine.invariant.InvariantLinears): every step runs in invariant mode, with the
-layout of the step padded to its bucket (`padded_plan`) made current around the forward; the
-mode's linears and attention are custom ops, opaque to the compiler. Captured graphs need the
-Triton backend's invariant form: sdpa's invariant attention lays its calls out on the host for
-each step, which a replay cannot redo.
+`invariant` (an engine.invariant.InvariantLinears): every step runs in invariant mode on its
+padded layout; the mode's linears and attention are custom ops, opaque to the compiler. Which
+backends' invariant form a graph can capture: engine.invariant.CAPTURED_INVARIANT_BACKENDS.
 """
 
 from __future__ import annotations
@@ -40,13 +39,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention.metadata import AttentionMetadata, attention_context, compiled_step_context
+from ..attention.metadata import AttentionMetadata, StepLayout, attention_context, compiled_step_context, step_tensors
 from ..attention.probe import input_device
 from ..attention.registry import engine_attention
 from .cpu_head import fast_head, head_chooser
+from .invariant import check_capturable
 from .kv_cache import PagedKVCache
 from .regional import RegionalLayers, decoder_layers
-from .runner import StepPlan
 
 
 def _import_mkldnn_quietly() -> None:
@@ -78,57 +77,47 @@ def context_bucket(max_context_len: int, block_size: int) -> int:
     return block_size * (1 << (pages - 1).bit_length())
 
 
-def pad_plan(plan: StepPlan, num_seqs: int, max_context_len: int, block_size: int, scratch: int) -> dict[str, np.ndarray]:
-    """The arrays of a uniform decode `plan` padded to `num_seqs` rows and `max_context_len`
-    keys: dummy rows feed token 0 at positions 0..q-1, keep their K/V in the scratch page and
-    attend to their own q keys; spare table entries and key slots point at the scratch page."""
-    if not plan.uniform or not plan.is_decode:
+def pad_layout(layout: StepLayout, num_seqs: int, max_context_len: int, block_size: int, scratch: int) -> StepLayout:
+    """A uniform decode `layout` padded to `num_seqs` rows and `max_context_len` keys; its real rows
+    and `keep` are the layout's own. Dummy rows feed token 0 at positions 0..q-1 as chains, keep
+    their K/V in the scratch page and attend to their own q keys; spare table entries and key
+    slots point at the scratch page."""
+    if not layout.uniform or not layout.is_decode:
         raise ValueError("only uniform decode steps are padded to graph buckets")
-    b, q = plan.num_seqs, plan.max_query_len
+    b, q, lk = layout.num_seqs, layout.max_query_len, layout.max_context_len
     bb, lkb = num_seqs, max_context_len
-    if bb < b or lkb < plan.max_context_len or lkb % block_size:
-        raise ValueError(f"bucket ({bb}, {lkb}) does not hold a step of ({b}, {plan.max_context_len})")
+    if bb < b or lkb < lk or lkb % block_size:
+        raise ValueError(f"bucket ({bb}, {lkb}) does not hold a step of ({b}, {lk})")
     if q > block_size:
         raise ValueError(f"q={q} tokens per sequence exceed the scratch page ({block_size} slots)")
     pad_slot = scratch * block_size
     j = np.arange(q, dtype=np.int64)
-    t, tb = b * q, bb * q
-    ids = np.zeros(tb, dtype=np.int64)
-    ids[:t] = plan.input_ids
-    pos = np.tile(j, bb)
-    pos[:t] = plan.positions
-    slots = np.tile(pad_slot + j, bb)
-    slots[:t] = plan.slot_mapping
-    query_pos = np.tile(j, (bb, 1))
-    query_pos[:b] = plan.query_pos
+
+    def rows(real: np.ndarray, dummy: np.ndarray) -> np.ndarray:  # the real rows, then dummies to the bucket
+        return np.concatenate([real, dummy[len(real):]])
+
     kv_slots = np.full((bb, lkb), pad_slot, dtype=np.int64)
-    kv_slots[:b, : plan.max_context_len] = plan.kv_slots
+    kv_slots[:b, :lk] = layout.kv_slots
     kv_slots[b:, :q] = pad_slot + j
-    ctx = np.full(bb, q, dtype=np.int64)
-    ctx[:b] = plan.context_lens
     tables = np.full((bb, lkb // block_size), scratch, dtype=np.int64)
-    tables[:b, : plan.block_tables.shape[1]] = plan.block_tables
-    cu_q = np.arange(bb + 1, dtype=np.int64) * q
+    tables[:b, : layout.block_tables.shape[1]] = layout.block_tables
+    ctx = rows(layout.context_lens, np.full(bb, q, dtype=np.int64))
     cu_k = np.zeros(bb + 1, dtype=np.int64)
     np.cumsum(ctx, out=cu_k[1:])
-    arrays = {
-        "input_ids": ids, "positions": pos, "slot_mapping": slots, "query_pos": query_pos, "kv_slots": kv_slots,
-        "context_lens": ctx, "cache_seqlens": ctx, "block_tables": tables, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
-    }
-    if plan.tree_mask is not None:  # dummy rows are causal chains
-        tree = np.broadcast_to(np.tril(np.ones((q, q), dtype=bool)), (bb, q, q)).copy()
-        tree[:b] = plan.tree_mask
-        arrays["tree_mask"] = tree
-    return arrays
-
-
-def padded_plan(arrays: dict[str, np.ndarray]) -> StepPlan:
-    """The `StepPlan` of `pad_plan`'s arrays (every row of the bucket decodes; no row is kept
-    here: the runner picks the kept rows from the logits)."""
-    names = ("input_ids", "positions", "slot_mapping", "query_pos", "kv_slots", "context_lens", "block_tables",
-             "cu_seqlens_q", "cu_seqlens_k")
-    return StepPlan(*(arrays[n] for n in names), q_gather=None, q_scatter=None, keep=np.zeros(0, np.int64),
-                    is_decode=True, tree_mask=arrays.get("tree_mask"))
+    tree = None
+    if layout.tree_mask is not None:
+        tree = rows(layout.tree_mask, np.broadcast_to(np.tril(np.ones((q, q), dtype=bool)), (bb, q, q)))
+    return StepLayout(
+        input_ids=rows(layout.input_ids, np.zeros(bb * q, dtype=np.int64)),
+        positions=rows(layout.positions, np.tile(j, bb)),
+        depth=rows(layout.depth, np.tile(j, bb)),
+        slot_mapping=rows(layout.slot_mapping, np.tile(pad_slot + j, bb)),
+        keep=layout.keep,
+        prefill=np.zeros(bb, dtype=bool),
+        query_pos=rows(layout.query_pos, np.tile(j, (bb, 1))),
+        kv_slots=kv_slots, context_lens=ctx, block_tables=tables,
+        cu_seqlens_q=np.arange(bb + 1, dtype=np.int64) * q, cu_seqlens_k=cu_k, tree_mask=tree,
+    )
 
 
 def raise_recompile_limit(n: int) -> None:
@@ -142,15 +131,11 @@ def raise_recompile_limit(n: int) -> None:
             setattr(cfg, name, n)
 
 
-_INT32 = ("cache_seqlens", "block_tables", "cu_seqlens_q", "cu_seqlens_k")
-_DTYPES = {**{name: torch.int32 for name in _INT32}, "tree_mask": torch.bool}
-
-
 @dataclass(slots=True)
 class _Graph:
-    inputs: dict[str, torch.Tensor]  # static buffers, shapes of pad_plan's arrays
-    meta: AttentionMetadata  # built on the static buffers
-    arrays: dict[str, np.ndarray]  # pad_plan's arrays the buffers hold (the step's layout)
+    inputs: dict[str, torch.Tensor]  # static buffers: step_tensors of the bucket's padded layouts
+    meta: AttentionMetadata  # over the static buffers
+    layout: StepLayout  # the padded layout the buffers hold
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [Bb*q, V] static output of the graph
 
@@ -181,18 +166,15 @@ class GraphRunner:
         # guards again; else the whole forward, one compiled call per step (and, on CPU, frozen weights)
         self._compiled_forward = None  # the whole forward compiled
         self._regional = None  # engine.regional: one compiled decoder layer for all layers
-        # invariant mode (an engine.invariant.InvariantLinears): every step runs under it, on the
-        # padded plan; sdpa's invariant form runs per call (compiled steps), never captured
-        self.invariant = invariant
-        if invariant is not None and capture and backend != "triton":
-            raise ValueError(f"invariant steps are captured in CUDA graphs on attn_backend 'triton', not {backend!r}")
+        self.invariant = invariant  # an engine.invariant.InvariantLinears: every step in invariant mode
+        if invariant is not None and capture:
+            check_capturable(backend)
         # CPU: the LM head's faster layout (not in invariant mode: the linears are its own)
         self.head = head_chooser(model) if not compiled and invariant is None else None
         if compiled:
-            from ..attention.ops import COMPILABLE_BACKENDS
+            from ..attention.ops import check_compilable
 
-            if backend not in COMPILABLE_BACKENDS:
-                raise ValueError(f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, got {backend!r}")
+            check_compilable(backend)
             # q values x kinds of layer (regional) x batch buckets x context buckets, generously
             raise_recompile_limit(4 * 4 * len(BATCH_BUCKETS) * 16)
             _import_mkldnn_quietly()
@@ -204,24 +186,15 @@ class GraphRunner:
             else:
                 self._compiled_forward = compile_fn(self._logits)
 
-    def supports(self, plan: StepPlan) -> bool:
-        return (plan.is_decode and plan.uniform and plan.num_seqs <= self.max_batch
-                and plan.max_query_len <= self.block_size and len(plan.keep) > 0)
+    def supports(self, layout: StepLayout) -> bool:
+        return (layout.is_decode and layout.uniform and layout.num_seqs <= self.max_batch
+                and layout.max_query_len <= self.block_size and len(layout.keep) > 0)
 
-    def _static(self, arrays: dict[str, np.ndarray], bb: int, q: int, lkb: int) -> _Graph:
-        inputs = {
-            name: torch.from_numpy(a).to(device=self.device, dtype=_DTYPES.get(name, torch.int64))
-            for name, a in arrays.items()
-        }
-        meta = AttentionMetadata(
-            kv_cache=self.cache, slot_mapping=inputs["slot_mapping"], query_pos=inputs["query_pos"],
-            kv_slots=inputs["kv_slots"], context_lens=inputs["context_lens"], q_gather=None, q_scatter=None,
-            num_seqs=bb, max_query_len=q, max_context_len=lkb, backend=self.backend,
-            cu_seqlens_q=inputs["cu_seqlens_q"], cu_seqlens_k=inputs["cu_seqlens_k"],
-            cache_seqlens=inputs["cache_seqlens"], block_tables=inputs["block_tables"], static_shapes=True,
-            tree_mask=inputs.get("tree_mask"), invariant=self.invariant is not None,
-        )
-        return _Graph(inputs, meta, arrays)
+    def _static(self, padded: StepLayout) -> _Graph:
+        inputs = step_tensors(padded, self.device)
+        meta = AttentionMetadata.of(inputs, self.cache, self.backend, static_shapes=True,
+                                    invariant=self.invariant is not None)
+        return _Graph(inputs, meta, padded)
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=None,
@@ -229,10 +202,10 @@ class GraphRunner:
         return out.logits[0]
 
     def _forward(self, g: _Graph) -> torch.Tensor:
-        """The model on the static buffers (holding `g.arrays`); logits of every fed row, [Bb*q, V]."""
+        """The model on the static buffers (holding `g.layout`); logits of every fed row, [Bb*q, V]."""
         g.meta._masks.clear()  # masks are rebuilt from the buffers inside the forward (and the graph)
         ids, pos = g.inputs["input_ids"], g.inputs["positions"]
-        mode = fast_head(self.head) if self.invariant is None else self.invariant.active(padded_plan(g.arrays), self.device)
+        mode = fast_head(self.head) if self.invariant is None else self.invariant.active(g.layout, self.device)
         if self._compiled_forward is not None:
             with engine_attention(self.model), compiled_step_context(g.meta), mode:
                 return self._compiled_forward(ids, pos)
@@ -255,17 +228,16 @@ class GraphRunner:
             self.pool = g.graph.pool()
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Logits of the plan's kept rows, `[N, V]` (a fresh tensor, safe across replays)."""
-        q = plan.max_query_len
-        bb = batch_bucket(plan.num_seqs)
-        lkb = context_bucket(plan.max_context_len, self.block_size)
-        arrays = pad_plan(plan, bb, lkb, self.block_size, self.cache.scratch_block)
-        key = (q, bb, lkb, plan.tree_mask is not None)
+    def run(self, layout: StepLayout) -> torch.Tensor:
+        """Logits of the layout's kept rows, `[N, V]` (a fresh tensor, safe across replays)."""
+        bb = batch_bucket(layout.num_seqs)
+        lkb = context_bucket(layout.max_context_len, self.block_size)
+        padded = pad_layout(layout, bb, lkb, self.block_size, self.cache.scratch_block)
+        key = (layout.max_query_len, bb, lkb, layout.tree_mask is not None)
         g = self.graphs.get(key)
         if g is None:
             t0 = time.perf_counter()
-            g = self._static(arrays, bb, q, lkb)
+            g = self._static(padded)
             if self.capture:
                 self._capture(g)
             elif self.compiled:
@@ -274,10 +246,10 @@ class GraphRunner:
             if self.compiled:
                 self.compile_seconds += time.perf_counter() - t0
         else:
-            for name, a in arrays.items():
+            for name, a in padded.device_arrays().items():
                 g.inputs[name].copy_(torch.from_numpy(a), non_blocking=True)
-            g.arrays = arrays
-        keep = torch.from_numpy(plan.keep).to(self.device, non_blocking=True)
+            g.layout = padded
+        keep = torch.from_numpy(padded.keep).to(self.device, non_blocking=True)
         if self.capture:
             g.graph.replay()
             logits = g.logits

@@ -30,8 +30,8 @@ engine forward and restored after):
 Compiled and CUDA-graph steps (engine.graphs) run in the mode too: the linears and the
 attention are opaque ops there, and the layout of the step padded to its bucket is made
 current around the forward. Inductor fuses the rest; on CPU its kernels keep a row's
-arithmetic whatever the bucket (tested). CUDA graphs capture the Triton form only: sdpa's
-per-query calls are laid out on the host for each step, which a replayed graph cannot redo.
+arithmetic whatever the bucket (tested). CUDA graphs capture only the backends of
+`CAPTURED_INVARIANT_BACKENDS`.
 
 Not covered: projections that are not `nn.Linear` (fused MoE experts, GPT-2's `Conv1D`)."""
 
@@ -59,6 +59,16 @@ PROBE_ROWS = 16
 
 _STRATEGIES: dict[tuple, str] = {}  # (N, K, dtype, device, bias, threads) -> "cpu" | "plain" | "numba" | "triton" | "rows"
 INVARIANT_BACKENDS = ("sdpa", "triton")  # attention backends with an invariant form
+# the invariant forms a CUDA graph can capture: sdpa's lays its per-query calls out on the host
+# for each step, which a replayed graph cannot redo (compiled steps run it: it is an opaque op there)
+CAPTURED_INVARIANT_BACKENDS = ("triton",)
+
+
+def check_capturable(backend: str) -> None:
+    """Raise unless invariant steps on `backend` can be captured in CUDA graphs."""
+    if backend not in CAPTURED_INVARIANT_BACKENDS:
+        raise ValueError(f"invariant steps are captured in CUDA graphs on attn_backend {CAPTURED_INVARIANT_BACKENDS}, "
+                         f"not {backend!r}")
 
 
 def resolve_invariant(requested, devices: list[torch.device], dtypes: list[torch.dtype], backend: str,
@@ -214,15 +224,15 @@ class InvariantLinears:
         return forward
 
     @contextlib.contextmanager
-    def active(self, plan, device: torch.device):
-        """Linear layers and attention in invariant mode for the step `plan` (runner.StepPlan;
-        for a compiled or captured step, the plan padded to its bucket)."""
+    def active(self, layout, device: torch.device):
+        """Linear layers and attention in invariant mode for the step `layout` (a
+        metadata.StepLayout; for a compiled or captured step, the layout padded to its bucket)."""
         # through the instance dict: nn.Module's __setattr__/__delattr__ (their checks for
         # parameters, buffers and submodules) cost about a millisecond per step for 200 linears
         for m, f in zip(self.modules, self.forwards):
             m.__dict__["forward"] = f
         try:
-            with invariant_layout(build_layout(plan, device)):
+            with invariant_layout(build_layout(layout, device)):
                 yield
         finally:
             for m, f in zip(self.modules, self.forwards):

@@ -17,7 +17,7 @@ import hf_plookup
 from hf_plookup.attention import registry
 from hf_plookup.attention.flash import flash_paged_attention, window_size
 from hf_plookup.attention.metadata import AttentionMetadata
-from hf_plookup.engine.graphs import BATCH_BUCKETS, GraphRunner, batch_bucket, context_bucket, pad_plan
+from hf_plookup.engine.graphs import BATCH_BUCKETS, GraphRunner, batch_bucket, context_bucket, pad_layout
 from tests.attention.test_sdpa import _Cache, _dense_reference, _Layer
 from tests.conftest import left_padded, tiny_model, wrap_copy
 
@@ -243,7 +243,7 @@ def test_flash_backend_matches_dense(fake_flash, window, softcap, uniform):
         context_lens=torch.tensor(ctx),
         q_gather=None if uniform else torch.zeros(b * tq, dtype=torch.long),
         q_scatter=None if uniform else torch.zeros(sum(new), dtype=torch.long),
-        num_seqs=b, max_query_len=tq, max_context_len=lk, backend="flash_attn",
+        backend="flash_attn",
         cu_seqlens_q=torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32),
         cu_seqlens_k=torch.tensor(np.concatenate([[0], np.cumsum(ctx)]), dtype=torch.int32),
         cache_seqlens=torch.tensor(ctx, dtype=torch.int32),
@@ -313,7 +313,7 @@ def test_pad_drafts_identical_to_hf(arch):
         assert w._engine.blocks.num_free == w._engine.blocks.num_blocks
 
 
-def test_padded_plan_layout(llama):
+def test_pad_to_for_padded_verify_steps(llama):
     w = wrap_copy(llama, max_cache_tokens=512, block_size=4, pad_drafts=True)
     eng = w._engine
     assert eng.pad_to(4) == 5 and wrap_copy(llama, max_cache_tokens=512)._engine.pad_to(4) is None
@@ -359,20 +359,22 @@ def test_graph_runner_flash_static_buffers(fake_flash):
     assert gr.num_replays > 0
 
 
-def test_pad_plan_rejects_bad_buckets(llama):
+def test_pad_layout_rejects_bad_buckets(llama):
     w = wrap_copy(llama, max_cache_tokens=512, block_size=8, pad_drafts=True)
     eng = w._engine
     cache = eng.cache()
-    from hf_plookup.engine.runner import StepPlan
+    from hf_plookup.attention.metadata import StepLayout
 
-    plan = StepPlan(np.zeros(4, np.int64), np.arange(4), np.arange(4), np.arange(4).reshape(2, 2),
-                    np.zeros((2, 8), np.int64), np.array([6, 8]), np.zeros((2, 1), np.int64),
-                    np.array([0, 2, 4]), np.array([0, 6, 14]), None, None, np.arange(4), True)
-    arrays = pad_plan(plan, 4, 16, 8, cache.scratch_block)
-    assert arrays["input_ids"].shape == (8,) and arrays["kv_slots"].shape == (4, 16)
-    assert (arrays["block_tables"][2:] == cache.scratch_block).all() and list(arrays["context_lens"]) == [6, 8, 2, 2]
+    layout = StepLayout(input_ids=np.zeros(4, np.int64), positions=np.arange(4), depth=np.array([0, 1, 0, 1]),
+                        slot_mapping=np.arange(4), keep=np.arange(4), prefill=np.zeros(2, bool),
+                        query_pos=np.arange(4).reshape(2, 2), kv_slots=np.zeros((2, 8), np.int64),
+                        context_lens=np.array([6, 8]), block_tables=np.zeros((2, 1), np.int64),
+                        cu_seqlens_q=np.array([0, 2, 4]), cu_seqlens_k=np.array([0, 6, 14]))
+    padded = pad_layout(layout, 4, 16, 8, cache.scratch_block)
+    assert padded.input_ids.shape == (8,) and padded.kv_slots.shape == (4, 16)
+    assert (padded.block_tables[2:] == cache.scratch_block).all() and list(padded.context_lens) == [6, 8, 2, 2]
     with pytest.raises(ValueError, match="bucket"):
-        pad_plan(plan, 1, 16, 8, cache.scratch_block)
+        pad_layout(layout, 1, 16, 8, cache.scratch_block)
     with pytest.raises(ValueError, match="CUDA"):
         GraphRunner(llama, cache, "sdpa", 8, capture=True)
 

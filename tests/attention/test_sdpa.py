@@ -95,9 +95,6 @@ def test_paged_matches_dense(window, softcap, layout):
         context_lens=torch.tensor([c + n for c, n in zip(cached, new)]),
         q_gather=None if uniform else q_gather,
         q_scatter=None if uniform else q_scatter,
-        num_seqs=b,
-        max_query_len=tq,
-        max_context_len=lk,
     )
     query = torch.cat(qs, dim=1)[None]  # [1, H, T, D]
     key = torch.cat([full_k[i][:, cached[i] :] for i in range(b)], dim=1)[None]
@@ -134,9 +131,6 @@ def test_context_is_reset_even_on_error():
         context_lens=torch.ones(1, dtype=torch.long),
         q_gather=None,
         q_scatter=None,
-        num_seqs=1,
-        max_query_len=1,
-        max_context_len=1,
     )
     with pytest.raises(KeyError):
         with attention_context(meta):
@@ -152,11 +146,8 @@ def test_metadata_validates_shapes():
             kv_cache=None,
             slot_mapping=torch.zeros(2, dtype=torch.long),
             query_pos=torch.zeros(1, 3, dtype=torch.long),
-            kv_slots=torch.zeros(1, 2, dtype=torch.long),
+            kv_slots=torch.zeros(2, 2, dtype=torch.long),  # B = 2 rows of keys for B = 1 of queries
             context_lens=torch.ones(1, dtype=torch.long),
             q_gather=None,
             q_scatter=None,
-            num_seqs=1,
-            max_query_len=2,
-            max_context_len=2,
         )

@@ -156,7 +156,6 @@ def _paged_step(dtype, bs, uniform, device="cuda"):
         kv_cache=Cache(), slot_mapping=torch.tensor(slots, device=device), query_pos=query_pos.to(device),
         kv_slots=kv_slots.to(device), context_lens=torch.tensor(ctx, device=device),
         q_gather=None if uniform else gather.to(device), q_scatter=None if uniform else scatter.to(device),
-        num_seqs=b, max_query_len=tq, max_context_len=lk,
         cu_seqlens_q=torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], **i32),
         cu_seqlens_k=torch.tensor([0, *torch.tensor(ctx).cumsum(0).tolist()], **i32),
         cache_seqlens=torch.tensor(ctx, **i32), block_tables=bt.to(device),

@@ -1,0 +1,107 @@
+"""The step layout (attention.metadata.StepLayout) the runner builds from scheduled chunks, written
+out by hand for a small step, and its CUDA-graph padding (engine.graphs.pad_layout) against it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from hf_plookup.attention.metadata import AttentionMetadata, StepLayout, step_tensors
+from hf_plookup.engine.graphs import context_bucket, pad_layout
+from hf_plookup.engine.runner import ModelRunner
+from hf_plookup.engine.scheduler import ScheduledChunk
+
+BS, SCRATCH = 4, 9  # page size; the scratch page's id
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 2)
+
+    def get_input_embeddings(self):
+        return self.emb
+
+
+def _runner(tables: dict[int, list[int]], pad_to=None) -> ModelRunner:
+    blocks = SimpleNamespace(block_size=BS, table=lambda seq_id: tables[seq_id])
+    return ModelRunner(_Model(), SimpleNamespace(scratch_block=SCRATCH), blocks, pad_to=pad_to)
+
+
+def _chunk(row, start, n, prefill, prompt_len):
+    return ScheduledChunk(SimpleNamespace(row=row, seq_id=10 + row, prompt_len=prompt_len), start, n, prefill)
+
+
+HISTORY = np.arange(3)[:, None] * 100 + np.arange(10)[None, :] + 100  # row r holds 100r+100, 100r+101, ...
+# row 1: a chain of 2 drafts as the batch's parents array holds it; row 2: drafts 1 and 2 are
+# children of the root, draft 3 a child of draft 1; row 0 (a prompt chunk) has none
+PARENTS = np.array([[-1, -1, -1], [0, 1, -1], [0, 0, 1]])
+
+
+def test_layout_of_prefill_chain_and_tree_chunks():
+    """One prompt chunk that ends its prompt (3 tokens from position 0), one chain verify chunk
+    (last token + 2 drafts, 5 cached), one tree chunk (root + 3 nodes, 2 cached), block_size 4."""
+    runner = _runner({10: [2], 11: [3, 4], 12: [5, 6]})
+    chunks = [_chunk(0, 0, 3, True, 3), _chunk(1, 5, 3, False, 2), _chunk(2, 2, 4, False, 1)]
+    lay = runner.layout(chunks, HISTORY, PARENTS)
+    assert lay.input_ids.tolist() == [100, 101, 102, 205, 206, 207, 302, 303, 304, 305]
+    assert lay.depth.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 1, 2]
+    assert lay.positions.tolist() == [0, 1, 2, 5, 6, 7, 2, 3, 3, 4]  # tree nodes at start + depth
+    # cache position start + j whatever the depth: row 0 page 2, row 1 pages 3-4, row 2 pages 5-6
+    assert lay.slot_mapping.tolist() == [8, 9, 10, 17, 18, 19, 22, 23, 24, 25]
+    assert lay.keep.tolist() == [2, 3, 4, 5, 6, 7, 8, 9]  # the prompt's last token, every fed decode token
+    assert lay.prefill.tolist() == [True, False, False] and not lay.is_decode
+    assert lay.query_pos.tolist() == [[0, 1, 2, -1], [5, 6, 7, -1], [2, 3, 3, 4]]
+    assert lay.context_lens.tolist() == [3, 8, 6]
+    assert lay.cu_seqlens_q.tolist() == [0, 3, 6, 10] and lay.cu_seqlens_k.tolist() == [0, 3, 11, 17]
+    assert lay.block_tables.tolist() == [[2, SCRATCH], [3, 4], [5, 6]]
+    pad = SCRATCH * BS
+    assert lay.kv_slots.tolist() == [[8, 9, 10, pad, pad, pad, pad, pad], list(range(12, 20)),
+                                     [20, 21, 22, 23, 24, 25, pad, pad]]
+    assert lay.q_scatter.tolist() == [0, 1, 2, 4, 5, 6, 8, 9, 10, 11]
+    assert lay.q_gather.tolist() == [0, 1, 2, 0, 3, 4, 5, 0, 6, 7, 8, 9]
+    chain = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]  # a padding row sees the root and itself
+    tree = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert lay.tree_mask.astype(int).tolist() == [chain, chain, tree]
+    # without parents every chunk is a chain and the step has no tree mask
+    chains = runner.layout(chunks, HISTORY, None)
+    assert chains.tree_mask is None and chains.positions.tolist() == [0, 1, 2, 5, 6, 7, 2, 3, 4, 5]
+    assert chains.depth.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2, 3]
+    # the device half: int32 where the kernels take it, the same values
+    meta = AttentionMetadata.of(step_tensors(lay, "cpu"))
+    assert meta.block_tables.dtype == meta.cu_seqlens_q.dtype == meta.cache_seqlens.dtype == torch.int32
+    assert meta.cache_seqlens.tolist() == [3, 8, 6]
+    assert (meta.num_seqs, meta.max_query_len, meta.max_context_len) == (3, 4, 8)
+
+
+def test_graph_padded_layout_equals_eager_on_real_rows():
+    """A uniform verify step (pad_to = 4: a chain of 2 drafts padded, a tree of 3 nodes) padded to
+    its bucket: the real rows are the eager layout's, dummy rows are chains in the scratch page."""
+    runner = _runner({10: [2], 11: [3, 4, 7], 12: [5, 6]}, pad_to=4)
+    lay = runner.layout([_chunk(1, 7, 3, False, 2), _chunk(2, 2, 4, False, 1)], HISTORY, PARENTS)
+    assert lay.uniform and lay.is_decode and lay.keep.tolist() == [0, 1, 2, 4, 5, 6, 7]
+    assert lay.positions.tolist() == [7, 8, 9, 10, 2, 3, 3, 4]  # the padded draft at position 10
+    bb, lkb = 4, context_bucket(lay.max_context_len, BS)
+    padded = pad_layout(lay, bb, lkb, BS, SCRATCH)
+    b, t, q, lk = lay.num_seqs, lay.num_tokens, lay.max_query_len, lay.max_context_len
+    assert isinstance(padded, StepLayout) and (padded.num_seqs, padded.max_context_len) == (bb, lkb)
+    for name in ("input_ids", "positions", "depth", "slot_mapping"):
+        assert np.array_equal(getattr(padded, name)[:t], getattr(lay, name)), name
+    for name in ("prefill", "query_pos", "context_lens", "tree_mask"):
+        assert np.array_equal(getattr(padded, name)[:b], getattr(lay, name)), name
+    assert np.array_equal(padded.keep, lay.keep)
+    assert np.array_equal(padded.kv_slots[:b, :lk], lay.kv_slots)
+    assert (padded.kv_slots[:b, lk:] == SCRATCH * BS).all()
+    assert np.array_equal(padded.block_tables[:b, : lay.block_tables.shape[1]], lay.block_tables)
+    assert np.array_equal(padded.cu_seqlens_q[: b + 1], lay.cu_seqlens_q)
+    assert np.array_equal(padded.cu_seqlens_k[: b + 1], lay.cu_seqlens_k)
+    # dummy rows: token 0 at positions 0..q-1 in the scratch page, attending to their own q keys
+    assert (padded.input_ids[t:] == 0).all() and padded.positions[t:].tolist() == list(range(q)) * (bb - b)
+    assert padded.slot_mapping[t:].tolist() == list(range(SCRATCH * BS, SCRATCH * BS + q)) * (bb - b)
+    assert padded.context_lens[b:].tolist() == [q] * (bb - b) and (padded.block_tables[b:] == SCRATCH).all()
+    assert (padded.tree_mask[b:] == np.tril(np.ones((q, q), bool))).all()
+    with pytest.raises(ValueError, match="uniform decode"):
+        pad_layout(runner.layout([_chunk(0, 0, 3, True, 3)], HISTORY, None), 1, 8, BS, SCRATCH)
