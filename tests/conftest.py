@@ -76,6 +76,9 @@ ARCHS = {
     # index unless given position_ids, which HF's generate gives), token type embeddings
     "bert_decoder": {"model_type": "bert", "is_decoder": True},
     "roberta_decoder": {"model_type": "roberta", "is_decoder": True},
+    # attention sinks (one extra logit per head in the softmax), alternating sliding/full layers, MoE
+    "gpt_oss": {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                "num_local_experts": 4, "num_experts_per_tok": 2},
     # position embeddings counted from the cache, no position_ids in their forward: handed the
     # engine's positions plus each row's left pads (attention.positions); learned and sinusoidal
     "bart": {"decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 128, "encoder_layers": 1,
@@ -86,6 +89,8 @@ ARCHS = {
 # positions counted from the cache: a left-padded row's pads count (as in HF), so a row alone and
 # in a padded batch differ; run eagerly only (attention.positions patches a module per step)
 POSITIONS_FROM_CACHE = {"bart", "pegasus"}
+# steps run eagerly only: compile=True is refused (positions handed by a patch, attention sinks)
+EAGER_ONLY = POSITIONS_FROM_CACHE | {"gpt_oss"}
 # refused at wrap time, with the architecture and the reason in the message
 REFUSED_ARCHS = {"mamba": "attention", "bloom": "AttentionInterface", "falcon": "probe forward",
                  "bert": "attend both ways",  # built as a causal LM without is_decoder=True

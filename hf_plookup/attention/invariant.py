@@ -185,12 +185,15 @@ def invariant_layout(layout: InvariantLayout | None):
 
 
 def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                     scale: float, sliding_window: int | None, softcap: float | None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Packed queries `[1, H, T, D]` over one layer's pages `[num_blocks, block_size, H_kv, D]`
     (K/V already written) -> `[1, T, H, D]`, each query computed as described above."""
     window = sliding_window if sliding_window else None
     # a decode step (the scheduler never mixes prompt chunks into one) on CPU: the C kernel
-    if not layout.prefill and k_cache.device.type == "cpu" and k_cache.dtype in cpu_kernels.DTYPES and cpu_kernels.available():
+    # (attention sinks are not in the C kernel: their queries take the per-query path below)
+    if (not layout.prefill and sinks is None and k_cache.device.type == "cpu" and k_cache.dtype in cpu_kernels.DTYPES
+            and cpu_kernels.available()):
         seq, lo, hi, extra_off, extra = layout.decode_runs(window)
         q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, H, D]
         return cpu_kernels.attend(q, k_cache, v_cache, layout.kv_slots, seq, lo, hi, extra_off, extra, scale,
@@ -209,6 +212,6 @@ def invariant_attend(layout: InvariantLayout, query: torch.Tensor, k_cache: torc
         v = v_bases[base][:, :, start : start + L]
         mask = masks[g] if g < len(masks) else None
         causal = g < len(masks) and mask is None and n > 1
-        o = attend(query[:, :, lo : lo + n], k, v, mask, scale, softcap, is_causal=causal)  # [1, H, n, D]
+        o = attend(query[:, :, lo : lo + n], k, v, mask, scale, softcap, is_causal=causal, sinks=sinks)  # [1, H, n, D]
         out[lo : lo + n] = o[0].transpose(0, 1)
     return out[None]

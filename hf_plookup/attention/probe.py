@@ -36,6 +36,7 @@ class KeyLayout:
     dtype: torch.dtype
     device: torch.device
     value_head_dim: int | None = None  # values' head size where it is not the keys' (multi-head latent attention)
+    sinks: bool = False  # the layer passes attention sinks (`s_aux`, gpt-oss)
 
 
 @dataclass(slots=True)
@@ -62,7 +63,9 @@ def _probe_attention(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Record the key layout, then plain causal attention (windowed, soft-capped as asked)."""
+    """Record the key layout, then plain causal attention (windowed, soft-capped, with sinks as
+    asked)."""
+    sinks = kwargs.get("s_aux")
     rec = _RECORDING.get()
     idx = getattr(module, "layer_idx", None)
     past = 0
@@ -75,7 +78,7 @@ def _probe_attention(
         if isinstance(idx, int):
             dv = value.shape[3]
             rec.layouts[idx] = KeyLayout(key.shape[1], key.shape[3], key.dtype, key.device,
-                                         dv if dv != key.shape[3] else None)
+                                         dv if dv != key.shape[3] else None, sinks is not None)
         else:
             rec.anonymous_calls += 1
     t = query.shape[2]
@@ -85,7 +88,7 @@ def _probe_attention(
     if sliding_window:
         visible &= kpos[None, :] > qpos[:, None] - sliding_window
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = softcapped_attention(query.float(), key.float(), value.float(), visible, scale, softcap)  # [1, H, T, D]
+    out = softcapped_attention(query.float(), key.float(), value.float(), visible, scale, softcap, sinks)  # [1, H, T, D]
     out = out.to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 

@@ -53,19 +53,19 @@ def triton_unavailable_reason(devices: list[torch.device]) -> str | None:
 
 
 def resolve_backend(requested: str, devices: list[torch.device], dtypes: list[torch.dtype],
-                    narrow_values: bool = False) -> str:
+                    sdpa_only: str | None = None) -> str:
     """The backend that will run: "auto" is flash_attn when it can run here (flash_attn imports,
-    CUDA, fp16/bf16), else sdpa (flash_attn4 and triton are chosen by name). `narrow_values`: some
-    layer's values have another head size than its keys (multi-head latent attention), which only
-    sdpa (and the CPU kernels of invariant mode) take. Asking for a backend where it cannot run is
-    a ValueError."""
+    CUDA, fp16/bf16), else sdpa (flash_attn4 and triton are chosen by name). `sdpa_only`: why
+    only sdpa can run this model (values of another head size than the keys, as in multi-head
+    latent attention; attention sinks), else None. Asking for a backend where it cannot run is a
+    ValueError."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"attn_backend must be one of {BACKEND_CHOICES}, got {requested!r}")
-    if requested == "sdpa" or (requested == "auto" and narrow_values):
+    if requested == "sdpa" or (requested == "auto" and sdpa_only):
         return "sdpa"
-    if narrow_values:
-        raise ValueError(f"attn_backend={requested!r} cannot run this model: its layers' values have another head "
-                         "size than their keys (multi-head latent attention); use attn_backend='sdpa' or 'auto'")
+    if sdpa_only:
+        raise ValueError(f"attn_backend={requested!r} cannot run this model: {sdpa_only}; "
+                         "use attn_backend='sdpa' or 'auto'")
     if requested == "triton":
         reason = triton_unavailable_reason(devices)
         if reason is not None:
@@ -108,11 +108,14 @@ def paged_attention_forward(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Entry point called by the HF model's attention modules during an engine forward."""
+    """Entry point called by the HF model's attention modules during an engine forward. `s_aux`
+    in `kwargs`: gpt-oss's attention sinks [H], taken by the sdpa backend only (resolve_backend)."""
     meta = current_metadata()
     fn = compiled_paged_attention if torch.compiler.is_compiling() else BACKENDS[meta.backend]
+    sinks = kwargs.get("s_aux")
+    extra = {"sinks": sinks} if sinks is not None else {}
     out = fn(
-        module, query, key, value, meta, scaling=scaling, sliding_window=sliding_window, softcap=softcap
+        module, query, key, value, meta, scaling=scaling, sliding_window=sliding_window, softcap=softcap, **extra
     )
     return out, None
 

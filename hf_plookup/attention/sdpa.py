@@ -35,13 +35,16 @@ def unpad_output(meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
 
 
 def sdpa_attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                scale: float, sliding_window: int | None, softcap: float | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Packed queries `[1, H, T, D]` over one layer's pages (K/V already written): `[1, T, H, D]`."""
     k, v = gather_kv(meta, k_cache, v_cache)
     q = pad_queries(meta, query)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
-    out = attend(q, k, v, meta.mask(sliding_window) if softcap else meta.sdpa_mask(sliding_window), scale, softcap)
+    explicit = softcap or sinks is not None  # the explicit form takes a boolean mask (dense.attend)
+    out = attend(q, k, v, meta.mask(sliding_window) if explicit else meta.sdpa_mask(sliding_window), scale, softcap,
+                 sinks=sinks)
     return unpad_output(meta, out)
 
 
@@ -54,6 +57,7 @@ def sdpa_paged_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [H] attention sinks (gpt-oss), or None
 ) -> torch.Tensor:
     """Returns `[1, T, H, D]`."""
     write_kv(meta, module.layer_idx, key, value)
@@ -61,5 +65,5 @@ def sdpa_paged_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layout = current_layout()
     if layout is not None:  # invariant mode: each query over exactly its keys (attention.invariant)
-        return invariant_attend(layout, query, k_cache, v_cache, scale, sliding_window, softcap)
-    return sdpa_attend(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
+        return invariant_attend(layout, query, k_cache, v_cache, scale, sliding_window, softcap, sinks)
+    return sdpa_attend(query, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)

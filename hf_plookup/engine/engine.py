@@ -124,12 +124,21 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple | None:
     return tuple(parts)
 
 
+def sdpa_only_reason(specs: list) -> str | None:
+    """Why only the sdpa backend can run layers with these specs, or None."""
+    if any(s.value_head_dim for s in specs):
+        return "its layers' values have another head size than their keys (multi-head latent attention)"
+    if any(s.sinks for s in specs):
+        return "its attention has sinks (an extra logit per head in the softmax, as in gpt-oss)"
+    return None
+
+
 def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str, hooked: bool = False,
-                    counts_positions: bool = False) -> bool:
+                    eager_only: str | None = None) -> bool:
     """Whether steps run compiled. True where it cannot work is a ValueError. `hooked`: accelerate
     hooks move or load weights around module calls (`device_map` dispatch, CPU/disk offload),
-    which neither a compiled graph nor a CUDA graph can hold. `counts_positions`: the model's
-    position embedding is handed positions by a patch around each forward (attention.positions)."""
+    which neither a compiled graph nor a CUDA graph can hold. `eager_only`: why this model's steps
+    run eagerly only (a patch around each forward, an attention feature the compiled op lacks)."""
     reason = None
     if backend not in COMPILABLE_BACKENDS:
         reason = f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, this model runs {backend!r}"
@@ -137,8 +146,8 @@ def resolve_compile(requested: bool | str, devices: list[torch.device], backend:
         reason = f"compiled steps need the model on one device, it is on {[str(d) for d in devices]}"
     elif hooked:
         reason = "the model is dispatched or offloaded by accelerate (its modules carry hooks)"
-    elif counts_positions:
-        reason = "its position embedding counts positions from its cache (they are handed to it eagerly)"
+    elif eager_only:
+        reason = eager_only
     if requested is True and reason is not None:
         raise ValueError(f"compile=True cannot run: {reason}; use compile=False or 'auto'")
     if requested == "auto":
@@ -154,16 +163,20 @@ class Engine:
         self.specs = layer_specs(model)
         devices = sorted({s.device for s in self.specs}, key=str)
         dtypes = sorted({s.dtype for s in self.specs}, key=str)
-        backend = resolve_backend(options.attn_backend, devices, dtypes, any(s.value_head_dim for s in self.specs))
+        backend = resolve_backend(options.attn_backend, devices, dtypes, sdpa_only_reason(self.specs))
         # resolved: the backend that runs (what stats report) and its block size
         self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
         hooked = any(hasattr(m, "_hf_hook") for m in model.modules())  # accelerate dispatch / offload
-        # position embedders handed each step's positions (attention.positions): an eager patch
-        # around the forward, which neither a compiled nor a captured step holds
+        # position embedders handed each step's positions (attention.positions)
         self.embedders = position_embedders(model)
-        self.use_graphs = (options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda" and not hooked
-                           and not self.embedders)
-        self.use_compile = resolve_compile(options.compile, devices, backend, hooked, bool(self.embedders))
+        self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda" and not hooked
+        eager_only = None  # why steps cannot be compiled or captured
+        if self.embedders:
+            eager_only = "its position embedding counts positions from its cache (they are handed to it eagerly)"
+        elif any(s.sinks for s in self.specs):
+            eager_only = "its attention has sinks (the compiled attention op has none)"
+        self.use_compile = resolve_compile(options.compile, devices, backend, hooked, eager_only)
+        self.use_graphs = self.use_graphs and eager_only is None  # a captured step holds neither
         self.tensor_parallel = tensor_parallel(model)  # ranks must agree on every decision (engine.distributed)
         invariant = resolve_invariant(options.invariant, devices, dtypes, backend, compiled=self.use_compile,
                                       hooked=hooked, distributed=self.tensor_parallel)

@@ -27,6 +27,7 @@ class LayerSpec:
     # values' head size where it differs from the keys' (multi-head latent attention: DeepSeek V2/V3,
     # MiniCPM3, ...); None: head_dim
     value_head_dim: int | None = None
+    sinks: bool = False  # its attention adds per-head sinks to the softmax (gpt-oss): sdpa only
 
     def __post_init__(self) -> None:
         if self.num_kv_heads < 1 or self.head_dim < 1 or (self.value_head_dim is not None and self.value_head_dim < 1):
@@ -46,7 +47,8 @@ def layer_specs(model: torch.nn.Module) -> list[LayerSpec]:
     by accelerate keep each layer's pages next to its weights, and config fields an
     architecture ignores (a GPT-NeoX config's `num_key_value_heads`) play no part. Raises
     `ValueError` naming the architecture when the model cannot run on the paged cache."""
-    return [LayerSpec(k.num_kv_heads, k.head_dim, k.dtype, k.device, k.value_head_dim) for k in probe_key_layouts(model)]
+    return [LayerSpec(k.num_kv_heads, k.head_dim, k.dtype, k.device, k.value_head_dim, k.sinks)
+            for k in probe_key_layouts(model)]
 
 
 def default_num_tokens(

@@ -414,3 +414,29 @@ def test_values_of_another_head_size_run_on_sdpa_only(backend):
     assert wrap_copy(model)._engine.options.attn_backend == "sdpa"
     with pytest.raises(ValueError, match=rf"attn_backend='{backend}' cannot run this model: .*multi-head latent"):
         wrap_copy(model, attn_backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash_attn"])
+def test_attention_sinks_run_on_sdpa_only(backend):
+    """gpt-oss's attention sinks are in the sdpa backend's explicit form only: "auto" picks sdpa,
+    the paged kernels are refused by name, and so are compiled steps."""
+    model = tiny_model("gpt_oss")
+    assert wrap_copy(model)._engine.options.attn_backend == "sdpa"
+    with pytest.raises(ValueError, match=rf"attn_backend='{backend}' cannot run this model: .*sinks"):
+        wrap_copy(model, attn_backend=backend)
+
+
+def test_sinks_in_the_softmax_literal():
+    """One query over two keys of equal score, value rows [1, 0] and [0, 1]: without a sink each
+    key gets 1/2; a sink logit equal to the scores takes a third of the weight; a sink of -inf is
+    no sink."""
+    from hf_plookup.attention.dense import softcapped_attention
+
+    q = torch.zeros(1, 1, 1, 2)
+    k = torch.zeros(1, 1, 2, 2)
+    v = torch.eye(2)[None, None]
+    mask = torch.ones(1, 1, 1, 2, dtype=torch.bool)
+    plain = softcapped_attention(q, k, v, mask, 1.0, None)
+    assert torch.allclose(plain, torch.tensor([[[[0.5, 0.5]]]]))
+    assert torch.allclose(softcapped_attention(q, k, v, mask, 1.0, None, torch.zeros(1)), torch.full((1, 1, 1, 2), 1 / 3))
+    assert torch.equal(softcapped_attention(q, k, v, mask, 1.0, None, torch.full((1,), -float("inf"))), plain)
