@@ -124,7 +124,8 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
             step = timed(lambda: gr.run(plan), device, args.iters)
             kernels = None
             if device.type == "cuda":
-                key = (q, batch_bucket(b), context_bucket(plan.max_context_len, args.block_size))
+                key = (plan.max_query_len, batch_bucket(b), context_bucket(plan.max_context_len, args.block_size),
+                       plan.tree_mask is not None)  # GraphRunner.run's key
                 kernels = count_kernels(lambda: gr._forward(gr.graphs[key]), device)
             rows.append({"mode": mode, "attn_backend": backend, "batch": b, "q": q, "step_s": step,
                          "first_call_s": first, "kernels": kernels})

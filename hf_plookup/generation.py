@@ -261,12 +261,23 @@ def _corpus(model, corpus, tokenizer) -> tuple[np.ndarray, ...]:
     return tuple(out)
 
 
-def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dict | None = None) -> Request | str:
-    """A `Request`, or the reason (str) to delegate. Raises on bad input before any work.
-    `own`: hf_plookup's own drafting arguments (OWN_ARGS)."""
-    kwargs = dict(kwargs)
-    _check_raw(kwargs)
-    own = own or {}
+@dataclass(slots=True)
+class OwnArgs:
+    """hf_plookup's own drafting arguments (OWN_ARGS), checked."""
+
+    tree_nodes: int | None = None  # prompt_lookup_tree_nodes
+    cross_rows: bool = False       # draft_cross_rows
+    corpus: tuple[np.ndarray, ...] | None = None  # draft_corpus as token arrays
+
+    def check_drafting(self, k: int) -> None:
+        for name, given in (("prompt_lookup_tree_nodes", self.tree_nodes is not None),
+                            ("draft_cross_rows", self.cross_rows), ("draft_corpus", self.corpus is not None)):
+            if given and k == 0:
+                raise ValueError(f"{name} needs prompt_lookup_num_tokens (the longest path of a draft)")
+
+
+def own_arguments(model, own: dict, args: dict) -> OwnArgs:
+    """Part 1 of `resolve`: hf_plookup's own arguments, checked (types and ranges)."""
     tree_nodes = own.get("prompt_lookup_tree_nodes")
     if tree_nodes is not None:
         tree_nodes = _positive_int("prompt_lookup_tree_nodes", tree_nodes)
@@ -275,6 +286,24 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
         raise TypeError(f"draft_cross_rows must be True or False, got {cross_rows!r}")
     corpus = own.get("draft_corpus")
     corpus = _corpus(model, corpus, args.get("tokenizer")) if corpus is not None else None
+    return OwnArgs(tree_nodes, cross_rows, corpus)
+
+
+@dataclass(slots=True)
+class CheckedCall:
+    """A `generate` call that passed every check and runs on the engine (part 2 of `resolve`)."""
+
+    input_ids: torch.Tensor                 # [B, L] as given
+    mask: torch.Tensor | None               # [B, L] the given attention_mask (None: to infer)
+    config: GenerationConfig                # merged by HF's own rules, validated
+    model_kwargs: dict                      # what HF's merge left over (attention_mask, use_cache)
+    past: DynamicCache | None               # the caller's cache to continue from
+    has_default_max_length: bool
+    has_default_min_length: bool
+
+
+def _check_inputs(model, inputs, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None] | str:
+    """input_ids and attention_mask: types, shapes, values (or why the call goes to HF)."""
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None or "inputs_embeds" in kwargs:
         return "inputs given as embeddings (or not at all)"
@@ -298,7 +327,17 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
         raise ValueError(
             f"attention_mask has shape {tuple(mask.shape)}, input_ids has {tuple(input_ids.shape)}: they must match"
         )
+    return input_ids, mask
 
+
+def checked_call(model, inputs, generation_config, args: dict, kwargs: dict) -> CheckedCall | str:
+    """Part 2 of `resolve`: the inputs checked, the generation config merged as HF merges it and
+    validated, or the reason (str) the call goes to HF's own `generate`."""
+    _check_raw(kwargs)
+    checked = _check_inputs(model, inputs, kwargs)
+    if isinstance(checked, str):
+        return checked
+    input_ids, mask = checked
     has_default_max_length = (
         kwargs.get("max_length") is None
         and (generation_config is None or generation_config.max_length is None)
@@ -322,21 +361,24 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
         _check_past(past, input_ids, config)
     config.validate()
     _check_sampling(config)
-    streamer = args.get("streamer")
     nrs = config.num_return_sequences or 1
     if nrs > 1 and not config.do_sample:
         raise ValueError(f"num_return_sequences={nrs} needs do_sample=True (greedy search returns one sequence)")
-    if streamer is not None and input_ids.shape[0] * nrs > 1:
+    if args.get("streamer") is not None and input_ids.shape[0] * nrs > 1:
         raise ValueError("streamer: streaming works with one sequence only (batch size 1), as in HF")
+    return CheckedCall(input_ids, mask, config, model_kwargs, past, has_default_max_length, has_default_min_length)
 
+
+def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Request | str:
+    """Part 3 of `resolve`: the engine's `DecodeConfig` (drafting, lengths, special tokens, the
+    mask, HF's own logits processors and stopping criteria) and the rows it runs, or the reason
+    (str) the call goes to HF's own `generate`."""
+    config, model_kwargs, input_ids, mask = call.config, call.model_kwargs, call.input_ids, call.mask
     k = config.prompt_lookup_num_tokens
     k = 0 if k is None else _positive_int("prompt_lookup_num_tokens", k)
     n = config.max_matching_ngram_size
     n = 2 if n is None else _positive_int("max_matching_ngram_size", n)
-    for name, given in (("prompt_lookup_tree_nodes", tree_nodes is not None), ("draft_cross_rows", cross_rows),
-                        ("draft_corpus", corpus is not None)):
-        if given and k == 0:
-            raise ValueError(f"{name} needs prompt_lookup_num_tokens (the longest path of a draft)")
+    own.check_drafting(k)
     device = input_ids.device
     model._prepare_special_tokens(config, mask is not None, device=device)
     eos_t, pad_t = config._eos_token_tensor, config._pad_token_tensor
@@ -344,10 +386,11 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
     pad = int(pad_t.view(-1)[0]) if pad_t is not None else None
 
     width = input_ids.shape[1]
-    max_new = _max_new_tokens(model, config, width, input_ids, has_default_max_length, has_default_min_length)
+    max_new = _max_new_tokens(model, config, width, input_ids, call.has_default_max_length, call.has_default_min_length)
     _warn_past_context(model, width, max_new)
     if mask is None:
         mask = infer_attention_mask(input_ids, pad, eos)
+    nrs = config.num_return_sequences or 1
     if nrs > 1:
         input_ids = input_ids.repeat_interleave(nrs, dim=0)
         mask = mask.repeat_interleave(nrs, dim=0)
@@ -379,18 +422,19 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
         generation_config=config, stopping_criteria=args.get("stopping_criteria") or StoppingCriteriaList(), tokenizer=args.get("tokenizer")
     )
     stopping = StoppingCriteriaList(c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
+    past = call.past
     decode = DecodeConfig(
         max_new_tokens=max_new,
         eos_token_ids=eos,
         k=k,
         max_ngram=n,
-        tree_nodes=tree_nodes or 0,
-        cross_rows=cross_rows,
-        corpus=corpus,
+        tree_nodes=own.tree_nodes or 0,
+        cross_rows=own.cross_rows,
+        corpus=own.corpus,
         do_sample=bool(config.do_sample),
         processors=processors,
         stopping=stopping,
-        streamer=streamer,
+        streamer=args.get("streamer"),
         output_scores=bool(config.return_dict_in_generate and config.output_scores),
         output_logits=bool(config.return_dict_in_generate and config.output_logits),
         hf_input_ids=input_ids.cpu().numpy().astype(np.int64),
@@ -409,3 +453,18 @@ def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dic
         attention_mask=mask,
         past_key_values=past,
     )
+
+
+def resolve(model, inputs, generation_config, args: dict, kwargs: dict, own: dict | None = None) -> Request | str:
+    """A `Request`, or the reason (str) to delegate. Raises on bad input before any work.
+    `own`: hf_plookup's own drafting arguments (OWN_ARGS).
+
+    Three parts: `own_arguments` (hf_plookup's arguments), `checked_call` (the inputs and HF's
+    merged, validated generation config; delegation), `decode_request` (the engine's decode
+    config)."""
+    kwargs = dict(kwargs)
+    own_args = own_arguments(model, own or {}, args)
+    call = checked_call(model, inputs, generation_config, args, kwargs)
+    if isinstance(call, str):
+        return call
+    return decode_request(model, call, own_args, args)

@@ -19,6 +19,8 @@ sources), so the index needs no vocabulary size. Sources: history rows 0..R-1, t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 
@@ -121,6 +123,22 @@ def _table(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.full(cap, _EMPTY, dtype=np.int64), np.empty(cap, dtype=np.int64)
 
 
+class Sources(NamedTuple):
+    """Where candidates come from: history rows 0..R-1, then the corpus documents (`SuffixIndex`)."""
+
+    history: np.ndarray         # [R, W] int64, the rows' tokens
+    indexed: np.ndarray         # [R] how many of each row's tokens the index holds
+    prev_own: np.ndarray        # [R, W] the previous position of the same token in the row (-1: none)
+    cross: bool                 # whether other sources are indexed at all
+    any_keys: np.ndarray        # hash table token -> newest entry of other sources ...
+    any_vals: np.ndarray        # ... (entry index, -1 where the key is not there)
+    entry_source: np.ndarray    # [E] an entry's source (history row or R + document)
+    entry_pos: np.ndarray       # [E] its position in that source
+    entry_prev: np.ndarray      # [E] the entry before it with the same token (-1: none)
+    corpus_tokens: np.ndarray   # every document's tokens, concatenated
+    corpus_offsets: np.ndarray  # [D + 1] where each document starts
+
+
 class SuffixIndex:
     """The index of one engine loop (or of one stateless `TreeProposer.propose` call).
 
@@ -174,8 +192,9 @@ class SuffixIndex:
         corpus = [self.corpus_tokens[a:b] for a, b in zip(self.corpus_offsets[:-1], self.corpus_offsets[1:])]
         return SuffixIndex(rows, width, self.cross_rows, corpus)
 
-    def arrays(self) -> tuple:
-        """What the tree kernel reads: (prev_own, cross?, any_keys, any_vals, e_src, e_pos, e_prev,
-        corpus_tokens, corpus_offsets, indexed)."""
-        return (self.prev_own, self.cross, self.any_keys, self.any_vals, self.e_src, self.e_pos, self.e_prev,
-                self.corpus_tokens, self.corpus_offsets, self.indexed)
+    def sources(self, history: np.ndarray):
+        """What the tree kernel reads: `history` [R, W] and this index."""
+        return Sources(history=history, indexed=self.indexed, prev_own=self.prev_own, cross=self.cross,
+                       any_keys=self.any_keys, any_vals=self.any_vals, entry_source=self.e_src,
+                       entry_pos=self.e_pos, entry_prev=self.e_prev, corpus_tokens=self.corpus_tokens,
+                       corpus_offsets=self.corpus_offsets)

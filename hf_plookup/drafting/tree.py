@@ -12,220 +12,268 @@ Shared prefixes are fed once; each path is at most `k` tokens long (`prompt_look
 Verification feeds node i at position `start + depth(i)` and lets it attend to the cached
 context and to its ancestors only (`ancestor_mask`); the accepted path's keys/values are then
 moved to the positions a chain would have used (`compaction`).
+
+The kernel runs per row in three stages over the records below: `_find_candidates`,
+`_build_trie`, `_keep_best`.
+
+Example (k=2, 4 nodes, max_ngram 2): the row `5 6 7 5 6 8 5 6` ends in `5 6`, which occurred
+at positions 0-1 and 3-4, followed by `7 5` and `8 5`. The newest, `8 5`, is the chain drafter's
+path and comes first; `7 5` holds half the votes (score 0.5, its `5` 0.5 * 0.8). Output:
+tokens `[8, 5, 7, 5]`, parents `[0, 1, 0, 3]` (node 2 under node 1, node 4 under node 3).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 
-from .suffix import SuffixIndex, _slot as _slot_any
+from .suffix import Sources, SuffixIndex, _slot
 
 __all__ = ["TreeProposer", "accept_tree", "acceptance_estimate", "ancestor_mask",
            "batch_min_score", "compaction", "depths", "walk_rejected"]
 
-# candidates (earlier occurrences) per row and kind of source (own row, others) before ranking;
-# each costs a few cache misses (its link and its tokens), so large batches get fewer: at most
-# CANDIDATE_WORK per step over the batch, never under MIN_CANDIDATES (docs/results.md "Candidate trees":
-# draft replays give under 1% fewer tokens per forward at 16-24 candidates than at 64, and
-# proposer_bench's 256 rows of 8k tokens, 24 candidates each, take under 1 ms per step on 2 cores)
+# earlier occurrences ranked per row and kind of source (own row, others); each costs a few cache
+# misses, so a large batch gets fewer: at most CANDIDATE_WORK over the batch, never under
+# MIN_CANDIDATES (measured in docs/results.md, "Candidate trees")
 MAX_CANDIDATES = 64
 MIN_CANDIDATES = 8
 CANDIDATE_WORK = 6144
-# the trie's integer fields per node (scratch [B, TRIE_FIELDS, nodes]): token, parent (-1: the
-# root), depth, first child, next sibling (-1: none), output node (1-based, once kept), on the
-# chain drafter's path (1) or not (0), and the frontier of step 3 (a list of trie nodes, not a
-# per-node field)
-TOK, PAR, DEP, CHILD, NEXT, OUT, PIN, FRONT = range(8)
+# a node on the chain drafter's path scores CHAIN_SCORE + (k - depth): above every voted score (<= 1)
+CHAIN_SCORE = 2.0
+# the trie's integer fields per node, rows of Scratch.trie [T, TRIE_FIELDS, nodes]
+TOKEN = 0         # the token it drafts
+PARENT = 1        # its parent trie node (-1: the root)
+DEPTH = 2         # 1 for the root's children
+FIRST_CHILD = 3   # children are a list in creation order: the first child ...
+NEXT_SIBLING = 4  # ... and each child's next sibling (-1: none)
+OUTPUT_NODE = 5   # its node number in the output tree (1-based), once kept
+ON_CHAIN = 6      # 1 on the chain drafter's path
+FRONTIER = 7      # not a per-node field: the list of candidate nodes while keeping the best
 TRIE_FIELDS = 8
-# a node on the chain drafter's path scores PINNED + (k - depth): above every voted score (<= 1)
-PINNED = 2.0
+
+
+class TreeParams(NamedTuple):
+    """How every row's tree of one `propose` call is drafted."""
+
+    k: int                # the longest path (prompt_lookup_num_tokens)
+    budget: int           # the most draft nodes per row
+    max_candidates: int   # earlier occurrences per row and kind of source
+    max_ngram: int        # the longest suffix matched
+    min_ngram: int        # the shortest match an occurrence needs
+    short_weight: float   # an occurrence's vote when its match is shorter than the best one
+    min_score: float      # nodes scoring below it are left out
+
+
+class Scratch(NamedTuple):
+    """Working arrays, one slice per parallel task t (small: each stays in its core's cache)."""
+
+    cand_source: np.ndarray     # [T, 2C] a candidate occurrence's source
+    cand_start: np.ndarray      # [T, 2C] the position of the token after it (its continuation)
+    cand_match: np.ndarray      # [T, 2C] how many suffix tokens it matches
+    trie: np.ndarray            # [T, TRIE_FIELDS, 2C * k] int64 fields above
+    trie_weight: np.ndarray     # [T, 2C * k] the votes through each trie node
+    decay_at_depth: np.ndarray  # [T, k] decay ** (depth - 1)
+
+
+class Trees(NamedTuple):
+    """The output: each row's draft nodes in topological order, -1 where unused."""
+
+    tokens: np.ndarray     # [B, budget] int64
+    parents: np.ndarray    # [B, budget] int64, output node numbers (0: the root)
+    num_nodes: np.ndarray  # [B] int64
 
 
 @numba.njit(cache=True, nogil=True)
-def _src_tok(history, corpus_tokens, corpus_offsets, src, pos):
-    """Token `pos` of source `src` (history rows first, then corpus documents)."""
-    if src < history.shape[0]:
-        return history[src, pos]
-    return corpus_tokens[corpus_offsets[src - history.shape[0]] + pos]
+def _source_token(sources, s, pos):
+    if s < sources.history.shape[0]:
+        return sources.history[s, pos]
+    return sources.corpus_tokens[sources.corpus_offsets[s - sources.history.shape[0]] + pos]
 
 
 @numba.njit(cache=True, nogil=True)
-def _src_len(history, corpus_offsets, indexed, src):
-    if src < history.shape[0]:
-        return indexed[src]
-    d = src - history.shape[0]
-    return corpus_offsets[d + 1] - corpus_offsets[d]
+def _source_length(sources, s):
+    if s < sources.history.shape[0]:
+        return sources.indexed[s]
+    d = s - sources.history.shape[0]
+    return sources.corpus_offsets[d + 1] - sources.corpus_offsets[d]
 
 
 @numba.njit(cache=True, nogil=True)
-def _match(history, corpus_tokens, corpus_offsets, row, n_len, src, p, max_ngram):
-    """How many tokens ending at source position p equal the row's suffix (>= 1: p holds the
-    row's last token), at most max_ngram."""
+def _match(sources, row, length, s, pos, max_ngram):
+    """How many tokens ending at position `pos` of source `s` equal the row's suffix (>= 1: `pos`
+    holds the row's last token), at most max_ngram."""
     m = 1
-    while m < max_ngram and p - m >= 0 and n_len - 1 - m >= 0 and \
-            _src_tok(history, corpus_tokens, corpus_offsets, src, p - m) == history[row, n_len - 1 - m]:
+    while m < max_ngram and pos - m >= 0 and length - 1 - m >= 0 and \
+            _source_token(sources, s, pos - m) == sources.history[row, length - 1 - m]:
         m += 1
     return m
 
 
 @numba.njit(cache=True, nogil=True)
-def _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram, min_ngram, short_weight, decay, min_score,
-              prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens, corpus_offsets, indexed,
-              tokens, parents, num_nodes, i, t, cand_s, cand_c, cand_m, trie, t_w, level):
-    """Row i's tree, built in scratch slice t."""
-    for j in range(budget):
-        tokens[i, j] = -1
-        parents[i, j] = -1
-    num_nodes[i] = 0
-    b = rows[i]
-    n_len = lengths[i]
-    cap = min(k, max_depth[i])
-    budget = min(budget, max_depth[i])  # no more nodes than tokens the row may still emit (its cache reservation)
-    if cap <= 0 or budget <= 0 or n_len < 2:
-        return
-    # 1. earlier occurrences of the last token with their match lengths, newest first: the row's
-    #    own (up to max_cand), then the other sources' (up to as many again)
-    #    The newest own occurrence with the longest match is the chain drafter's (`pin`).
-    found = 0
-    best_m = 0
-    pin = -1
-    p = prev_own[b, n_len - 1]
-    while p >= 0 and found < max_cand:
-        m = _match(history, corpus_tokens, corpus_offsets, b, n_len, b, p, max_ngram)
-        if m >= min_ngram:
-            cand_s[t, found] = b
-            cand_c[t, found] = p + 1
-            cand_m[t, found] = m
-            if m > best_m:
-                best_m = m
-                pin = found
+def _find_candidates(sources, params, row, length, scratch, t):
+    """Stage 1: earlier occurrences of the row's last token matching at least min_ngram suffix
+    tokens, newest first: the row's own (up to max_candidates), then other sources' (as many
+    again). Returns (how many, the longest match, which one is the chain drafter's: the newest
+    own occurrence with the longest match)."""
+    found, best_match, chain = 0, 0, -1
+    pos = sources.prev_own[row, length - 1]
+    while pos >= 0 and found < params.max_candidates:
+        m = _match(sources, row, length, row, pos, params.max_ngram)
+        if m >= params.min_ngram:
+            scratch.cand_source[t, found] = row
+            scratch.cand_start[t, found] = pos + 1
+            scratch.cand_match[t, found] = m
+            if m > best_match:
+                best_match, chain = m, found
             found += 1
-        p = prev_own[b, p]
-    if cross:
-        last = history[b, n_len - 1]
-        h = _slot_any(any_keys, last)
-        e = any_vals[h] if any_keys[h] == last else -1
-        own = found
-        while e >= 0 and found < own + max_cand:
-            src, q = e_src[e], e_pos[e]
-            if src != b and q + 1 < _src_len(history, corpus_offsets, indexed, src):
-                m = _match(history, corpus_tokens, corpus_offsets, b, n_len, src, q, max_ngram)
-                if m >= min_ngram:
-                    cand_s[t, found] = src
-                    cand_c[t, found] = q + 1
-                    cand_m[t, found] = m
-                    found += 1
-                    best_m = max(best_m, m)
-            e = e_prev[e]
-    if found == 0:
-        return
-    # 2. a trie of all their continuations; a node's weight sums the weights of the occurrences
-    #    through it (longest-match occurrences 1, shorter ones short_weight). Children hang off
-    #    first-child / next-sibling links (creation order), so finding a child scans its siblings.
-    #    The pinned occurrence's nodes are marked: the tree always holds the chain's draft.
-    n_trie = 0
+        pos = sources.prev_own[row, pos]
+    if not sources.cross:
+        return found, best_match, chain
+    last = sources.history[row, length - 1]
+    h = _slot(sources.any_keys, last)
+    entry = sources.any_vals[h] if sources.any_keys[h] == last else -1
+    own = found
+    while entry >= 0 and found < own + params.max_candidates:
+        s, pos = sources.entry_source[entry], sources.entry_pos[entry]
+        if s != row and pos + 1 < _source_length(sources, s):
+            m = _match(sources, row, length, s, pos, params.max_ngram)
+            if m >= params.min_ngram:
+                scratch.cand_source[t, found] = s
+                scratch.cand_start[t, found] = pos + 1
+                scratch.cand_match[t, found] = m
+                found += 1
+                best_match = max(best_match, m)
+        entry = sources.entry_prev[entry]
+    return found, best_match, chain
+
+
+@numba.njit(cache=True, nogil=True)
+def _build_trie(sources, params, row, length, depth_cap, found, best_match, chain, scratch, t):
+    """Stage 2: the trie of the candidates' continuations (up to depth_cap tokens each). Every
+    candidate votes for the nodes on its path: 1 with the longest match, short_weight with a
+    shorter one; the chain drafter's path is marked ON_CHAIN. Returns (the root's first child,
+    the sum of the votes)."""
+    trie, weight = scratch.trie, scratch.trie_weight
+    n_nodes = 0
     total = 0.0
-    root_child = -1
+    root_first = -1
     for j in range(found):
-        src, c = cand_s[t, j], cand_c[t, j]
-        w = 1.0 if cand_m[t, j] == best_m else short_weight
-        if w <= 0.0 and j != pin:
+        s, start = scratch.cand_source[t, j], scratch.cand_start[t, j]
+        vote = 1.0 if scratch.cand_match[t, j] == best_match else params.short_weight
+        if vote <= 0.0 and j != chain:
             continue
-        total += w
+        total += vote
         node = -1  # the root
-        end = n_len if src == b else _src_len(history, corpus_offsets, indexed, src)
-        for d in range(min(cap, end - c)):
-            tok = _src_tok(history, corpus_tokens, corpus_offsets, src, c + d)
-            child = root_child if node < 0 else trie[t, CHILD, node]
-            last = -1
-            while child >= 0 and trie[t, TOK, child] != tok:
-                last = child
-                child = trie[t, NEXT, child]
-            if child < 0:
-                child = n_trie
-                trie[t, TOK, child] = tok
-                trie[t, PAR, child] = node
-                trie[t, DEP, child] = d + 1
-                trie[t, CHILD, child] = -1
-                trie[t, NEXT, child] = -1
-                trie[t, PIN, child] = 0
-                t_w[t, child] = 0.0
-                if last >= 0:
-                    trie[t, NEXT, last] = child
+        end = length if s == row else _source_length(sources, s)
+        for d in range(min(depth_cap, end - start)):
+            tok = _source_token(sources, s, start + d)
+            child = root_first if node < 0 else trie[t, FIRST_CHILD, node]
+            prev_sibling = -1
+            while child >= 0 and trie[t, TOKEN, child] != tok:
+                prev_sibling = child
+                child = trie[t, NEXT_SIBLING, child]
+            if child < 0:  # a new node, last among its siblings
+                child = n_nodes
+                n_nodes += 1
+                trie[t, TOKEN, child] = tok
+                trie[t, PARENT, child] = node
+                trie[t, DEPTH, child] = d + 1
+                trie[t, FIRST_CHILD, child] = -1
+                trie[t, NEXT_SIBLING, child] = -1
+                trie[t, ON_CHAIN, child] = 0
+                weight[t, child] = 0.0
+                if prev_sibling >= 0:
+                    trie[t, NEXT_SIBLING, prev_sibling] = child
                 elif node < 0:
-                    root_child = child
+                    root_first = child
                 else:
-                    trie[t, CHILD, node] = child
-                n_trie += 1
-            t_w[t, child] += w
-            if j == pin:
-                trie[t, PIN, child] = 1
+                    trie[t, FIRST_CHILD, node] = child
+            weight[t, child] += vote
+            if j == chain:
+                trie[t, ON_CHAIN, child] = 1
             node = child
-    # 3. score = share of the weight through the node, times decay per level (the chain's path:
-    #    PINNED + k - depth, first); keep the best `budget` nodes scoring >= min_score, best first
-    #    (ties: creation order). A child never outscores its parent and is created after it, so
-    #    the next best node is always a child of a kept one: pick it from the frontier of kept
-    #    nodes' children (parents come first).
-    for d in range(cap):  # level[d]: the decay at depth d + 1 (a power, as the reference computes it)
-        level[t, d] = decay[i] ** d
+    return root_first, total
+
+
+@numba.njit(cache=True, nogil=True)
+def _keep_best(params, depth_cap, budget, decay, root_first, total, scratch, t, trees, i):
+    """Stage 3: score every node (its share of the votes times decay per level below the first;
+    the chain's path CHAIN_SCORE + k - depth, ahead of all) and keep the best `budget` scoring at
+    least min_score, best first (ties: creation order), as output row i. A child never outscores
+    its parent and is created after it, so the next best node is always a child of a kept one:
+    it is picked from the frontier of the kept nodes' children. Returns the nodes kept."""
+    trie = scratch.trie
+    for d in range(depth_cap):  # a power, as the reference computes it
+        scratch.decay_at_depth[t, d] = decay ** d
     n_front = 0
-    child = root_child
+    child = root_first
     while child >= 0:
-        trie[t, FRONT, n_front] = child
+        trie[t, FRONTIER, n_front] = child
         n_front += 1
-        child = trie[t, NEXT, child]
+        child = trie[t, NEXT_SIBLING, child]
     n = 0
     while n < budget and n_front > 0:
         best, best_score = -1, -1.0
         for f in range(n_front):
-            q = trie[t, FRONT, f]
-            if trie[t, PIN, q] == 1:
-                sc = PINNED + k - trie[t, DEP, q]
+            q = trie[t, FRONTIER, f]
+            if trie[t, ON_CHAIN, q] == 1:
+                score = CHAIN_SCORE + params.k - trie[t, DEPTH, q]
             else:
-                sc = t_w[t, q] / total * level[t, trie[t, DEP, q] - 1]
-            if sc > best_score or (sc == best_score and q < trie[t, FRONT, best]):
-                best, best_score = f, sc
-        if best_score < min_score:
+                score = scratch.trie_weight[t, q] / total * scratch.decay_at_depth[t, trie[t, DEPTH, q] - 1]
+            if score > best_score or (score == best_score and q < trie[t, FRONTIER, best]):
+                best, best_score = f, score
+        if best_score < params.min_score:
             break
-        q = trie[t, FRONT, best]
+        q = trie[t, FRONTIER, best]
         n_front -= 1
-        trie[t, FRONT, best] = trie[t, FRONT, n_front]
-        tokens[i, n] = trie[t, TOK, q]
-        parents[i, n] = 0 if trie[t, PAR, q] < 0 else trie[t, OUT, trie[t, PAR, q]]
+        trie[t, FRONTIER, best] = trie[t, FRONTIER, n_front]
+        trees.tokens[i, n] = trie[t, TOKEN, q]
+        parent = trie[t, PARENT, q]
+        trees.parents[i, n] = 0 if parent < 0 else trie[t, OUTPUT_NODE, parent]
         n += 1
-        trie[t, OUT, q] = n  # trie node -> output node (1-based)
-        child = trie[t, CHILD, q]
+        trie[t, OUTPUT_NODE, q] = n
+        child = trie[t, FIRST_CHILD, q]
         while child >= 0:
-            trie[t, FRONT, n_front] = child
+            trie[t, FRONTIER, n_front] = child
             n_front += 1
-            child = trie[t, NEXT, child]
-    num_nodes[i] = n
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def propose_tree_batch(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram, min_ngram, short_weight, decay,
-                       min_score, prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens,
-                       corpus_offsets, indexed, tokens, parents, num_nodes, cand_s, cand_c, cand_m, trie, t_w, level):
-    """Fill tokens/parents [B, budget] (-1 where unused) and num_nodes [B] for history rows
-    `rows` [B], in parallel: task t of the scratch arrays' T takes rows t, t + T, ... in slice t."""
-    tasks = cand_s.shape[0]
-    for t in numba.prange(tasks):
-        for i in range(t, rows.shape[0], tasks):
-            _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram, min_ngram, short_weight, decay,
-                      min_score, prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens, corpus_offsets,
-                      indexed, tokens, parents, num_nodes, i, t, cand_s, cand_c, cand_m, trie, t_w, level)
+            child = trie[t, NEXT_SIBLING, child]
+    return n
 
 
 @numba.njit(cache=True, nogil=True)
-def propose_tree_serial(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram, min_ngram, short_weight, decay,
-                        min_score, prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens,
-                        corpus_offsets, indexed, tokens, parents, num_nodes, cand_s, cand_c, cand_m, trie, t_w, level):
+def _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratch, t):
+    """Output row i: the tree of history row rows[i], built in scratch slice t."""
+    trees.tokens[i, :] = -1
+    trees.parents[i, :] = -1
+    trees.num_nodes[i] = 0
+    row, length = rows[i], lengths[i]
+    depth_cap = min(params.k, max_depth[i])
+    budget = min(params.budget, max_depth[i])  # no more nodes than tokens the row may still emit
+    if depth_cap <= 0 or budget <= 0 or length < 2:
+        return
+    found, best_match, chain = _find_candidates(sources, params, row, length, scratch, t)
+    if found == 0:
+        return
+    root_first, total = _build_trie(sources, params, row, length, depth_cap, found, best_match, chain, scratch, t)
+    trees.num_nodes[i] = _keep_best(params, depth_cap, budget, decay[i], root_first, total, scratch, t, trees, i)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def propose_tree_batch(sources, params, rows, lengths, max_depth, decay, trees, scratch):
+    """Every output row's tree, in parallel: task t of the scratch's T takes rows t, t + T, ..."""
+    tasks = scratch.cand_source.shape[0]
+    for t in numba.prange(tasks):
+        for i in range(t, rows.shape[0], tasks):
+            _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratch, t)
+
+
+@numba.njit(cache=True, nogil=True)
+def propose_tree_serial(sources, params, rows, lengths, max_depth, decay, trees, scratch):
     """`propose_tree_batch` on one thread (small batches), in scratch slice 0."""
     for i in range(rows.shape[0]):
-        _tree_row(history, rows, lengths, max_depth, k, budget, max_cand, max_ngram, min_ngram, short_weight, decay, min_score,
-                  prev_own, cross, any_keys, any_vals, e_src, e_pos, e_prev, corpus_tokens, corpus_offsets, indexed,
-                  tokens, parents, num_nodes, i, 0, cand_s, cand_c, cand_m, trie, t_w, level)
+        _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratch, 0)
 
 
 class TreeProposer:
@@ -259,22 +307,24 @@ class TreeProposer:
         self.short_weight, self.decay = float(short_weight), float(decay)
         self.max_candidates = _check_int("max_candidates", max_candidates)
         self._parallel_min = PARALLEL_MIN_BATCH
-        self._scratch: tuple[np.ndarray, ...] = ()
+        self._scratch: Scratch | None = None
         hist = np.array([[1, 2, 1, 2, 1]] * PARALLEL_MIN_BATCH, dtype=np.int64)  # warm both kernels
         self.propose(hist[:1], np.array([5], dtype=np.int64))
         self.propose(hist, np.full(PARALLEL_MIN_BATCH, 5, dtype=np.int64))
 
-    def _buffers(self) -> tuple[np.ndarray, ...]:
-        """Scratch arrays, one slice per parallel task (numba's thread count; small, so each stays
-        in its core's cache): candidates [T, 2C] (source, start, match length), the trie's integer
-        fields [T, TRIE_FIELDS, 2C * k], its weights [T, 2C * k], the decay per level [T, k]."""
+    def _buffers(self) -> Scratch:
+        """The scratch, one slice per parallel task (numba's thread count), for 2 * max_candidates
+        candidates and a trie of their continuations (at most k nodes each)."""
         threads = numba.get_num_threads()
-        if not self._scratch or self._scratch[0].shape[0] != threads:
+        if self._scratch is None or self._scratch.cand_source.shape[0] != threads:
             c = 2 * self.max_candidates
-            t = c * self.k
-            self._scratch = (np.empty((threads, c), np.int64), np.empty((threads, c), np.int64),
-                             np.empty((threads, c), np.int64), np.empty((threads, TRIE_FIELDS, t), np.int64),
-                             np.empty((threads, t)), np.empty((threads, self.k)))
+            n = c * self.k
+            self._scratch = Scratch(cand_source=np.empty((threads, c), np.int64),
+                                    cand_start=np.empty((threads, c), np.int64),
+                                    cand_match=np.empty((threads, c), np.int64),
+                                    trie=np.empty((threads, TRIE_FIELDS, n), np.int64),
+                                    trie_weight=np.empty((threads, n)),
+                                    decay_at_depth=np.empty((threads, self.k)))
         return self._scratch
 
     def candidates(self, batch: int, cross: bool = False) -> int:
@@ -309,15 +359,14 @@ class TreeProposer:
         if index is None:
             index = SuffixIndex(history.shape[0], history.shape[1])
         index.update(history, rows, lengths)
-        tokens = np.empty((batch, self.budget), dtype=np.int64)
-        parents = np.empty((batch, self.budget), dtype=np.int64)
-        num = np.empty(batch, dtype=np.int64)
+        trees = Trees(np.empty((batch, self.budget), dtype=np.int64), np.empty((batch, self.budget), dtype=np.int64),
+                      np.empty(batch, dtype=np.int64))
+        params = TreeParams(k=self.k, budget=self.budget, max_candidates=self.candidates(batch, index.cross),
+                            max_ngram=self.max_ngram, min_ngram=self.min_ngram, short_weight=self.short_weight,
+                            min_score=float(min_score))
         kernel = propose_tree_batch if batch >= self._parallel_min else propose_tree_serial
-        kernel(history, rows, lengths, max_depth, self.k, self.budget, self.candidates(batch, index.cross), self.max_ngram,
-               self.min_ngram,
-               self.short_weight, decay, float(min_score), *index.arrays(), tokens, parents, num,
-               *self._buffers())
-        return tokens, parents, num
+        kernel(index.sources(history), params, rows, lengths, max_depth, decay, trees, self._buffers())
+        return trees.tokens, trees.parents, trees.num_nodes
 
 
 def batch_min_score(base: float, batch: int, k: int, fixed_tokens: float | None) -> float:

@@ -227,6 +227,19 @@ def test_tree_builder_parallel_batch_matches_serial():
         assert ni[0] == n[i] and (ti[0] == t[i]).all() and (pi[0] == p[i]).all()
 
 
+def test_module_docstring_example():
+    """tree.py's worked example: `5 6` followed once by `7 5` and (newest) by `8 5`."""
+    hist = np.array([[5, 6, 7, 5, 6, 8, 5, 6]], dtype=np.int64)
+    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([8]), max_depth=np.array([4]))
+    assert (t.tolist(), p.tolist(), n.tolist()) == ([[8, 5, 7, 5]], [[0, 1, 0, 3]], [4])
+    # a row that may emit 2 more tokens gets 2 nodes: the chain's path
+    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([8]))
+    assert (t.tolist(), p.tolist(), n.tolist()) == ([[8, 5, -1, -1]], [[0, 1, -1, -1]], [2])
+    # with a min score above 0.5, the voted path is left out
+    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([8]), max_depth=np.array([4]), min_score=0.6)
+    assert n.tolist() == [2]
+
+
 def test_one_occurrence_gives_the_chain():
     """Where the suffix occurred once before, the tree is the chain drafter's draft."""
     from hf_plookup.drafting.ngram import NgramProposer
