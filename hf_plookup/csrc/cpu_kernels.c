@@ -715,6 +715,36 @@ int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const
     return atomic_load(&j.failed) ? -1 : 0;
 }
 
+/* RMS normalization of M rows of K values, x and out fp32 (or bf16 when bf16), w [K] the same:
+ *   r = 1 / sqrt(sum(x^2) / K + eps), the sum in 8 lanes over K added in the fixed tree of dot8_c;
+ *   form 0 (Llama's): out = w * round(x * r)  (round: to the dtype, a no-op in fp32)
+ *   form 1 (Gemma's): out = round(x * r * (1 + w)).
+ * Each row alone, in one fixed order whatever M: no threads (a row is a few hundred values). */
+int64_t rms_norm(const void* x, int64_t M, int64_t K, const void* w, float eps, int64_t form, void* out,
+                 int64_t bf16) {
+    int b16 = (int)bf16;
+    for (int64_t m = 0; m < M; m++) {
+        float acc[8] = {0};
+        for (int64_t k = 0; k < K; k++) {
+            float v = load1(x, m * K + k, b16);
+            acc[k & 7] += v * v;
+        }
+        float sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        float r = 1.0f / sqrtf(sum / (float)K + eps);
+        for (int64_t k = 0; k < K; k++) {
+            float y = load1(x, m * K + k, b16) * r;
+            if (form == 0) {
+                if (b16) y = bf16_to_f32(f32_to_bf16(y));
+                y = load1(w, k, b16) * y;
+            } else {
+                y = y * (1.0f + load1(w, k, b16));
+            }
+            store1(out, m * K + k, y, b16);
+        }
+    }
+    return 0;
+}
+
 int64_t uses_avx2(void) { return simd >= 1; }
 
 /* the SIMD level the kernels run (see `simd`); set_simd_level picks a lower one (tests compare them) */

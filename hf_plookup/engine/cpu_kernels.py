@@ -10,6 +10,8 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
   output is one dot product in a fixed order (8 fp32 lanes over K, the lanes added in one fixed
   tree), so row i of an M-row call is bitwise that row alone, at any M and thread count.
   float32 and bfloat16 (widened in registers, fp32 accumulation, rounded once at the output).
+- `rms_norm(x, weight, eps, form)`: RMS normalization of each row alone, its sum of squares in
+  the same fixed lane order (the two forms HF's RMSNorm modules take, `RMS_FORMS`).
 - `attend(...)`: one query head over exactly its visible keys, read in place from the pages in
   position order, with one fixed order of arithmetic per query: chains, tree nodes (the
   context, then the node's ancestors), GQA, sliding windows (the caller trims the keys) and
@@ -55,6 +57,8 @@ def _load():
         lib.simd_level.restype = i64
         lib.set_simd_level.restype = i64
         lib.set_simd_level.argtypes = [i64]
+        lib.rms_norm.restype = i64
+        lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, i64, ptr, i64]
         return lib
     return None
 
@@ -125,6 +129,31 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
                        w.dtype == torch.bfloat16, torch.get_num_threads()):
             raise MemoryError("cpu_kernels.linear: no memory to widen the bf16 input")
     return out
+
+
+# the RMSNorm arithmetic `rms_norm` reproduces, r being 1 / sqrt(mean(x^2) + eps) in float32:
+# "scale_after" (Llama's and most models'): weight * (x * r) with x * r rounded to x's dtype first;
+# "one_plus" (Gemma's): x * r * (1 + weight) in float32, rounded once
+RMS_FORMS = {"scale_after": 0, "one_plus": 1}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
+    """RMS normalization of x [..., K] over its last dimension with weight [K] (both float32, or
+    both bfloat16, on CPU), each row alone in one fixed order (`RMS_FORMS` names the forms).
+
+    Example (float32): x = [[3, 4]], weight = [1, 1], eps = 0: r = 1 / sqrt(12.5), so
+    `rms_norm(x, w, 0.0, "scale_after")` is [[0.8485, 1.1314]], and "one_plus" doubles it."""
+    k = weight.shape[-1]
+    if x.dtype != weight.dtype or x.dtype not in DTYPES or x.shape[-1] != k or weight.dim() != 1:
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
+    x2d = x.reshape(-1, k)
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    w = weight.contiguous()
+    out = torch.empty(x2d.shape, dtype=x.dtype)
+    _LIB.rms_norm(x2d.data_ptr(), x2d.shape[0], k, w.data_ptr(), eps, RMS_FORMS[form], out.data_ptr(),
+                  x.dtype == torch.bfloat16)
+    return out.view(x.shape)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: np.ndarray, seq: np.ndarray,

@@ -23,7 +23,9 @@ engine forward and restored after):
   A prompt chunk's rows run as one call of that chunk alone (they need only be the same in every
   batch, not equal to 1-row calls): the "cpu" kernel for bf16 and for fp32 chunks of up to
   PREFILL_TORCH_ROWS rows, else torch's call.
-- **everything else** (embeddings, norms, RoPE, activations, residuals, the KV write) is
+- **RMSNorm modules** on CPU whose arithmetic `cpu_kernels.rms_norm` reproduces (`rms_form`
+  checks each on random rows): one C call per norm instead of HF's half-dozen torch ops.
+- **everything else** (embeddings, other norms, RoPE, activations, residuals, the KV write) is
   per-row elementwise work or per-row reductions; tests/engine/test_invariant.py checks the whole
   forward bitwise on the tiny architectures.
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -201,13 +204,68 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _rms_eps(module: torch.nn.Module) -> float | None:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def rms_form(module: torch.nn.Module) -> str | None:
+    """Which `cpu_kernels.RMS_FORMS` form `module`'s forward computes, or None. A candidate is a
+    module named like a norm, with one 1-D float32/bfloat16 CPU weight, an epsilon
+    (`variance_epsilon` or `eps`) and a forward of the hidden states alone; its form is the one
+    whose output matches the module's own on random rows (to float32 rounding, or bfloat16's)."""
+    weight, eps = getattr(module, "weight", None), _rms_eps(module)
+    if ("norm" not in type(module).__name__.lower() or not isinstance(weight, torch.nn.Parameter) or eps is None
+            or weight.dim() != 1 or weight.device.type != "cpu" or weight.dtype not in cpu_kernels.DTYPES
+            or not cpu_kernels.available()):
+        return None
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, weight.shape[0], generator=gen) * 3 + 0.5).to(weight.dtype)
+    tol = 1e-5 if weight.dtype == torch.float32 else 1e-2
+    with torch.inference_mode():
+        try:
+            ref = type(module).forward(module, x)
+        except Exception:  # noqa: BLE001 - a norm whose forward wants other inputs is left alone
+            return None
+        if not isinstance(ref, torch.Tensor) or ref.shape != x.shape or ref.dtype != x.dtype:
+            return None
+        for form in cpu_kernels.RMS_FORMS:
+            got = cpu_kernels.rms_norm(x, weight, eps, form)
+            if torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max())):
+                return form
+    return None
+
+
+def _bind_norm(module: torch.nn.Module, form: str):
+    eps = _rms_eps(module)
+
+    def forward(x):
+        w = module.weight
+        if torch.compiler.is_compiling() or x.dtype != w.dtype or x.device.type != "cpu":
+            return type(module).forward(module, x)
+        return cpu_kernels.rms_norm(x, w, eps, form)
+
+    return forward
+
+
 class InvariantLinears:
-    """Routes every plain `nn.Linear` of `model` through `invariant_linear` for one engine
-    forward (`active`), restoring the modules after."""
+    """Routes every plain `nn.Linear` of `model` through `invariant_linear`, and its RMSNorm
+    modules that `rms_form` recognises through `cpu_kernels.rms_norm`, for one engine forward
+    (`active`), restoring the modules after."""
 
     def __init__(self, model: torch.nn.Module):
         self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m)]
         self.forwards = [self._bind(m) for m in self.modules]
+        # RMSNorm modules whose arithmetic cpu_kernels.rms_norm reproduces: one C call instead of
+        # the half-dozen torch ops of HF's forward (row-local either way)
+        for m in model.modules():
+            form = rms_form(m) if "forward" not in vars(m) else None
+            if form is not None:
+                self.modules.append(m)
+                self.forwards.append(_bind_norm(m, form))
 
     @staticmethod
     def _bind(module):

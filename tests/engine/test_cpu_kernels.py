@@ -89,6 +89,43 @@ def test_linear_rejects_mixed_dtypes():
         ck.linear(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)
 
 
+
+def test_rms_norm_literal():
+    """The docstring's example: r = 1 / sqrt((9 + 16) / 2) = 1 / sqrt(12.5)."""
+    x, w = torch.tensor([[3.0, 4.0]]), torch.tensor([1.0, 1.0])
+    r = 1 / 12.5**0.5
+    torch.testing.assert_close(ck.rms_norm(x, w, 0.0, "scale_after"), torch.tensor([[3 * r, 4 * r]]))
+    torch.testing.assert_close(ck.rms_norm(x, w, 0.0, "one_plus"), torch.tensor([[6 * r, 8 * r]]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 700), dtype=st.sampled_from(["fp32", "bf16"]),
+       form=st.sampled_from(sorted(ck.RMS_FORMS)), eps=st.sampled_from([1e-6, 1e-5, 0.1]), seed=st.integers(0, 2**16))
+def test_rms_norm_rows_are_invariant(m, k, dtype, form, eps, seed):
+    """Each row of an M-row call equals that row alone and in another order; values match a
+    float64 reference of the form (within the dtype's rounding)."""
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 4).to(dt)
+    w = torch.randn(k, generator=g).to(dt)
+    full = ck.rms_norm(x, w, eps, form)
+    i = int(torch.randint(m, (1,), generator=g))
+    assert torch.equal(ck.rms_norm(x[i : i + 1], w, eps, form), full[i : i + 1])
+    perm = torch.randperm(m, generator=g)
+    assert torch.equal(ck.rms_norm(x[perm], w, eps, form), full[perm])
+    xd, wd = x.double(), w.double()
+    normed = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    ref = normed * wd if form == "scale_after" else normed * (1 + wd)
+    rtol, atol = (1e-5, 1e-5) if dt == torch.float32 else (2**-6, 1e-2)  # bf16 "scale_after" rounds twice
+    torch.testing.assert_close(full.double(), ref, rtol=rtol, atol=atol * float(ref.abs().max()))
+
+
+def test_rms_norm_rejects_what_does_not_fit():
+    with pytest.raises(ValueError, match="does not fit weight"):
+        ck.rms_norm(torch.randn(2, 8), torch.randn(8).bfloat16(), 1e-6, "scale_after")
+    with pytest.raises(ValueError, match="does not fit weight"):
+        ck.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6, "scale_after")
+
 def _dense_reference(q, kc, vc, kv_slots, seq, lo, hi, xoff, extra, scale, softcap):
     """Each token's attention in float64 over exactly its keys."""
     t, h, d = q.shape

@@ -198,6 +198,31 @@ def test_row_linear_rows_do_not_depend_on_the_call():
         assert torch.equal(row_linear(x.t().contiguous().t(), w, b), alone)  # a strided input
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norms_recognised_by_their_output(dtype):
+    """`rms_form` names the arithmetic of Llama's and Gemma's RMSNorm (checked on random rows),
+    and leaves alone what the C kernel does not compute: LayerNorm, a gated norm (it takes a
+    second input), a norm on another dtype."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    llama, gemma = LlamaRMSNorm(40, eps=1e-6).to(dtype), Gemma3RMSNorm(40, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        llama.weight.normal_()
+        gemma.weight.normal_()
+    assert invariant_mod.rms_form(llama) == "scale_after"
+    assert invariant_mod.rms_form(gemma) == "one_plus"
+    assert invariant_mod.rms_form(torch.nn.LayerNorm(40).to(dtype)) is None
+    assert invariant_mod.rms_form(Qwen3NextRMSNormGated(40).to(dtype)) is None
+    assert invariant_mod.rms_form(llama.to(torch.float16)) is None
+    x = torch.randn(3, 40).to(dtype)
+    routed = invariant_mod.InvariantLinears(torch.nn.Sequential(gemma))
+    assert routed.modules == [gemma]  # what an engine forward routes through cpu_kernels.rms_norm
+    with torch.inference_mode():
+        torch.testing.assert_close(routed.forwards[0](x), Gemma3RMSNorm.forward(gemma, x))
+
 def test_tree_node_sees_context_then_its_ancestors():
     from hf_plookup.attention.metadata import StepLayout
 
