@@ -151,7 +151,7 @@ class _Timer:
 def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
     """Where a CPU step's time goes, eager invariant mode (what wrap runs on CPU), per batch and q:
     the linear kernel and the attention kernel (engine.cpu_kernels), the linears' Python path
-    around the kernel (module call, layout, strategy), RMS/layer norms (HF's modules, whole), the
+    around the kernel (module call, layout, strategy), RMS/layer norms (whole: the C kernel where invariant mode routes them, else HF's modules), the
     rest of the forward (RoPE, residuals, activations, HF's module overhead, the step's layout), and
     per step of generation the n-gram drafter (k=q-1 over --context tokens of history) and greedy
     sampling (argmax of the q kept rows). Timers wrap the calls, so the step is a little slower here
@@ -163,7 +163,10 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
 
     inv = InvariantLinears(model)
     gr = GraphRunner(model, cache, "sdpa", max(args.batch_sizes), capture=False, compiled=False, invariant=inv)
-    norms = [m for m in model.modules() if "norm" in type(m).__name__.lower()]
+    # norms: those invariant mode routes to cpu_kernels.rms_norm are timed through their routed
+    # forward (inv.forwards), the others through their own
+    is_linear = [type(m) is torch.nn.Linear for m in inv.modules]
+    norms = [m for m in model.modules() if "norm" in type(m).__name__.lower() and m not in inv.modules]
     rows = []
     lin_k, att_k = cpu_kernels.linear, cpu_kernels.attend
     try:
@@ -187,8 +190,9 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
                 step = (time.perf_counter() - t0) / args.iters
                 lin = cpu_kernels.linear.total / args.iters
                 att = cpu_kernels.attend.total / args.iters
-                lin_py = sum(f.total for f in inv.forwards) / args.iters - lin
-                nrm = sum(t.total for t in norm_t.values()) / args.iters
+                lin_py = sum(f.total for f, li in zip(inv.forwards, is_linear) if li) / args.iters - lin
+                nrm = (sum(t.total for t in norm_t.values())
+                       + sum(f.total for f, li in zip(inv.forwards, is_linear) if not li)) / args.iters
                 hist = np.random.default_rng(0).integers(3, 1000, size=(b, args.context))
                 prop = NgramProposer(max(q - 1, 1))
                 lengths = np.full(b, args.context)
