@@ -151,10 +151,10 @@ class _Timer:
 def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
     """Where a CPU step's time goes, eager invariant mode (what wrap runs on CPU), per batch and q:
     the linear kernel and the attention kernel (engine.cpu_kernels), the linears' Python path
-    around the kernel (module call, layout, strategy), RMS/layer norms (whole: the C kernel where invariant mode routes them, else HF's modules), the
-    rest of the forward (RoPE, residuals, activations, HF's module overhead, the step's layout), and
-    per step of generation the n-gram drafter (k=q-1 over --context tokens of history) and greedy
-    sampling (argmax of the q kept rows). Timers wrap the calls, so the step is a little slower here
+    around the kernel (module call, layout, strategy), RMS/layer norms (whole: the C kernel where
+    invariant mode routes them, else HF's modules), the rest of the forward (RoPE, residuals,
+    activations, HF's module overhead, the step's layout), and per step of generation the n-gram
+    drafter (k=q-1 over --context tokens of history) and greedy sampling (argmax of the q kept rows). Timers wrap the calls, so the step is a little slower here
     than in the table above."""
     from hf_plookup.drafting.ngram import NgramProposer
     from hf_plookup.engine import cpu_kernels

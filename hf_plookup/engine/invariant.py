@@ -283,8 +283,8 @@ class InvariantLinears:
 
     @contextlib.contextmanager
     def active(self, layout, device: torch.device):
-        """Linear layers and attention in invariant mode for the step `layout` (a
-        metadata.StepLayout; for a compiled or captured step, the layout padded to its bucket)."""
+        """Linear layers, recognised norms and attention in invariant mode for the step `layout`
+        (a metadata.StepLayout; for a compiled or captured step, the layout padded to its bucket)."""
         # through the instance dict: nn.Module's __setattr__/__delattr__ check for parameters,
         # buffers and submodules on every call, which adds up over a model's linears every step
         for m, f in zip(self.modules, self.forwards):

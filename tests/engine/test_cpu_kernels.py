@@ -89,7 +89,6 @@ def test_linear_rejects_mixed_dtypes():
         ck.linear(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)
 
 
-
 def test_rms_norm_literal():
     """The docstring's example: r = 1 / sqrt((9 + 16) / 2) = 1 / sqrt(12.5)."""
     x, w = torch.tensor([[3.0, 4.0]]), torch.tensor([1.0, 1.0])
@@ -125,6 +124,7 @@ def test_rms_norm_rejects_what_does_not_fit():
         ck.rms_norm(torch.randn(2, 8), torch.randn(8).bfloat16(), 1e-6, "scale_after")
     with pytest.raises(ValueError, match="does not fit weight"):
         ck.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6, "scale_after")
+
 
 def _dense_reference(q, kc, vc, kv_slots, seq, lo, hi, xoff, extra, scale, softcap):
     """Each token's attention in float64 over exactly its keys."""

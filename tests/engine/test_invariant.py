@@ -198,7 +198,6 @@ def test_row_linear_rows_do_not_depend_on_the_call():
         assert torch.equal(row_linear(x.t().contiguous().t(), w, b), alone)  # a strided input
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norms_recognised_by_their_output(dtype):
     """`rms_form` names the arithmetic of Llama's and Gemma's RMSNorm (checked on random rows),
@@ -222,6 +221,7 @@ def test_rms_norms_recognised_by_their_output(dtype):
     assert routed.modules == [gemma]  # what an engine forward routes through cpu_kernels.rms_norm
     with torch.inference_mode():
         torch.testing.assert_close(routed.forwards[0](x), Gemma3RMSNorm.forward(gemma, x))
+
 
 def test_tree_node_sees_context_then_its_ancestors():
     from hf_plookup.attention.metadata import StepLayout
