@@ -18,6 +18,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .attention.positions import left_padded, position_embedders
+from .attention.recurrent import mixer_modules, state_only
 from .engine.sequence import DecodeConfig
 from .outputs import CACHE_FIELD
 
@@ -395,10 +396,11 @@ def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Reques
         input_ids = input_ids.repeat_interleave(nrs, dim=0)
         mask = mask.repeat_interleave(nrs, dim=0)
     if not bool(mask.all()) and "position_ids" not in inspect.signature(model.forward).parameters and not (
-            position_embedders(model) and left_padded(mask)):
+            position_embedders(model) and left_padded(mask)) and not state_only(model):
         # HF's generate passes position_ids only to a forward that names them; such a model counts a
         # row's pads as positions: the engine hands them to its position embedding where it has
-        # one (BART's family, Whisper's decoder: attention.positions) and the pads are all on the left
+        # one (BART's family, Whisper's decoder: attention.positions) and the pads are all on the left;
+        # a model of recurrent mixers only (Mamba) sees no positions at all
         return "padded rows on a model whose forward takes no position_ids"
     prompts = attended_rows(input_ids, mask)
     if pad is not None and input_ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):
@@ -423,6 +425,10 @@ def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Reques
     )
     stopping = StoppingCriteriaList(c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
     past = call.past
+    keep_kv = past is not None or bool(config.return_dict_in_generate and model_kwargs.get("use_cache", config.use_cache))
+    if keep_kv and mixer_modules(model):
+        # HF's cache of a hybrid model holds each recurrent layer's state, which the pages do not
+        return "a cache in or out (`past_key_values`, `return_dict_in_generate`) on a model with recurrent mixers"
     decode = DecodeConfig(
         max_new_tokens=max_new,
         eos_token_ids=eos,
@@ -440,7 +446,7 @@ def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Reques
         hf_input_ids=input_ids.cpu().numpy().astype(np.int64),
         pad_token_id=pad,
         # HF returns its cache with return_dict_in_generate (unless use_cache=False) and extends a given one
-        keep_kv=past is not None or bool(config.return_dict_in_generate and model_kwargs.get("use_cache", config.use_cache)),
+        keep_kv=keep_kv,
         # its keys and values are read, as HF reads them, not computed again
         prompt_kv=caller_kv(past, mask) if past is not None else None,
     )

@@ -86,13 +86,33 @@ ARCHS = {
     "pegasus": {"decoder_layers": 2, "decoder_attention_heads": 4, "decoder_ffn_dim": 128, "encoder_layers": 1,
                 "encoder_attention_heads": 4, "encoder_ffn_dim": 128, "num_key_value_heads": None},
 }
+# hybrid and state-space models: recurrent token mixers whose per-sequence states live beside the
+# pages (attention.recurrent); they draft chains only and run eagerly only, so the tests of trees,
+# compiled steps and invariant mode over ARCHS leave them out
+RECURRENT_ARCHS = {
+    # gated delta net + full attention, MoE MLP (Qwen 3.5 and OLMo-Hybrid share the mixer)
+    "qwen3_next": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32},
+    # Mamba-2 mixer, attention, and layers that mix no tokens (MoE, MLP)
+    "nemotron_h": {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
+                   "head_dim": 16, "ssm_state_size": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
+                   "n_routed_experts": 4, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32},
+    # a Mamba-2 mixer and attention side by side in every layer (one layer index, a state and pages)
+    "falcon_h1": {"head_dim": 16, "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1,
+                  "mamba_d_state": 16, "mamba_chunk_size": 16},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False},  # short convolution
+    "mamba": {"state_size": 8},  # no attention at all: no pages, and padded rows need no positions
+}
+
 # positions counted from the cache: a left-padded row's pads count (as in HF), so a row alone and
 # in a padded batch differ; run eagerly only (attention.positions patches a module per step)
 POSITIONS_FROM_CACHE = {"bart", "pegasus"}
 # steps run eagerly only: compile=True is refused (positions handed by a patch, attention sinks)
 EAGER_ONLY = POSITIONS_FROM_CACHE | {"gpt_oss"}
 # refused at wrap time, with the architecture and the reason in the message
-REFUSED_ARCHS = {"mamba": "attention", "bloom": "AttentionInterface", "falcon": "probe forward",
+REFUSED_ARCHS = {"xglm": "AttentionInterface", "bloom": "AttentionInterface", "falcon": "probe forward",
                  "bert": "attend both ways",  # built as a causal LM without is_decoder=True
                  # takes its positions from its cache's length, not from position_ids: decode steps would differ
                  "diffllama": "fed the way the engine feeds later tokens"}
@@ -100,7 +120,7 @@ REFUSED_ARCHS = {"mamba": "attention", "bloom": "AttentionInterface", "falcon": 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
     kw = dict(_BASE)
-    kw.update(ARCHS.get(arch, {}))
+    kw.update(ARCHS.get(arch, RECURRENT_ARCHS.get(arch, {})))
     kw.update(overrides)
     kw = {k: v for k, v in kw.items() if v is not None}
     config = AutoConfig.for_model(kw.pop("model_type", arch), **kw)

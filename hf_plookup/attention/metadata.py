@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
+from .recurrent import StepRows
+
 
 @dataclass(slots=True)
 class StepLayout:
@@ -54,6 +56,10 @@ class StepLayout:
     # [T] int64: the position each token's position embedding gets on a model that counts them
     # from its cache (positions plus the row's left pads: attention.positions); None for others
     embed_positions: np.ndarray | None = None
+    # [B] int64 each chunk's sequence id and [B] int64 its real tokens (padded drafts left out):
+    # what recurrent mixers key and cut their states by (attention.recurrent); None where unused
+    seq_ids: np.ndarray | None = None
+    num_real: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         b, tq = self.query_pos.shape
@@ -61,7 +67,7 @@ class StepLayout:
         for name, shape in (("positions", (t,)), ("depth", (t,)), ("slot_mapping", (t,)), ("prefill", (b,)),
                             ("context_lens", (b,)), ("cu_seqlens_q", (b + 1,)), ("cu_seqlens_k", (b + 1,)),
                             ("q_gather", (b * tq,)), ("q_scatter", (t,)), ("tree_mask", (b, tq, tq)),
-                            ("embed_positions", (t,))):
+                            ("embed_positions", (t,)), ("seq_ids", (b,)), ("num_real", (b,))):
             a = getattr(self, name)
             if a is not None and a.shape != shape:
                 raise ValueError(f"StepLayout.{name} must be {list(shape)}, got {list(a.shape)}")
@@ -100,6 +106,11 @@ class StepLayout:
     def is_decode(self) -> bool:
         """No prompt chunk in this step."""
         return not self.prefill.any()
+
+    def recurrent_rows(self) -> StepRows:
+        """The step as recurrent mixers split it (needs `seq_ids` and `num_real`)."""
+        return StepRows(self.seq_ids, self.positions[self.cu_seqlens_q[:-1]], self.num_real, self.cu_seqlens_q,
+                        self.prefill)
 
     def device_arrays(self) -> dict[str, np.ndarray]:
         """What the device reads of this step (the model's inputs, the attention's layout), in the

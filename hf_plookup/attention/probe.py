@@ -8,7 +8,9 @@ on a few tokens: once as it is, once with a recording attention function registe
 own name that computes plain causal attention from the arguments it is given. The recording gives
 each layer's real key layout (KV heads, head size, dtype, device: from the tensors, not from config
 fields the architecture may ignore), and the two outputs must agree, or the model is refused with
-the reason.
+the reason. A layer that calls no attention function must be a recurrent mixer whose state
+attention.recurrent keeps per sequence, or mix no tokens at all; a third run feeds the tokens in
+pieces as the engine does (a prompt chunk, then one token at a time) and must agree too.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from __future__ import annotations
 import contextvars
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 
 from .dense import softcapped_attention
 from .positions import given_positions, position_embedders
+from .recurrent import RecurrentMixers, StepRows, mixer_modules, no_mixer_layers
 from .registry import engine_attention
 
 PROBE_IMPLEMENTATION = "hf_plookup_probe"
@@ -122,9 +126,10 @@ def _num_layers(model: torch.nn.Module) -> int | None:
 
 
 @torch.inference_mode()
-def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLayout]:
-    """One `KeyLayout` per decoder layer; `ValueError` naming the architecture and the reason
-    when the paged attention cannot stand in for the model's own."""
+def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLayout | None]:
+    """One `KeyLayout` per decoder layer, None for a layer without keys (a recurrent mixer's,
+    attention.recurrent, or one that mixes no tokens); `ValueError` naming the architecture and the
+    reason when the paged attention and the per-sequence states cannot stand in for the model's own."""
     if AttentionInterface._global_mapping.get(PROBE_IMPLEMENTATION) is not _probe_attention:
         AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -157,17 +162,20 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
     finally:
         _RECORDING.reset(token)
     n = _num_layers(model)
-    if not rec.layouts:
+    mixers = mixer_modules(model)  # recurrent mixers: their layers keep a state, not keys
+    stateless = no_mixer_layers(model)
+    if not rec.layouts and not mixers:
         raise ValueError(f"hf_plookup cannot run {_arch(model)}: none of its layers calls an attention function "
-                         "through transformers' AttentionInterface (a model-specific attention path, or non-attention "
-                         "mixers such as Mamba), so the paged KV cache cannot be plugged in")
+                         "through transformers' AttentionInterface or keeps a recurrent state in HF's cache (a "
+                         "model-specific attention path), so the paged KV cache cannot be plugged in")
     if rec.anonymous_calls:
         raise ValueError(f"hf_plookup cannot run {_arch(model)}: some attention modules have no integer `layer_idx`, "
                          "so their keys cannot be given pages")
-    missing = sorted(set(range(n)) - set(rec.layouts)) if n is not None else []
-    if missing or (n is not None and sorted(rec.layouts) != list(range(n))):
+    n = n if n is not None else max([*rec.layouts, *mixers]) + 1
+    missing = sorted(set(range(n)) - set(rec.layouts) - set(mixers) - stateless)
+    if missing or not set(rec.layouts) <= set(range(n)):
         raise ValueError(f"hf_plookup cannot run {_arch(model)}: layers {missing or sorted(rec.layouts)} do not call "
-                         "an attention function (non-attention mixers such as Mamba layers are not supported)")
+                         "an attention function and keep no recurrent state through HF's cache API")
     diff = float((reference - probed).abs().max())
     tol = atol if reference.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 5e-2
     scale = max(float(reference.abs().max()), 1.0)
@@ -179,33 +187,67 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
         raise ValueError(f"hf_plookup cannot run {_arch(model)}: its outputs change when its attention runs through "
                          f"AttentionInterface (max logit difference {diff:.3g}); it attends in a way the paged cache "
                          "does not reproduce (e.g. keys shared across layers)")
-    diff = _continuation_diff(model, ids, reference)
+    # recurrent mixers compute a prompt chunk (a chunked scan) and single tokens (a recurrence step)
+    # differently, so HF's own generate rounds differently from one whole forward: the pieces are
+    # compared with HF fed the same pieces through its own cache
+    diff = _continuation_diff(model, ids, _cached_reference(model, ids, pos) if mixers else reference, mixers)
     if not diff <= tol * scale:
         raise ValueError(f"hf_plookup cannot run {_arch(model)}: fed the way the engine feeds later tokens (their "
                          "position_ids and the earlier tokens' keys, no cache object), its outputs change (max logit "
                          f"difference {diff:.3g}): it takes positions or state from somewhere else, such as its own "
                          "cache's length")
-    return [rec.layouts[i] for i in range(len(rec.layouts))]
+    return [rec.layouts.get(i) for i in range(n)]
 
 
-def _continuation_diff(model: torch.nn.Module, ids: torch.Tensor, reference: torch.Tensor) -> float:
-    """The probe tokens fed as the engine feeds them, a prompt chunk then later tokens: each call
-    with `position_ids`, no mask and no cache object, attention over the keys recorded so far.
-    Returns the largest logit difference from the whole-input forward."""
+def _pieces() -> tuple[tuple[int, int], ...]:
+    """How the continuation check cuts the probe tokens: a prompt chunk, then one token at a time."""
     split = PROBE_TOKENS - 2
+    return (0, split), (split, split + 1), (split + 1, PROBE_TOKENS)
+
+
+def _cached_reference(model: torch.nn.Module, ids: torch.Tensor, pos: dict) -> torch.Tensor:
+    """The logits HF's generate computes for the probe tokens fed in `_pieces` through its own
+    cache; the whole-input forward's where the model cannot be fed so."""
+    from transformers import DynamicCache
+
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    name = next((n for n in ("cache", "past_key_values", "cache_params") if n in params), None)
+    parts = []
+    try:
+        cache = DynamicCache(config=model.config)
+        for lo, hi in _pieces():
+            extra = {"position_ids": pos["position_ids"][:, lo:hi]} if pos else {}
+            parts.append(model(input_ids=ids[:, lo:hi], **{name: cache}, use_cache=True, **extra).logits.float())
+    except Exception:
+        return model(input_ids=ids, use_cache=False, **pos).logits.float()
+    return torch.cat(parts, 1)
+
+
+def _continuation_diff(model: torch.nn.Module, ids: torch.Tensor, reference: torch.Tensor,
+                       mixers: dict[int, torch.nn.Module]) -> float:
+    """The probe tokens fed as the engine feeds them, a prompt chunk then later tokens: each call
+    with `position_ids`, no mask and no cache object, attention over the keys recorded so far,
+    recurrent mixers resuming their states (attention.recurrent). Returns the largest logit
+    difference from the whole-input forward."""
     rec = _Recording(kv={})
     token = _RECORDING.set(rec)
     embedders = position_embedders(model)  # models counting positions from their cache (attention.positions)
+    recurrent = RecurrentMixers(model, mixers)
     parts = []
     try:
         with engine_attention(model, PROBE_IMPLEMENTATION):
-            for lo, hi in ((0, split), (split, split + 1), (split + 1, PROBE_TOKENS)):
+            for lo, hi in _pieces():
                 pos = torch.arange(lo, hi, device=ids.device)
-                with given_positions(embedders, pos):
+                rows = StepRows(np.zeros(1, np.int64), np.array([lo]), np.array([hi - lo]), np.array([0, hi - lo]),
+                                np.array([lo == 0]))
+                with given_positions(embedders, pos), recurrent.active(rows):
                     parts.append(model(input_ids=ids[:, lo:hi], position_ids=pos[None], attention_mask=None,
                                        use_cache=False).logits.float())
     except Exception:  # a model that cannot be fed in pieces this way
         return float("inf")
     finally:
         _RECORDING.reset(token)
+        recurrent.states.clear()
     return float((reference - torch.cat(parts, 1)).abs().max())

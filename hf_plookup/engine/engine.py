@@ -14,6 +14,7 @@ import torch
 from ..attention.ops import COMPILABLE_BACKENDS
 from ..attention.pages import store_kv
 from ..attention.positions import position_embedders
+from ..attention.recurrent import RecurrentMixers
 from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS, resolve_backend, resolve_block_size
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import history_free
@@ -170,8 +171,12 @@ class Engine:
         # position embedders handed each step's positions (attention.positions)
         self.embedders = position_embedders(model)
         self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda" and not hooked
+        # recurrent mixers (hybrid and state-space models): their per-sequence states (attention.recurrent)
+        self.mixers = RecurrentMixers(model)
         eager_only = None  # why steps cannot be compiled or captured
-        if self.embedders:
+        if self.mixers:
+            eager_only = "its recurrent mixers run row by row with each sequence's state"
+        elif self.embedders:
             eager_only = "its position embedding counts positions from its cache (they are handed to it eagerly)"
         elif any(s.sinks for s in self.specs):
             eager_only = "its attention has sinks (the compiled attention op has none)"
@@ -201,6 +206,11 @@ class Engine:
         # prefix pool (BlockManager): on with invariant mode under "auto"; its pages are kept as
         # long as the weights' fingerprint does not change
         self.prefix_cache = invariant if options.prefix_cache == "auto" else bool(options.prefix_cache)
+        if self.mixers:  # a pooled page holds keys, not the recurrent state after it
+            if options.prefix_cache is True:
+                raise ValueError("prefix_cache=True cannot run: this model's recurrent mixers keep a state per "
+                                 "sequence that pooled pages do not hold; use prefix_cache=False or 'auto'")
+            self.prefix_cache = False
         bs = self.options.block_size
         self.prefill_unit = min(PREFILL_UNIT, options.max_batch_tokens) if invariant else None
         unit = self.prefill_unit or max(bs, PREFILL_UNIT // bs * bs)
@@ -361,9 +371,11 @@ class Engine:
         """Candidate trees run when asked for (`prompt_lookup_tree_nodes`, or sources beyond the
         row: `draft_cross_rows`, `draft_corpus`), the attention backend takes a tree mask, and no
         logits processor looks at the tokens (a tree's branches have different histories);
-        otherwise the call drafts one chain of k from its own row."""
+        otherwise the call drafts one chain of k from its own row. Models with recurrent mixers
+        draft chains: their states follow one chain of tokens."""
         asked = cfg.tree_nodes > 0 or cfg.cross_rows or cfg.corpus is not None
-        return cfg.k > 0 and asked and self.options.attn_backend in TREE_BACKENDS and history_free(cfg.processors)
+        return (cfg.k > 0 and asked and self.options.attn_backend in TREE_BACKENDS and history_free(cfg.processors)
+                and not self.mixers)
 
     def proposer(self, cfg: DecodeConfig) -> NgramProposer | TreeProposer | None:
         if cfg.k == 0:
@@ -432,7 +444,7 @@ class Engine:
         sched.on_admit, sched.defer, batch.register = self._prefix_hooks(batch, blocks, cache)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
-                             graphs, self.head, self.invariant, self.embedders)
+                             graphs, self.head, self.invariant, self.embedders, self.mixers)
         batch.add(own)
         with self._state_lock:
             self._batch = batch
@@ -463,6 +475,7 @@ class Engine:
             raise
         finally:
             blocks.free_all()
+            self.mixers.states.clear()
             if graphs is not None:
                 own.stats.compile_time += graphs.compile_seconds - compile_before
             if cfg.streamer is not None:

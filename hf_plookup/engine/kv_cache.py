@@ -18,7 +18,9 @@ logger = logging.getLogger("hf_plookup")
 
 @dataclass(slots=True)
 class LayerSpec:
-    """Where and how one attention layer keeps its pages."""
+    """Where and how one layer keeps its pages. A layer without keys (a recurrent mixer's, whose
+    state attention.recurrent keeps, or one that mixes no tokens) has 0 KV heads and empty pages,
+    so the pages stay indexed by the model's layer index."""
 
     num_kv_heads: int
     head_dim: int
@@ -30,25 +32,40 @@ class LayerSpec:
     sinks: bool = False  # its attention adds per-head sinks to the softmax (gpt-oss): sdpa only
 
     def __post_init__(self) -> None:
+        if self.num_kv_heads == 0 and self.head_dim == 0 and self.value_head_dim is None:
+            return  # a layer without keys
         if self.num_kv_heads < 1 or self.head_dim < 1 or (self.value_head_dim is not None and self.value_head_dim < 1):
-            raise ValueError("num_kv_heads, head_dim and value_head_dim must be >= 1")
+            raise ValueError("num_kv_heads, head_dim and value_head_dim must be >= 1 (or all 0: a layer without keys)")
 
     @property
     def v_dim(self) -> int:
         return self.value_head_dim or self.head_dim
 
+    @property
+    def has_keys(self) -> bool:
+        return self.num_kv_heads > 0
+
     def bytes_per_token(self) -> int:
         return self.num_kv_heads * (self.head_dim + self.v_dim) * torch.empty((), dtype=self.dtype).element_size()
 
 
+# tokens of cache for a model none of whose layers keeps keys (pure state-space models): the
+# blocks then only count positions, and their pages are empty
+STATE_ONLY_TOKENS = 1 << 20
+
+
 def layer_specs(model: torch.nn.Module) -> list[LayerSpec]:
-    """One spec per attention layer, from the keys each layer really hands to its attention
-    function (a probe forward, attention.probe), on that layer's device and dtype: models split
-    by accelerate keep each layer's pages next to its weights, and config fields an
-    architecture ignores (a GPT-NeoX config's `num_key_value_heads`) play no part. Raises
-    `ValueError` naming the architecture when the model cannot run on the paged cache."""
-    return [LayerSpec(k.num_kv_heads, k.head_dim, k.dtype, k.device, k.value_head_dim, k.sinks)
-            for k in probe_key_layouts(model)]
+    """One spec per layer, from the keys each layer really hands to its attention function (a
+    probe forward, attention.probe), on that layer's device and dtype: models split by accelerate
+    keep each layer's pages next to its weights, and config fields an architecture ignores (a
+    GPT-NeoX config's `num_key_value_heads`) play no part. Layers without keys get empty pages on
+    the model's input device. Raises `ValueError` naming the architecture when the model cannot
+    run on the paged cache."""
+    layouts = probe_key_layouts(model)
+    device = input_device(model)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return [LayerSpec(0, 0, dtype, device) if k is None else
+            LayerSpec(k.num_kv_heads, k.head_dim, k.dtype, k.device, k.value_head_dim, k.sinks) for k in layouts]
 
 
 def default_num_tokens(
@@ -68,7 +85,9 @@ def default_num_tokens(
     fp32 logits for `logits_rows` rows (default `warmup_tokens`), which every step needs again.
     """
     per_token = sum(s.bytes_per_token() for s in specs)
-    device = specs[0].device
+    if per_token == 0:
+        return STATE_ONLY_TOKENS
+    device = next(s.device for s in specs if s.has_keys)
     if device.type == "cuda":
         free = None
         if model is not None:
@@ -152,6 +171,8 @@ class PagedKVCache:
         s = torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)).to(device)
         d = torch.from_numpy(np.ascontiguousarray(dst, dtype=np.int64)).to(device)
         for pages in (*self.keys, *self.values):
+            if not pages.numel():  # a layer without keys
+                continue
             flat = pages.view(-1, *pages.shape[2:])
             flat.index_copy_(0, d, flat.index_select(0, s))
 

@@ -26,11 +26,12 @@ class ModelRunner:
     `invariant`: an `invariant.InvariantLinears`: every step runs in invariant mode (each token
     computed as in a 1-token step; `head` is not used, and `graphs` runs its steps in the mode too).
     `embedders`: the model's position embedders that count positions from a cache
-    (attention.positions), handed each step's `embed_positions`."""
+    (attention.positions), handed each step's `embed_positions`. `mixers`: the model's recurrent
+    mixers (attention.recurrent.RecurrentMixers), run per row with their sequences' states."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, blocks: BlockManager, backend: str = "sdpa",
                  pad_to: int | None = None, graphs=None, head: HeadChooser | None = None, invariant=None,
-                 embedders: list[torch.nn.Module] | None = None):
+                 embedders: list[torch.nn.Module] | None = None, mixers=None):
         if pad_to is not None and pad_to < 1:
             raise ValueError(f"pad_to must be >= 1 or None, got {pad_to}")
         self.model = model
@@ -42,6 +43,7 @@ class ModelRunner:
         self.head = head
         self.invariant = invariant
         self.embedders = embedders or []
+        self.mixers = mixers
         self.device = input_device(model)
 
     def layout(self, chunks: list[ScheduledChunk], history: np.ndarray,
@@ -114,7 +116,8 @@ class ModelRunner:
                           keep=np.asarray(keep, dtype=np.int64), prefill=prefill, query_pos=query_pos,
                           kv_slots=kv_slots, context_lens=ctx, block_tables=tables, cu_seqlens_q=offsets,
                           cu_seqlens_k=cu_k, q_gather=q_gather, q_scatter=q_scatter, tree_mask=tree_mask,
-                          embed_positions=embed_pos)
+                          embed_positions=embed_pos, seq_ids=np.array([c.seq.seq_id for c in chunks], dtype=np.int64),
+                          num_real=n_real)
 
     @torch.inference_mode()
     def run(self, layout: StepLayout) -> torch.Tensor:
@@ -130,7 +133,8 @@ class ModelRunner:
         embed = contextlib.nullcontext()
         if layout.embed_positions is not None:
             embed = given_positions(self.embedders, torch.from_numpy(layout.embed_positions).to(self.device))
-        with engine_attention(self.model), attention_context(meta), mode, embed:
+        recurrent = self.mixers.active(layout.recurrent_rows()) if self.mixers else contextlib.nullcontext()
+        with engine_attention(self.model), attention_context(meta), mode, embed, recurrent:
             out = self.model(
                 input_ids=tensors["input_ids"][None],
                 position_ids=tensors["positions"][None],

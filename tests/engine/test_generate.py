@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_plookup
-from tests.conftest import ARCHS, EOS, PAD, left_padded, tiny_model, wrap_copy
+from tests.conftest import ARCHS, EOS, PAD, RECURRENT_ARCHS, left_padded, tiny_model, wrap_copy
 
 
 def _both(model, wrapped, ids, mask, **kw):
@@ -18,7 +18,7 @@ def _both(model, wrapped, ids, mask, **kw):
     return ref, out
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+@pytest.fixture(scope="module", params=sorted(ARCHS | RECURRENT_ARCHS))
 def arch_pair(request):
     model = tiny_model(request.param)
     return request.param, model, wrap_copy(model, max_cache_tokens=4096, block_size=8)
