@@ -66,6 +66,17 @@ def shrink(d: dict, layers_before: int | None = None) -> dict:
             kinds = list(dict.fromkeys(v)) if all(isinstance(x, str) for x in v) else []
             # per-layer kinds (sliding/full attention, linear attention, ...): keep one layer of each
             out[k] = (kinds + v)[:n_new] if 1 < len(kinds) <= n_new else v[:n_new]
+    # Mamba-2 mixers: heads x head size must be the mixer's width, `mamba_d_ssm` where the config
+    # has one, else expand x hidden size (the config checks it)
+    for heads, dim, expand in (("mamba_n_heads", "mamba_d_head", "mamba_expand"), ("num_heads", "head_dim", "expand"),
+                               ("n_mamba_heads", "mamba_headdim", "mamba_expand")):
+        if all(isinstance(out.get(k), int) for k in (heads, dim, expand, "hidden_size")):
+            width = out.get("mamba_d_ssm") if isinstance(out.get("mamba_d_ssm"), int) else out[expand] * out["hidden_size"]
+            out[dim] = min(out[dim], 16)
+            out[heads] = max(width // out[dim], 1)
+    for k in ("mamba_d_state", "ssm_state_size", "state_size"):  # state sizes of 128-256: slow and needless here
+        if isinstance(out.get(k), int):
+            out[k] = min(out[k], 16)
     if out.get("is_decoder") is False and layers_before is None:
         # BERT-style models attend both ways unless told they decode (HF warns "add is_decoder=True"
         # when one is built as a causal LM): a causal LM checkpoint of them carries it

@@ -33,9 +33,21 @@ def test_shrink_latent_attention_keeps_a_key_head_per_query_head():
     assert out["head_dim"] == out["qk_rope_head_dim"] == 8
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_shrink_mamba2_heads_fill_the_mixer_width():
+    # expand x hidden size: 2 x 64 = 8 heads of 16
+    assert shrink({"model_type": "m", "hidden_size": 4096, "mamba_expand": 2, "mamba_n_heads": 128, "mamba_d_head": 64,
+                   "mamba_d_state": 256}) == {"model_type": "m", "hidden_size": 64, "mamba_expand": 2,
+                                              "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16}
+    # a width of its own (Falcon-H1's mamba_d_ssm): 1024 = 128 heads of 8
+    out = shrink({"model_type": "f", "hidden_size": 4096, "mamba_expand": 2, "mamba_n_heads": 128, "mamba_d_head": 8,
+                  "mamba_d_ssm": 1024})
+    assert (out["mamba_n_heads"], out["mamba_d_head"]) == (128, 8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "qwen3_next"])
 def test_run_one_identical(arch):
-    """Llama; DeepSeek V3, whose values are narrower than its keys."""
+    """Llama; DeepSeek V3, whose values are narrower than its keys; Qwen3-Next, whose gated delta
+    net layers keep a recurrent state."""
     assert run_one(arch, 8) == {"status": "identical", "detail": ""}
 
 
