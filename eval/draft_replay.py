@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram", type=int, default=2, help="max_matching_ngram_size")
     p.add_argument("--tree-nodes", type=int, nargs="*", default=[8, 16, 32], help="prompt_lookup_tree_nodes values")
     p.add_argument("--min-score", type=float, nargs="+", default=[0.0],
-                   help="tree nodes scoring below this are left out (the engine's per-device budget; 0: fill the tree)")
+                   help="tree nodes and chain drafts scoring below this are left out (the engine's per-device budget at "
+                        "batch 1; 0: every draft)")
     p.add_argument("--max-candidates", type=int, nargs="+", default=[None],
                    help="TreeProposer max_candidates values (default: its own)")
     p.add_argument("--json", default=None)
@@ -52,13 +53,14 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
            max_new_tokens: int | None = None) -> tuple[int, int, float, int]:
     """(new tokens, forwards, proposer seconds, draft tokens fed) of decoding `out` after `prompt`
     with `proposer`'s drafts, accepted as greedy verification accepts them (trees scored with the
-    row's running acceptance rate, nodes below `min_score` left out, as in the engine). The first
+    row's running acceptance rate, nodes below `min_score` left out, and chains cut before their
+    first draft below it: drafting.tree.chain_budget, as in the engine at batch 1). The first
     token comes from the prefill. `max_new_tokens`: the row's length limit, which caps its drafts
     as the engine caps them (a row may emit at most that many tokens); None: len(out), the limit of
     a row that ran to it. A row that ended at EOS before its limit had drafts capped by the limit,
     not by where it ended: give the limit to count its steps as the engine ran them."""
     from hf_plookup.drafting.suffix import SuffixIndex
-    from hf_plookup.drafting.tree import TreeProposer, accept_tree, acceptance_estimate, walk_rejected
+    from hf_plookup.drafting.tree import TreeProposer, accept_tree, acceptance_estimate, chain_budget, walk_rejected
 
     full = np.array(prompt + out, dtype=np.int64)[None]
     n0, total = len(prompt), len(out)
@@ -78,6 +80,7 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
                                                     decay=acceptance_estimate(np.array([n_acc]), np.array([n_rej])))
         else:
             drafts, num = proposer.propose(full, length, cap)
+            num = np.minimum(num, chain_budget(acceptance_estimate(np.array([n_acc]), np.array([n_rej])), min_score))
         spent += time.perf_counter() - t0
         m = int(num[0])
         fed += m
@@ -100,6 +103,7 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
             accepted = 0
             while accepted < m and t + accepted < total and drafts[0, accepted] == out[t + accepted]:
                 accepted += 1
+            n_rej += accepted < m  # the walk stopped at a draft that has a successor
         n_acc += accepted
         t += accepted + 1
         forwards += 1
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
         outs.append([int(x) for x in res.tokens[0]])
     rows = []
     for k in args.k:
-        drafters = [("chain", NgramProposer(k, args.ngram), 0.0)]
+        drafters = [(f"chain (min score {ms:g})", NgramProposer(k, args.ngram), ms) for ms in args.min_score]
         drafters += [(f"tree {n} (min score {ms:g}{'' if mc is None else f', {mc} candidates'})",
                       TreeProposer(k, n, args.ngram, **({} if mc is None else {"max_candidates": mc})), ms)
                      for n in args.tree_nodes for ms in args.min_score for mc in args.max_candidates]

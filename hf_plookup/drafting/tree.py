@@ -32,7 +32,7 @@ import numpy as np
 from .suffix import Sources, SuffixIndex, _slot
 
 __all__ = ["TreeProposer", "accept_tree", "acceptance_estimate", "ancestor_mask",
-           "batch_min_score", "compaction", "depths", "walk_rejected"]
+           "batch_min_score", "chain_budget", "compaction", "depths", "walk_rejected"]
 
 # earlier occurrences ranked per row and kind of source (own row, others); each costs a few cache
 # misses, so a large batch gets fewer: at most CANDIDATE_WORK over the batch, never under
@@ -378,6 +378,22 @@ def batch_min_score(base: float, batch: int, k: int, fixed_tokens: float | None)
     if fixed_tokens is None or batch <= 1:
         return base
     return min(1.0, base * batch * (fixed_tokens + 1 + k) / (fixed_tokens + batch * (1 + k)))
+
+
+def chain_budget(rate: np.ndarray, min_score: float) -> np.ndarray:
+    """[B] int64: how many drafts of a chain are worth feeding, per row: draft j is reached with
+    chance `rate`**j (the row's acceptance rate, acceptance_estimate), so the chain is cut before
+    the first draft whose chance falls below `min_score` (the tree budget's rule, batch_min_score).
+    A `min_score` of 0 cuts nothing (the result is then larger than any chain).
+
+    Example: rates [0.8, 0.5, 0.3] with min score 0.25 give [6, 2, 1]
+    (0.8**6 = 0.26, 0.5**2 = 0.25, 0.3 ** 2 = 0.09)."""
+    rate = np.asarray(rate, dtype=np.float64)
+    if min_score <= 0.0:
+        return np.full(rate.shape, np.iinfo(np.int32).max, dtype=np.int64)
+    # the largest j with rate**j >= min_score; rates are below 1 (acceptance_estimate keeps them in [0.3, 0.97])
+    j = np.floor(np.log(min_score) / np.log(np.clip(rate, 1e-9, 1 - 1e-9)) + 1e-9)
+    return np.maximum(j, 0).astype(np.int64)
 
 
 # prior of a row's acceptance rate (acceptance_estimate): draft replays on the builtin prompts

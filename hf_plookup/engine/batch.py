@@ -15,7 +15,8 @@ from ..attention.metadata import StepLayout
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import process_scores
 from ..drafting.suffix import SuffixIndex
-from ..drafting.tree import TreeProposer, acceptance_estimate, batch_min_score, compaction, walk_rejected
+from ..drafting.tree import (TreeProposer, acceptance_estimate, batch_min_score, chain_budget, compaction,
+                             walk_rejected)
 from ..drafting.verify import accept_paths, chain_parents, position_uniforms, row_seeds, sample_targets
 from ..stats import SpecStats
 from .scheduler import ScheduledChunk, Scheduler
@@ -177,6 +178,10 @@ class Batch:
             self.parents[rows, : par.shape[1]] = par
         else:
             d, nd = self.proposer.propose(self.history[rows], lengths, cap)
+            # a chain feeds the drafts whose chance to be reached pays for their share of the step,
+            # by the trees' budget (tree_min_score, raised with the batch): all of them when it is 0
+            min_score = batch_min_score(self.tree_min_score, len(rows), self.cfg.k, self.step_fixed_tokens)
+            nd = np.minimum(nd, chain_budget(self.accept_rate(rows), min_score))
             self.parents[rows, : d.shape[1]] = chain_parents(d.shape[1])
         spent = time.perf_counter() - t0
         self.drafts[rows, : d.shape[1]], self.n_drafts[rows] = d, nd

@@ -18,6 +18,7 @@ from hf_plookup.drafting.tree import (
     TreeProposer,
     accept_tree,
     ancestor_mask,
+    chain_budget,
     compaction,
     depths,
 )
@@ -559,3 +560,10 @@ def test_walk_rejected_means_the_walk_stopped_above_a_child():
     tree = np.array([0, 0, 1, 3])  # root -> 1, 2; 1 -> 3; 3 -> 4
     assert walk_rejected([2], tree) is False and walk_rejected([1, 3], tree) is True
     assert walk_rejected([1, 3, 4], tree) is False and walk_rejected([], tree) is True
+
+
+def test_chain_budget_cuts_before_the_first_draft_below_the_min_score():
+    # rate**j: 0.8**6 = 0.26 >= 0.25 > 0.8**7; 0.5**2 = 0.25; 0.3**1 = 0.3 > 0.25 > 0.09
+    assert chain_budget(np.array([0.8, 0.5, 0.3]), 0.25).tolist() == [6, 2, 1]
+    assert chain_budget(np.array([0.3]), 0.5).tolist() == [0]  # not even the first draft pays
+    assert chain_budget(np.array([0.3, 0.97]), 0.0).min() > 1000  # no budget: nothing is cut

@@ -31,11 +31,11 @@ def _proposer(k: int, nodes: int | None, ngram: int = 2):
     return TreeProposer(k, nodes, ngram) if nodes else NgramProposer(k, ngram)
 
 
-def _replayed(prompts, outs, k, nodes, max_new_tokens):
+def _replayed(prompts, outs, k, nodes, max_new_tokens, min_score: float = 0.0):
     """(new tokens, forwards, drafts fed) of the replay summed over rows."""
     tokens = forwards = fed = 0
     for p, o in zip(prompts, outs):
-        a, b, _, f = replay(p, o, _proposer(k, nodes), 0.0, max_new_tokens=max_new_tokens)
+        a, b, _, f = replay(p, o, _proposer(k, nodes), min_score, max_new_tokens=max_new_tokens)
         tokens, forwards, fed = tokens + a, forwards + b, fed + f
     return tokens, forwards, fed
 
@@ -98,6 +98,19 @@ def test_live_forwards_equal_replay(copying, k, nodes, batch):
     tokens, forwards, fed = _replayed(prompts, outs, k, nodes, 47)
     assert (stats.new_tokens, stats.row_steps, stats.drafted) == (tokens, forwards, fed), stats.as_dict()
     assert stats.tokens_per_forward == tokens / forwards
+
+
+@pytest.mark.parametrize("nodes", [None, 16])
+def test_live_forwards_equal_replay_with_a_budget(copying, nodes):
+    """A min score (the CPU's budget, here given by hand so the batch does not scale it): chains
+    are cut by the row's acceptance record (drafting.tree.chain_budget) and trees drop nodes, in
+    the engine as in the replay; the budget feeds fewer drafts than none."""
+    model, _, prompts = copying
+    wrapped = wrap_copy(model, max_cache_tokens=4096, block_size=8, tree_min_score=0.5)
+    outs, stats = _live(wrapped, prompts[:1], 8, nodes, 47, None)
+    tokens, forwards, fed = _replayed(prompts[:1], outs, 8, nodes, 47, min_score=0.5)
+    assert (stats.new_tokens, stats.row_steps, stats.drafted) == (tokens, forwards, fed), stats.as_dict()
+    assert fed < _replayed(prompts[:1], outs, 8, nodes, 47)[2]
 
 
 @pytest.mark.parametrize("k, nodes", DRAFTERS)
