@@ -16,11 +16,12 @@ pieces as the engine does (a prompt chunk, then one token at a time) and must ag
 from __future__ import annotations
 
 import contextvars
+import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 
 from .dense import softcapped_attention
 from .positions import given_positions, position_embedders
@@ -115,8 +116,6 @@ def input_device(model: torch.nn.Module) -> torch.device:
 
 def _takes_positions(model: torch.nn.Module) -> bool:
     """Whether the model's forward has a `position_ids` parameter (HF's generate then passes them)."""
-    import inspect
-
     return "position_ids" in inspect.signature(model.forward).parameters
 
 
@@ -208,10 +207,6 @@ def _pieces() -> tuple[tuple[int, int], ...]:
 def _cached_reference(model: torch.nn.Module, ids: torch.Tensor, pos: dict) -> torch.Tensor:
     """The logits HF's generate computes for the probe tokens fed in `_pieces` through its own
     cache; the whole-input forward's where the model cannot be fed so."""
-    from transformers import DynamicCache
-
-    import inspect
-
     params = inspect.signature(model.forward).parameters
     name = next((n for n in ("cache", "past_key_values", "cache_params") if n in params), None)
     parts = []

@@ -54,6 +54,20 @@ def _is_mixer_class(cls: type) -> bool:
     return any(c in src for c in _STATE_CALLS) and any(a in params for a in _CACHE_ARGS)
 
 
+@functools.lru_cache(maxsize=None)
+def _call_names(cls: type) -> tuple[str, tuple[str, ...]]:
+    """A mixer class's cache parameter and the names of its forward's parameters, in order."""
+    params = inspect.signature(cls.forward).parameters
+    names = tuple(name for name, p in params.items() if name != "self" and p.kind in (
+        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return next(a for a in _CACHE_ARGS if a in params), names
+
+
+def _text_config(model: torch.nn.Module):
+    """The config of the model's language model (a composite model's text config)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def mixer_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     """The model's recurrent token mixers by layer index: modules with an int `layer_idx` whose
     forward keeps a state in HF's cache and takes the cache as an argument."""
@@ -68,7 +82,7 @@ def mixer_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 def state_only(model: torch.nn.Module) -> bool:
     """Whether every layer of the model is a recurrent mixer (Mamba): nothing in it sees positions,
     so a padded row computes as the row alone (its mixers zero the pads' inputs)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     n = getattr(config, "num_hidden_layers", None)
     mixers = mixer_modules(model)
     return bool(mixers) and n is not None and sorted(mixers) == list(range(n))
@@ -76,13 +90,13 @@ def state_only(model: torch.nn.Module) -> bool:
 
 def no_mixer_layers(model: torch.nn.Module) -> set[int]:
     """Layers whose config type mixes no tokens at all (an MLP or MoE block alone)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     types = getattr(config, "layer_types", None) or []
     return {i for i, t in enumerate(types) if t in NO_MIXER_LAYER_TYPES}
 
 
 def _state_count(model: torch.nn.Module) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     return int(getattr(config, "number_of_conv_states", 1) or 1)
 
 
@@ -206,7 +220,7 @@ class RecurrentMixers:
         self.model = model
         self.mixers = mixer_modules(model) if mixers is None else mixers
         num_layers = max(self.mixers) + 1 if self.mixers else 0
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = _text_config(model)
         self.num_layers = max(num_layers, int(getattr(config, "num_hidden_layers", 0) or 0))
         self.states = SequenceStates(_state_count(model))
         self._row_cache = _row_cache_class() if self.mixers else None
@@ -215,14 +229,14 @@ class RecurrentMixers:
         return bool(self.mixers)
 
     @contextlib.contextmanager
-    def active(self, rows: StepRows, states: SequenceStates | None = None):
-        """Run the mixers per row of `rows` for one forward (`states`: where the states live,
-        this object's own by default); the modules' forwards are restored afterwards."""
+    def active(self, rows: StepRows):
+        """Run the mixers per row of `rows` for one forward, with the states in `self.states`;
+        the modules' forwards are restored afterwards."""
         saved = {}
         for idx, m in self.mixers.items():
             saved[idx] = m.__dict__.get("forward")
             m.forward = self._forward(m, saved[idx] if saved[idx] is not None else type(m).forward.__get__(m))
-        token = _STEP.set((rows, states if states is not None else self.states))
+        token = _STEP.set((rows, self.states))
         try:
             yield
         finally:
@@ -234,10 +248,7 @@ class RecurrentMixers:
                     m.forward = saved[idx]
 
     def _forward(self, module: torch.nn.Module, own):
-        params = inspect.signature(type(module).forward).parameters
-        cache_arg = next(a for a in _CACHE_ARGS if a in params)
-        names = [name for name, p in params.items() if name != "self" and p.kind in (
-            p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        cache_arg, names = _call_names(type(module))
 
         def forward(*args, **kwargs):
             step = _STEP.get()
@@ -255,10 +266,10 @@ class RecurrentMixers:
                   rows: StepRows, states: SequenceStates):
         idx, total = module.layer_idx, hidden.shape[1]
         pieces, extra = [], None
+        cache = self._row_cache(self.num_layers)  # rows run one at a time: layer `idx` holds the running row's state
         for b in range(len(rows.seq_ids)):
             seq, start, n, lo = int(rows.seq_ids[b]), int(rows.starts[b]), int(rows.lengths[b]), int(rows.offsets[b])
             state = states.resume(seq, idx, start)
-            cache = self._row_cache(self.num_layers)
             spans = [(0, n)] if rows.prefill[b] else [(j, j + 1) for j in range(n)]
             for j, (a, e) in enumerate(spans):
                 cache.layers[idx], cache.linear_cache[idx] = state.layer, state.linear
