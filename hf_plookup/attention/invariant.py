@@ -71,10 +71,11 @@ class InvariantLayout:
         Returns (idx, bases, views, masks): `idx` [sum of base lengths] flat cache slots;
         `bases` (offset, length) of each gathered key run in `idx`; `views` per group (prompt
         chunks, then decode tokens): (base, start, length), the group's keys being
-        `base[start : start + length]`; `masks` per prompt chunk ([n, L] bool or None). A prompt
-        chunk has its own base; a sequence's decode tokens share one (its context then the
-        chunk's tokens) when their keys are a run of it (chain steps, so gathering costs one
-        copy per sequence, not per token), else a tree node or windowed token gets its own."""
+        `base[start : start + length]`; `masks` per prompt chunk piece ([n, L] bool or None). A
+        sequence's prompt chunk has one base that its pieces read from its start; its decode tokens
+        share one (its context then the chunk's tokens) when their keys are a run of it (chain
+        steps, so gathering costs one copy per sequence, not per token), else a tree node or
+        windowed token gets its own."""
         got = self._keys.get(window)
         if got is not None:
             return got
@@ -88,9 +89,15 @@ class InvariantLayout:
             off += len(slots)
             return len(bases) - 1
 
+        ends: dict[int, int] = {}  # sequence -> where its prompt chunk ends
+        for _, n, b, start in self.prefill:
+            ends[b] = max(ends.get(b, 0), start + n)
+        prompt_bases: dict[int, int] = {}  # sequence -> the base its chunk's pieces read
         for lo, n, b, start in self.prefill:
             L = start + n
-            views.append((add_base(self.kv_slots[b, :L]), 0, L))
+            if b not in prompt_bases:
+                prompt_bases[b] = add_base(self.kv_slots[b, : ends[b]])
+            views.append((prompt_bases[b], 0, L))
             q = np.arange(start, L)[:, None]  # [n, 1] positions of the chunk
             k = np.arange(L)[None, :]  # [1, L]
             if start == 0 and not (window and L > window):
@@ -145,8 +152,12 @@ class InvariantLayout:
         return got
 
 
-def build_layout(step: StepLayout, device: torch.device) -> InvariantLayout:
-    """The invariant layout of one step."""
+def build_layout(step: StepLayout, device: torch.device, prefill_unit: int | None = None) -> InvariantLayout:
+    """The invariant layout of one step. A prompt chunk is cut at multiples of `prefill_unit`
+    positions from the prompt's start (the scheduler's units): each piece is its own attention
+    call and its own row group, so the chunk's bits do not depend on how many units the step gave
+    it. Example: a chunk of positions 100..399 with units of 128 gives the pieces 100..127,
+    128..255, 256..383 and 384..399."""
     offsets = step.cu_seqlens_q
     prefill, decode = [], []
     positions = np.zeros_like(step.kv_slots)  # [B, Lk]
@@ -158,7 +169,10 @@ def build_layout(step: StepLayout, device: torch.device) -> InvariantLayout:
         positions[b] = np.arange(positions.shape[1])
         positions[b, start : start + n] = qp
         if step.prefill[b]:
-            prefill.append((lo, n, b, start))
+            u = prefill_unit
+            cuts = [start, *range(start - start % u + u, start + n, u)] if u else [start]
+            for c0, c1 in zip(cuts, [*cuts[1:], start + n]):
+                prefill.append((lo + c0 - start, c1 - c0, b, c0))
             continue
         ctx = np.arange(start)
         for j in range(n):

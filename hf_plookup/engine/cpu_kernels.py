@@ -91,7 +91,7 @@ def set_simd_level(level: int) -> int:
 def torch_bf16_is_native() -> bool:
     """Whether this CPU has bf16 dot-product instructions (x86 AVX-512 BF16 or AMX), which torch's
     bf16 GEMM (oneDNN) uses: then it beats `linear` on long prompt chunks, where arithmetic, not
-    memory, bounds the call (engine.invariant.prefill_rows). Read from /proc/cpuinfo; False where
+    memory, bounds the call (engine.invariant._group_call). Read from /proc/cpuinfo; False where
     that cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:

@@ -185,7 +185,8 @@ class Engine:
         self.tensor_parallel = tensor_parallel(model)  # ranks must agree on every decision (engine.distributed)
         invariant = resolve_invariant(options.invariant, devices, dtypes, backend, compiled=self.use_compile,
                                       hooked=hooked, distributed=self.tensor_parallel)
-        self.invariant = InvariantLinears(model) if invariant else None
+        self.prefill_unit = min(PREFILL_UNIT, options.max_batch_tokens) if invariant else None
+        self.invariant = InvariantLinears(model, self.prefill_unit) if invariant else None
         if invariant and backend not in CAPTURED_INVARIANT_BACKENDS:
             self.use_graphs = False
         auto = options.tree_min_score is None
@@ -212,7 +213,6 @@ class Engine:
                                  "sequence that pooled pages do not hold; use prefix_cache=False or 'auto'")
             self.prefix_cache = False
         bs = self.options.block_size
-        self.prefill_unit = min(PREFILL_UNIT, options.max_batch_tokens) if invariant else None
         unit = self.prefill_unit or max(bs, PREFILL_UNIT // bs * bs)
         if unit % bs:  # a chunk unit that is not whole pages (max_batch_tokens < block_size)
             self.prefix_cache = False
@@ -439,7 +439,7 @@ class Engine:
         graphs = self.graph_runner()
         compile_before = graphs.compile_seconds if graphs is not None else 0.0
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
-                          aligned_prefill=self.prefill_unit)
+                          aligned_prefill=self.prefill_unit, units_per_chunk=1 if self.mixers else None)
         batch = Batch(cfg, self.proposer(cfg), sched, self._ids, cache, self.tree_min_score, self.step_fixed_tokens)
         sched.on_admit, sched.defer, batch.register = self._prefix_hooks(batch, blocks, cache)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step

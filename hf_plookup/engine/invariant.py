@@ -20,9 +20,10 @@ engine forward and restored after):
   `"plain"` (torch's batched call, in pieces of at most `PROBE_ROWS` rows), `"numba"`
   (engine.row_linear, fp32 on CPU where the C kernels were not built), `"triton"`
   (engine.triton_linear, CUDA); else `"rows"` (one 1-row call per row: equal by construction).
-  A prompt chunk's rows run as one call of that chunk alone (they need only be the same in every
-  batch, not equal to 1-row calls): the "cpu" kernel for bf16 and for fp32 chunks of up to
-  PREFILL_TORCH_ROWS rows, else torch's call.
+  A prompt chunk's rows need only be the same in every batch, not equal to 1-row calls: the
+  "cpu" kernel for bf16 and for fp32 chunks of up to PREFILL_TORCH_ROWS rows, else torch's call,
+  and that call takes the step's neighbouring chunks with it where `merge_safe` found that its
+  rows do not depend on the call's length (one GEMM of many rows is faster than several).
 - **RMSNorm modules** on CPU whose arithmetic `cpu_kernels.rms_norm` reproduces (`rms_form`
   checks each on random rows): one C call per norm instead of HF's half-dozen torch ops.
 - **everything else** (embeddings, other norms, RoPE, activations, residuals, the KV write) is
@@ -127,6 +128,11 @@ FIRST_KERNELS = ("cpu",)
 # the "cpu" kernel takes shorter chunks, and every bfloat16 one elsewhere (torch's bf16 GEMM then
 # widens in software and runs at about half its float32 speed)
 PREFILL_TORCH_ROWS = 64
+# prompt chunks that take torch's call run as one call of at most this many rows where
+# `merge_safe` holds (a step's chunks of several sequences, or of several units of one)
+MERGE_ROWS = 1024
+_MERGE_PROBE_SIZES = (128, 65, 128, 128, 101, 128, 77, 128)
+_MERGE_SAFE: dict[tuple, bool] = {}
 
 
 def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
@@ -166,28 +172,81 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return torch.cat([F.linear(x2d[i : i + PROBE_ROWS], weight, bias) for i in range(0, m, PROBE_ROWS)])
 
 
-def prefill_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One prompt chunk's rows (the same in every batch, as the scheduler cuts chunks at fixed
-    offsets): the "cpu" kernel where it is the weight's strategy, except for long chunks in float32, and in
-    bfloat16 where torch's bf16 GEMM is native; else torch's call."""
-    short = x2d.shape[0] <= PREFILL_TORCH_ROWS
-    if row_strategy(weight, bias) == "cpu" and (
-            short or (weight.dtype == torch.bfloat16 and not cpu_kernels.torch_bf16_is_native())):
-        return cpu_kernels.linear(x2d, weight, bias)
-    return F.linear(x2d, weight, bias)
+def _group_call(rows: int, is_prefill: bool, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """Which call a row group of the step takes: "cpu" (`cpu_kernels.linear`), "torch"
+    (`F.linear` of the group alone) or "rows" (`invariant_rows` under another strategy). Decode
+    rows take their weight's `row_strategy`; a prompt chunk's rows (the same in every batch, as the
+    scheduler cuts chunks at fixed offsets) take the "cpu" kernel where that is the weight's
+    strategy, except for long chunks in float32, and in bfloat16 where torch's bf16 GEMM is
+    native; else torch's call."""
+    cpu = row_strategy(weight, bias) == "cpu"
+    if not is_prefill:
+        return "cpu" if cpu else "rows"
+    short = rows <= PREFILL_TORCH_ROWS
+    if cpu and (short or (weight.dtype == torch.bfloat16 and not cpu_kernels.torch_bf16_is_native())):
+        return "cpu"
+    return "torch"
+
+
+def merge_safe(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether one `F.linear` call over several prompt chunks (each of more than
+    PREFILL_TORCH_ROWS rows, at most MERGE_ROWS rows in all) gives every row bitwise as its
+    chunk's own call: checked once per shape, dtype, device and thread count on random chunks,
+    merged from the first chunk and up to the last. (On the CPUs measured, MKL's and oneDNN's
+    GEMMs do not split the reduction by the row count from there on, and one call of 1024 rows
+    runs at 183 GFLOP/s against 146 for 128 rows, SmolLM2's MLP shape on a 2-core EPYC.)"""
+    key = (*weight.shape, weight.dtype, weight.device, bias is None, torch.get_num_threads())
+    got = _MERGE_SAFE.get(key)
+    if got is None:
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        cuts = [0]
+        while True:
+            n = _MERGE_PROBE_SIZES[(len(cuts) - 1) % len(_MERGE_PROBE_SIZES)]
+            if cuts[-1] + n > MERGE_ROWS:
+                break
+            cuts.append(cuts[-1] + n)
+        x = torch.randn(cuts[-1], weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        with torch.inference_mode():
+            ref = torch.cat([F.linear(x[a:b], weight, bias) for a, b in zip(cuts, cuts[1:])])
+            spans = [(0, b) for b in cuts[2:]] + [(a, cuts[-1]) for a in cuts[1:-2]]
+            got = all(torch.equal(F.linear(x[a:b], weight, bias), ref[a:b]) for a, b in spans)
+        _MERGE_SAFE[key] = got
+    return got
+
+
+def _merged(groups, weight: torch.Tensor, bias: torch.Tensor | None) -> list[list]:
+    """The step's row groups as calls, [start, end, call] in order: consecutive groups of the
+    "cpu" kernel (row-invariant by construction) as one call, and of torch's prompt-chunk call as
+    one call of at most MERGE_ROWS rows where `merge_safe`.
+
+    Example (fp32, two 128-row chunks, then a 40-row chunk, then 3 decode rows):
+    [[0, 256, "torch"], [256, 299, "cpu"]]."""
+    calls: list[list] = []
+    for lo, hi, is_prefill in groups:
+        call = _group_call(hi - lo, is_prefill, weight, bias)
+        last = calls[-1] if calls else None
+        if last is not None and last[2] == call and last[1] == lo and (
+                call == "cpu" or (call == "torch" and hi - last[0] <= MERGE_ROWS and merge_safe(weight, bias))):
+            last[1] = hi
+        else:
+            calls.append([lo, hi, call])
+    return calls
+
+
+_CALLS = {"cpu": cpu_kernels.linear, "torch": F.linear, "rows": invariant_rows}
 
 
 def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K] with row-invariant arithmetic. When the rows
-    are the step's packed tokens, prompt chunks run as one call each and decode rows as
-    `invariant_rows`; other row sets (the LM head's kept rows) are all decode-like."""
+    are the step's packed tokens, each row group (a prompt chunk piece, a run of decode tokens)
+    takes its `_group_call`, merged as `_merged` allows; other row sets (the LM head's kept rows)
+    are all decode-like."""
     x2d = x.reshape(-1, x.shape[-1])
     layout = current_layout()
     if layout is None or x2d.shape[0] != layout.num_tokens or not layout.has_prefill:
         y = invariant_rows(x2d, weight, bias)
     else:
-        parts = [prefill_rows(x2d[lo:hi], weight, bias) if is_prefill else invariant_rows(x2d[lo:hi], weight, bias)
-                 for lo, hi, is_prefill in layout.row_groups]
+        parts = [_CALLS[call](x2d[lo:hi], weight, bias) for lo, hi, call in _merged(layout.row_groups, weight, bias)]
         y = torch.cat(parts) if len(parts) > 1 else parts[0]
     return y.reshape(*x.shape[:-1], -1)
 
@@ -256,7 +315,10 @@ class InvariantLinears:
     modules that `rms_form` recognises through `cpu_kernels.rms_norm`, for one engine forward
     (`active`), restoring the modules after."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, prefill_unit: int | None = None):
+        # a prompt chunk spanning several of the scheduler's units is computed unit by unit where
+        # the rows' bits would depend on the chunk's length (attention.invariant.build_layout)
+        self.prefill_unit = prefill_unit
         self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m)]
         self.forwards = [self._bind(m) for m in self.modules]
         # RMSNorm modules whose arithmetic cpu_kernels.rms_norm reproduces: one C call instead of
@@ -290,7 +352,7 @@ class InvariantLinears:
         for m, f in zip(self.modules, self.forwards):
             m.__dict__["forward"] = f
         try:
-            with invariant_layout(build_layout(layout, device)):
+            with invariant_layout(build_layout(layout, device, self.prefill_unit)):
                 yield
         finally:
             for m, f in zip(self.modules, self.forwards):

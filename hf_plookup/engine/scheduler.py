@@ -27,7 +27,8 @@ class Scheduler:
     running sequences."""
 
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_num_seqs: int, aligned_prefill: int | None = None,
-                 on_admit: Callable[[Sequence], None] | None = None, defer: Callable[[Sequence], bool] | None = None):
+                 on_admit: Callable[[Sequence], None] | None = None, defer: Callable[[Sequence], bool] | None = None,
+                 units_per_chunk: int | None = None):
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.blocks = blocks
@@ -39,6 +40,12 @@ class Scheduler:
         if aligned_prefill is not None and not 1 <= aligned_prefill <= max_batch_tokens:
             raise ValueError(f"aligned_prefill must be in [1, max_batch_tokens], got {aligned_prefill}")
         self.aligned_prefill = aligned_prefill
+        # how many of those units one sequence's chunk may span (None: as many as the budget holds;
+        # the step still computes each unit apart where that matters, attention.invariant). Models
+        # with recurrent mixers take 1: their chunked scans round by the chunk's length.
+        if units_per_chunk is not None and units_per_chunk < 1:
+            raise ValueError(f"units_per_chunk must be >= 1, got {units_per_chunk}")
+        self.units_per_chunk = units_per_chunk
         self.on_admit = on_admit  # gives an admitted sequence its pooled prefix (engine)
         # True: the sequence's next prompt chunk waits, because an earlier sequence is computing
         # the same tokens (rows sharing a beginning; the engine's prefix pool). It may extend the
@@ -96,8 +103,13 @@ class Scheduler:
                     continue
                 n = min(s.prompt_len - s.num_cached, budget)
                 if self.aligned_prefill:
+                    # to the end of the current unit, then whole units while the budget holds them
                     unit = self.aligned_prefill
-                    n = min(s.prompt_len - s.num_cached, unit - s.num_cached % unit)
+                    first = unit - s.num_cached % unit
+                    more = max(budget - first, 0) // unit
+                    if self.units_per_chunk is not None:
+                        more = min(more, self.units_per_chunk - 1)
+                    n = min(s.prompt_len - s.num_cached, first + more * unit)
                     if n > budget:
                         break
                 if n <= 0:

@@ -427,3 +427,70 @@ def test_triton_row_linear_rows_do_not_depend_on_the_call(dtype):
         assert torch.equal(y, alone)
         for m in (2, 5, 17):
             assert torch.equal(row_linear(x[-m:], w, b), alone[-m:])
+
+
+def test_prompt_chunk_cut_into_units():
+    """A prompt chunk spanning several of the scheduler's units (positions 100..399, units of 128)
+    is cut at the unit boundaries: each piece its own attention call and row group, all reading
+    one gathered run of the sequence's keys."""
+    from hf_plookup.attention.metadata import StepLayout
+
+    n, start = 300, 100
+    step = StepLayout(input_ids=np.zeros(n, np.int64), positions=np.arange(start, start + n), depth=np.zeros(n, np.int64),
+                      slot_mapping=np.arange(start, start + n), keep=np.array([n - 1]), prefill=np.ones(1, bool),
+                      query_pos=np.arange(start, start + n)[None], kv_slots=np.arange(1000, 1400)[None],
+                      context_lens=np.array([400]), block_tables=np.zeros((1, 1), np.int64),
+                      cu_seqlens_q=np.array([0, n]), cu_seqlens_k=np.array([0, 400]))
+    layout = build_layout(step, torch.device("cpu"), prefill_unit=128)
+    assert layout.prefill == [(0, 28, 0, 100), (28, 128, 0, 128), (156, 128, 0, 256), (284, 16, 0, 384)]
+    assert layout.row_groups == [(0, 28, True), (28, 156, True), (156, 284, True), (284, 300, True)]
+    idx, bases, views, masks = layout.keys(None)
+    assert bases == [(0, 400)] and idx.tolist() == list(range(1000, 1400))
+    assert views == [(0, 0, 128), (0, 0, 256), (0, 0, 384), (0, 0, 400)]
+    assert masks[0].shape == (28, 128) and masks[0][0].sum() == 101  # position 100 sees positions 0..100
+    assert build_layout(step, torch.device("cpu")).prefill == [(0, 300, 0, 100)]  # no unit: one piece
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_merged_prompt_calls_equal_each_chunk_alone(dtype):
+    """Where `merge_safe` says so, torch's call over several prompt chunks gives each row as the
+    chunk's own call, also for chunk sizes the check did not try; `_merged` then joins them, and
+    always joins neighbouring groups of the row kernel."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 80, generator=g).to(dtype)
+    sizes = [65, 128, 90, 128, 128, 71, 128, 128, 120]
+    cuts = np.cumsum([0, *sizes]).tolist()
+    x = torch.randn(cuts[-1], 80, generator=g).to(dtype)
+    alone = torch.cat([torch.nn.functional.linear(x[a:b], w) for a, b in zip(cuts, cuts[1:])])
+    safe = invariant_mod.merge_safe(w, None)
+    if safe:
+        for a, b in [(0, 5), (2, 9), (1, 4), (3, 8)]:
+            assert torch.equal(torch.nn.functional.linear(x[cuts[a] : cuts[b]], w), alone[cuts[a] : cuts[b]])
+    groups = [(0, 128, True), (128, 256, True), (256, 296, True), (296, 299, False)]
+    calls = invariant_mod._merged(groups, w, None)
+    torch_calls = [[0, 256, "torch"]] if safe else [[0, 128, "torch"], [128, 256, "torch"]]
+    if row_strategy(w, None) == "cpu":  # the 40-row chunk and the decode rows: one call of the row kernel
+        assert calls == [*torch_calls, [256, 299, "cpu"]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_units_per_step_change_no_logit(dtype):
+    """Prompts of several units each: with a budget of 1024 tokens a prompt takes several units
+    in one step (merged calls), with 128 one unit per step; the logits are bitwise the same, with
+    and without drafts, and in float32 the tokens are HF's."""
+    hf = tiny_model("llama").to(dtype)
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randint(3, 96, (n,), generator=g).repeat(4)[: 4 * n - 5] for n in (90, 70, 40)]  # 355, 275, 155 tokens
+    ids, mask = _left_pad(rows)
+    wide = wrap_copy(hf, invariant=True, max_batch_tokens=1024)
+    narrow = wrap_copy(hf, invariant=True, max_batch_tokens=128)
+    plain, st = _generate(wide, ids, mask, 10)
+    assert st.invariant and st.forwards < _generate(narrow, ids, mask, 10)[1].forwards
+    assert torch.equal(_generate(narrow, ids, mask, 10)[0], plain)
+    assert torch.equal(_generate(wide, ids, mask, 10, prompt_lookup_num_tokens=4)[0], plain)
+    r = rows[0][None]
+    alone, _ = _generate(wide, r, torch.ones_like(r), 10)
+    assert torch.equal(alone[0], plain[0])
+    if dtype == torch.float32:
+        ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD)
+        assert torch.equal(plain.argmax(-1), ref[:, ids.shape[1]:])

@@ -82,3 +82,24 @@ def test_sequence_append_stops_at_eos_and_limit():
     assert s.append(hist, [5, 6, 9, 7], frozenset({9})) == 3 and s.finished
     s2 = Sequence(1, 0, prompt_len=3, max_new_tokens=2)
     assert s2.append(hist, [5, 6, 7], frozenset()) == 2 and s2.finished and s2.num_generated == 2
+
+
+def test_scheduler_aligned_prefill_takes_whole_units():
+    """Invariant mode's units (aligned_prefill): a chunk runs to the end of its current unit,
+    then takes whole units while the budget holds them; units_per_chunk=1 keeps one unit."""
+    def first_step(units_per_chunk):
+        bm = BlockManager(num_blocks=400, block_size=4)
+        sched = Scheduler(bm, max_batch_tokens=300, max_num_seqs=8, aligned_prefill=128,
+                          units_per_chunk=units_per_chunk)
+        a, b, c = Sequence(0, 0, 400, 2), Sequence(1, 1, 200, 2), Sequence(2, 2, 50, 2)
+        a.num_cached = 100  # (a pooled prefix, or the caller's cache)
+        for s in (a, b, c):
+            sched.add(s)
+        return [(ch.seq.seq_id, ch.start, ch.num_tokens) for ch in sched.schedule()]
+
+    # a: 28 tokens to position 128, then 2 whole units (284 of 300); b's first unit does not fit in 16
+    assert first_step(None) == [(0, 100, 284)]
+    # one unit each: a to 128, b its first unit, c all of its 50 tokens (28 + 128 + 50 <= 300)
+    assert first_step(1) == [(0, 100, 28), (1, 0, 128), (2, 0, 50)]
+    with pytest.raises(ValueError, match="units_per_chunk"):
+        Scheduler(BlockManager(4, 4), 300, 8, aligned_prefill=128, units_per_chunk=0)
