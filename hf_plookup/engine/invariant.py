@@ -173,8 +173,9 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def _group_call(rows: int, is_prefill: bool, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    """Which call a row group of the step takes: "cpu" (`cpu_kernels.linear`), "torch"
-    (`F.linear` of the group alone) or "rows" (`invariant_rows` under another strategy). Decode
+    """Which call a row group of the step takes: "cpu" (`cpu_kernels.linear`), "gemm" (`F.linear`
+    of a chunk of more than PREFILL_TORCH_ROWS rows), "torch" (`F.linear` of a shorter chunk) or
+    "rows" (`invariant_rows` under another strategy). Decode
     rows take their weight's `row_strategy`; a prompt chunk's rows (the same in every batch, as the
     scheduler cuts chunks at fixed offsets) take the "cpu" kernel where that is the weight's
     strategy, except for long chunks in float32, and in bfloat16 where torch's bf16 GEMM is
@@ -185,7 +186,7 @@ def _group_call(rows: int, is_prefill: bool, weight: torch.Tensor, bias: torch.T
     short = rows <= PREFILL_TORCH_ROWS
     if cpu and (short or (weight.dtype == torch.bfloat16 and not cpu_kernels.torch_bf16_is_native())):
         return "cpu"
-    return "torch"
+    return "torch" if short else "gemm"  # (only "gemm" calls are merged: merge_safe checks long chunks)
 
 
 def merge_safe(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -216,24 +217,24 @@ def merge_safe(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def _merged(groups, weight: torch.Tensor, bias: torch.Tensor | None) -> list[list]:
     """The step's row groups as calls, [start, end, call] in order: consecutive groups of the
-    "cpu" kernel (row-invariant by construction) as one call, and of torch's prompt-chunk call as
-    one call of at most MERGE_ROWS rows where `merge_safe`.
+    "cpu" kernel (row-invariant by construction) as one call, and of torch's call on long prompt
+    chunks ("gemm") as one call of at most MERGE_ROWS rows where `merge_safe`.
 
     Example (fp32, two 128-row chunks, then a 40-row chunk, then 3 decode rows):
-    [[0, 256, "torch"], [256, 299, "cpu"]]."""
+    [[0, 256, "gemm"], [256, 299, "cpu"]]."""
     calls: list[list] = []
     for lo, hi, is_prefill in groups:
         call = _group_call(hi - lo, is_prefill, weight, bias)
         last = calls[-1] if calls else None
         if last is not None and last[2] == call and last[1] == lo and (
-                call == "cpu" or (call == "torch" and hi - last[0] <= MERGE_ROWS and merge_safe(weight, bias))):
+                call == "cpu" or (call == "gemm" and hi - last[0] <= MERGE_ROWS and merge_safe(weight, bias))):
             last[1] = hi
         else:
             calls.append([lo, hi, call])
     return calls
 
 
-_CALLS = {"cpu": cpu_kernels.linear, "torch": F.linear, "rows": invariant_rows}
+_CALLS = {"cpu": cpu_kernels.linear, "gemm": F.linear, "torch": F.linear, "rows": invariant_rows}
 
 
 def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

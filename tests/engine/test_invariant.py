@@ -468,9 +468,16 @@ def test_merged_prompt_calls_equal_each_chunk_alone(dtype):
             assert torch.equal(torch.nn.functional.linear(x[cuts[a] : cuts[b]], w), alone[cuts[a] : cuts[b]])
     groups = [(0, 128, True), (128, 256, True), (256, 296, True), (296, 299, False)]
     calls = invariant_mod._merged(groups, w, None)
-    torch_calls = [[0, 256, "torch"]] if safe else [[0, 128, "torch"], [128, 256, "torch"]]
+    torch_calls = [[0, 256, "gemm"]] if safe else [[0, 128, "gemm"], [128, 256, "gemm"]]
     if row_strategy(w, None) == "cpu":  # the 40-row chunk and the decode rows: one call of the row kernel
         assert calls == [*torch_calls, [256, 299, "cpu"]]
+    # a weight whose decode rows take another strategy: short chunks go alone, never merged
+    invariant_mod._STRATEGIES[(*w.shape, w.dtype, w.device, True, torch.get_num_threads())] = "rows"
+    try:
+        calls = invariant_mod._merged([(0, 40, True), (40, 80, True), (80, 208, True), (208, 336, True)], w, None)
+    finally:
+        invariant_mod._STRATEGIES.pop((*w.shape, w.dtype, w.device, True, torch.get_num_threads()))
+    assert calls == [[0, 40, "torch"], [40, 80, "torch"], *([[80, 336, "gemm"]] if safe else [[80, 208, "gemm"], [208, 336, "gemm"]])]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
