@@ -181,7 +181,8 @@ AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
     TILE(T##_5x3, TGT, LD, ESZ, BF, 5, 3) TILE(T##_6x3, TGT, LD, ESZ, BF, 6, 3)                         \
     TILE(T##_7x3, TGT, LD, ESZ, BF, 7, 3) TILE(T##_8x3, TGT, LD, ESZ, BF, 8, 3)                         \
     TILE(T##_5x1, TGT, LD, ESZ, BF, 5, 1) TILE(T##_6x1, TGT, LD, ESZ, BF, 6, 1)                         \
-    TILE(T##_7x1, TGT, LD, ESZ, BF, 7, 1) TILE(T##_8x1, TGT, LD, ESZ, BF, 8, 1)
+    TILE(T##_7x1, TGT, LD, ESZ, BF, 7, 1) TILE(T##_8x1, TGT, LD, ESZ, BF, 8, 1)                         \
+    TILE(T##_9x3, TGT, LD, ESZ, BF, 9, 3) TILE(T##_9x1, TGT, LD, ESZ, BF, 9, 1)
 typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
 #define LINEAR(T, TGT, MAXMB, BF)                                                                       \
     TGT static void T##_linear(const tile_fn* cols3, const tile_fn* cols1, const void* x, int64_t M,     \
@@ -213,16 +214,16 @@ TILES8(f32w, AVX512, ld_f32, 4, 0)
 TILES8(bf16w, AVX512, ld_bf16, 2, 1)
 LINEAR(f32, AVX2, 4, 0)
 LINEAR(bf16, AVX2, 4, 1)
-LINEAR(f32w, AVX512, 8, 0)
-LINEAR(bf16w, AVX512, 8, 1)
+LINEAR(f32w, AVX512, 9, 0)
+LINEAR(bf16w, AVX512, 9, 1)
 static const tile_fn f32_cols3[] = {0, f32_1x3, f32_2x3, f32_3x3, f32_4x3};
 static const tile_fn f32_cols1[] = {0, f32_1x1, f32_2x1, f32_3x1, f32_4x1};
 static const tile_fn bf16_cols3[] = {0, bf16_1x3, bf16_2x3, bf16_3x3, bf16_4x3};
 static const tile_fn bf16_cols1[] = {0, bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1};
-static const tile_fn f32w_cols3[] = {0, f32w_1x3, f32w_2x3, f32w_3x3, f32w_4x3, f32w_5x3, f32w_6x3, f32w_7x3, f32w_8x3};
-static const tile_fn f32w_cols1[] = {0, f32w_1x1, f32w_2x1, f32w_3x1, f32w_4x1, f32w_5x1, f32w_6x1, f32w_7x1, f32w_8x1};
-static const tile_fn bf16w_cols3[] = {0, bf16w_1x3, bf16w_2x3, bf16w_3x3, bf16w_4x3, bf16w_5x3, bf16w_6x3, bf16w_7x3, bf16w_8x3};
-static const tile_fn bf16w_cols1[] = {0, bf16w_1x1, bf16w_2x1, bf16w_3x1, bf16w_4x1, bf16w_5x1, bf16w_6x1, bf16w_7x1, bf16w_8x1};
+static const tile_fn f32w_cols3[] = {0, f32w_1x3, f32w_2x3, f32w_3x3, f32w_4x3, f32w_5x3, f32w_6x3, f32w_7x3, f32w_8x3, f32w_9x3};
+static const tile_fn f32w_cols1[] = {0, f32w_1x1, f32w_2x1, f32w_3x1, f32w_4x1, f32w_5x1, f32w_6x1, f32w_7x1, f32w_8x1, f32w_9x1};
+static const tile_fn bf16w_cols3[] = {0, bf16w_1x3, bf16w_2x3, bf16w_3x3, bf16w_4x3, bf16w_5x3, bf16w_6x3, bf16w_7x3, bf16w_8x3, bf16w_9x3};
+static const tile_fn bf16w_cols1[] = {0, bf16w_1x1, bf16w_2x1, bf16w_3x1, bf16w_4x1, bf16w_5x1, bf16w_6x1, bf16w_7x1, bf16w_8x1, bf16w_9x1};
 
 /* exp(x) for x <= 0 (softmax after the max is taken): 2^n * p(r), r in [-ln2/2, ln2/2], a degree-6
  * polynomial (relative error about 2e-7); exp(-88) and below flush to 0 */
