@@ -167,7 +167,7 @@ AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
             for (int j = 0; j < NB; j++) acc_out[i * NB + j] = hsum8(acc[i][j]);                        \
     }
 
-/* A kernel: its tiles (1..4 rows with the 16 AVX2 registers, 1..8 rows with AVX-512's 32) and the
+/* A kernel: its tiles (1..4 rows with the 16 AVX2 registers, 1..9 rows with AVX-512's 32) and the
  * loop over output columns; M rows go in ceil(M / max rows) passes of about equal size. The
  * AVX-512 build runs the very same 8-lane arithmetic per output, so its results are bitwise the
  * AVX2 build's; it only keeps more rows in registers per weight load. */
@@ -396,7 +396,7 @@ static const wsum_fn wsum_avx2[4] = {0, wsum1, wsum2, wsum3};
 #define HAVE_AVX2_PATH 0
 #endif
 
-static int simd = 0, simd_max = 0; /* 0: portable C, 1: AVX2 + FMA, 2: and AVX-512's registers (tiles of 8 rows) */
+static int simd = 0, simd_max = 0; /* 0: portable C, 1: AVX2 + FMA, 2: and AVX-512's registers (tiles of up to 9 rows) */
 
 /* ------------------------------------------------------------------ entry points */
 

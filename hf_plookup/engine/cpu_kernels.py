@@ -78,7 +78,7 @@ def uses_avx2() -> bool:
 
 def simd_level() -> int:
     """The vector code the kernels run: 0 portable C, 1 AVX2 + FMA, 2 the same arithmetic with
-    AVX-512's 32 registers (linear tiles of up to 8 rows instead of 4; bitwise the AVX2 results)."""
+    AVX-512's 32 registers (linear tiles of up to 9 rows instead of 4; bitwise the AVX2 results)."""
     return int(_LIB.simd_level()) if available() else 0
 
 
