@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -175,11 +176,10 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def _group_call(rows: int, is_prefill: bool, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """Which call a row group of the step takes: "cpu" (`cpu_kernels.linear`), "gemm" (`F.linear`
     of a chunk of more than PREFILL_TORCH_ROWS rows), "torch" (`F.linear` of a shorter chunk) or
-    "rows" (`invariant_rows` under another strategy). Decode
-    rows take their weight's `row_strategy`; a prompt chunk's rows (the same in every batch, as the
-    scheduler cuts chunks at fixed offsets) take the "cpu" kernel where that is the weight's
-    strategy, except for long chunks in float32, and in bfloat16 where torch's bf16 GEMM is
-    native; else torch's call."""
+    "rows" (`invariant_rows` under another strategy). Decode rows take their weight's
+    `row_strategy`; a prompt chunk's rows (the same in every batch, as the scheduler cuts chunks at
+    fixed offsets) take the "cpu" kernel where that is the weight's strategy, except for long
+    chunks in float32, and in bfloat16 where torch's bf16 GEMM is native; else torch's call."""
     cpu = row_strategy(weight, bias) == "cpu"
     if not is_prefill:
         return "cpu" if cpu else "rows"
@@ -201,8 +201,7 @@ def merge_safe(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     if got is None:
         gen = torch.Generator(device="cpu").manual_seed(1)
         cuts = [0]
-        while True:
-            n = _MERGE_PROBE_SIZES[(len(cuts) - 1) % len(_MERGE_PROBE_SIZES)]
+        for n in itertools.cycle(_MERGE_PROBE_SIZES):
             if cuts[-1] + n > MERGE_ROWS:
                 break
             cuts.append(cuts[-1] + n)
