@@ -14,14 +14,15 @@
  *   step of 1 does. bf16 weights and inputs are widened in registers (a bf16 is the high half
  *   of an fp32) and the fp32 result is rounded once (to nearest even), after the bias.
  *
- * attend_range: one query head over its visible keys, read in place from the paged cache
+ * attend_pass: one query head over its visible keys, read in place from the paged cache
  *   ([slots, H_kv, D], flat), in position order: scores (8-lane dot, fixed hsum), optional
  *   tanh soft-capping, softmax with one max and one sum in fixed order, then the weighted sum
- *   of values, each output element accumulated key by key.
+ *   of values, each output element accumulated key by key. The keys a sequence's tokens all
+ *   see (a chain's or a tree's cached prefix) are read once for all of them, block by block.
  *
- * Threads: a small pool of its own (below) hands out output columns or query heads, 48 columns
- * or one head at a time, to `threads` threads, the caller being one of them. Workers spin briefly
- * between calls (a step makes hundreds of calls microseconds apart), then sleep.
+ * Threads: a small pool of its own (below) hands out 48 output columns or one attention part (a
+ * sequence, or a KV head of one) at a time to `threads` threads, the caller being one of them.
+ * Workers spin briefly between calls (a step makes hundreds of calls microseconds apart), then sleep.
  *
  * An x86-64 CPU with AVX2 and FMA runs the vector code; any other CPU runs a plain C version
  * with the same lane structure (the check is made once, at load).
@@ -216,6 +217,64 @@ LINEAR(f32, AVX2, 4, 0)
 LINEAR(bf16, AVX2, 4, 1)
 LINEAR(f32w, AVX512, 9, 0)
 LINEAR(bf16w, AVX512, 9, 1)
+/* AVX-512 BF16 (level 3; bf16 weights only): VDPBF16PS takes x and w as bf16 pairs, so a weight is
+ * neither widened nor multiplied alone, and a step of 16 values is one instruction per row where
+ * widened weights need two FMAs and two conversions. Its order differs from the 8-lane one above:
+ * lane l sums, for each 16 values from k, the exact products of values k + 2l + 1 then k + 2l, each
+ * added and rounded in turn, inputs and results below FLT_MIN read and written as 0 (the
+ * instruction's fixed DAZ / FTZ rounding); the lanes then go through hsum8, the bias is added and
+ * the sum rounded once to bf16, as in the other kernels. Fixed per output whatever the row count:
+ * row-invariant as the other levels, but its bits are its own. */
+#if (defined(__clang__) && __clang_major__ >= 11) || (!defined(__clang__) && __GNUC__ >= 11)
+#define HAVE_DPBF16 1
+#define AVX512BF16 __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bf16")))
+AVX512BF16 static inline __m256i ld_pairs(const void* p, int64_t i) { return _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)); }
+AVX512BF16 static inline __m256i ld_pairs_part(const void* p, int64_t i, int rem) { /* rem < 16 values, zeros after */
+    uint16_t tmp[16] = {0};
+    memcpy(tmp, (const uint16_t*)p + i, (size_t)rem * 2);
+    return _mm256_loadu_si256((const __m256i*)tmp);
+}
+#define TILE_DP(NAME, MB, NB)                                                                           \
+    AVX512BF16 static void NAME(const void* x, const void* w, int64_t K, int64_t m0, int64_t n0,        \
+                                float* acc_out, int64_t pf_every, int64_t pf_phase) {                   \
+        __m256 acc[MB][NB];                                                                             \
+        for (int i = 0; i < MB; i++)                                                                    \
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();                               \
+        int64_t k = 0, line = 0;                                                                        \
+        for (; k + 16 <= K; k += 16) {                                                                  \
+            __m256i wv[NB];                                                                             \
+            for (int j = 0; j < NB; j++) wv[j] = ld_pairs(w, (n0 + j) * K + k);                         \
+            if (pf_every && !(k & 31)) {                                                                \
+                if (line == pf_phase)                                                                   \
+                    for (int j = 0; j < NB; j++)                                                        \
+                        _mm_prefetch((const char*)w + ((n0 + PF_TILES * NB + j) * K + k) * 2, _MM_HINT_T1); \
+                if (++line == pf_every) line = 0;                                                       \
+            }                                                                                           \
+            for (int i = 0; i < MB; i++) {                                                              \
+                __m256bh xv = (__m256bh)ld_pairs(x, (m0 + i) * K + k);                                  \
+                for (int j = 0; j < NB; j++) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], (__m256bh)wv[j], xv); \
+            }                                                                                           \
+        }                                                                                               \
+        if (k < K) {                                                                                    \
+            int rem = (int)(K - k);                                                                     \
+            __m256i wv[NB];                                                                             \
+            for (int j = 0; j < NB; j++) wv[j] = ld_pairs_part(w, (n0 + j) * K + k, rem);               \
+            for (int i = 0; i < MB; i++) {                                                              \
+                __m256bh xv = (__m256bh)ld_pairs_part(x, (m0 + i) * K + k, rem);                        \
+                for (int j = 0; j < NB; j++) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], (__m256bh)wv[j], xv); \
+            }                                                                                           \
+        }                                                                                               \
+        for (int i = 0; i < MB; i++)                                                                    \
+            for (int j = 0; j < NB; j++) acc_out[i * NB + j] = hsum8(acc[i][j]);                        \
+    }
+#define TILES_DP(R) TILE_DP(dp_##R##x3, R, 3) TILE_DP(dp_##R##x1, R, 1)
+TILES_DP(1) TILES_DP(2) TILES_DP(3) TILES_DP(4) TILES_DP(5) TILES_DP(6) TILES_DP(7) TILES_DP(8) TILES_DP(9)
+LINEAR(dp, AVX512BF16, 9, 1)
+static const tile_fn dp_cols3[] = {0, dp_1x3, dp_2x3, dp_3x3, dp_4x3, dp_5x3, dp_6x3, dp_7x3, dp_8x3, dp_9x3};
+static const tile_fn dp_cols1[] = {0, dp_1x1, dp_2x1, dp_3x1, dp_4x1, dp_5x1, dp_6x1, dp_7x1, dp_8x1, dp_9x1};
+#else
+#define HAVE_DPBF16 0
+#endif
 static const tile_fn f32_cols3[] = {0, f32_1x3, f32_2x3, f32_3x3, f32_4x3};
 static const tile_fn f32_cols1[] = {0, f32_1x1, f32_2x1, f32_3x1, f32_4x1};
 static const tile_fn bf16_cols3[] = {0, bf16_1x3, bf16_2x3, bf16_3x3, bf16_4x3};
@@ -282,9 +341,9 @@ AVX2 static void softmax_avx2(float* s, int64_t L, float scale) {
     for (; j < L; j++) s[j] *= inv;
 }
 
-/* NH query heads of one token (they share a KV head) over the same L keys at element offsets rows[j]:
- * s[h][j] = dot(q[h], key j) in 8 lanes over D then hsum8; keys KB at a time, each key read once for
- * all NH heads (independent sums, each with the same arithmetic whatever NH and KB). */
+/* NH query vectors (heads of one token that share a KV head) over the same L keys at element offsets
+ * rows[j]: s[h * ld + j] = dot(q[h], key j) in 8 lanes over D then hsum8; keys KB at a time, each key
+ * read once for all NH vectors (independent sums, each with the same arithmetic whatever NH and KB). */
 #define LDX(P, OFF, REM) ((REM) ? ld_part(P, OFF, REM, bf16) : (bf16 ? ld_bf16(P, OFF) : ld_f32(P, OFF)))
 /* Keys and values are rows of D values scattered over the pages (the other KV heads' rows lie in
  * between), a pattern the hardware prefetchers miss: each loop asks for the row KEY_AHEAD keys ahead. */
@@ -295,10 +354,10 @@ AVX2 static inline void prefetch_row(const char* p, int64_t bytes) {
 }
 #define SCORES(NAME, NH, KB)                                                                            \
     AVX2 static void NAME(const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D,     \
-                          int bf16, float* s) {                                                         \
+                          int bf16, float* s, int64_t ld, int64_t npf) {                                \
         int64_t j = 0, esz = bf16 ? 2 : 4;                                                              \
         for (; j + KB <= L; j += KB) {                                                                  \
-            for (int u = 0; u < KB && j + KEY_AHEAD + u < L; u++)                                       \
+            for (int u = 0; u < KB && j + KEY_AHEAD + u < npf; u++)                                     \
                 prefetch_row((const char*)kb + rows[j + KEY_AHEAD + u] * esz, D * esz);                 \
             __m256 a[NH][KB];                                                                           \
             for (int h = 0; h < NH; h++)                                                                \
@@ -323,7 +382,7 @@ AVX2 static inline void prefetch_row(const char* p, int64_t bytes) {
             float sums[8];                                                                              \
             hsum8x8(&a[0][0], sums); /* NH * KB is 8 or 9 */                                            \
             for (int i = 0; i < NH * KB; i++)                                                           \
-                s[i / KB * L + j + i % KB] = i < 8 ? sums[i] : hsum8(a[i / KB][i % KB]);                \
+                s[i / KB * ld + j + i % KB] = i < 8 ? sums[i] : hsum8(a[i / KB][i % KB]);                \
         }                                                                                               \
         for (; j < L; j++) {                                                                            \
             __m256 a[NH];                                                                               \
@@ -338,27 +397,30 @@ AVX2 static inline void prefetch_row(const char* p, int64_t bytes) {
                 __m256 k0 = LDX(kb, rows[j] + d, rem);                                                  \
                 for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(ld_part(q + h * D, d, rem, 0), k0, a[h]); \
             }                                                                                           \
-            for (int h = 0; h < NH; h++) s[h * L + j] = hsum8(a[h]);                                    \
+            for (int h = 0; h < NH; h++) s[h * ld + j] = hsum8(a[h]);                                    \
         }                                                                                               \
     }
 
-/* o[h][d] = sum_j p[h][j] * v_j[d], key by key (one FMA chain per element), 32 values of D at a
- * time, each value row read once for all NH heads */
+/* o[h][d] += sum_j p[h * ld + j] * v_j[d], key by key (one FMA chain per element, continuing from
+ * what o holds: a query's keys may come in several calls, in order), 32 values of D at a time, each
+ * value row read once for all NH heads */
 #define WSUM(NAME, NH)                                                                                  \
-    AVX2 static void NAME(const float* p, const void* vb, const int64_t* rows, int64_t L, int64_t D,     \
-                          int bf16, float* o) {                                                         \
+    AVX2 static void NAME(const float* p, int64_t ld, const void* vb, const int64_t* rows, int64_t L,    \
+                          int64_t D, int bf16, float* o, int64_t npf) {                                 \
         int64_t esz = bf16 ? 2 : 4;                                                                     \
         for (int64_t d0 = 0; d0 < D; d0 += 32) {                                                        \
             int64_t nd = D - d0 < 32 ? D - d0 : 32;                                                     \
             int nv = (int)((nd + 7) / 8), rem = (int)(nd % 8);                                          \
             __m256 acc[NH][4];                                                                          \
             for (int h = 0; h < NH; h++)                                                                \
-                for (int c = 0; c < 4; c++) acc[h][c] = _mm256_setzero_ps();                            \
+                for (int c = 0; c < nv; c++)                                                           \
+                    acc[h][c] = c == nv - 1 && rem ? ld_part(o + h * D + d0, c * 8, rem, 0)            \
+                                                   : _mm256_loadu_ps(o + h * D + d0 + c * 8);         \
             if (nd == 32) /* whole vectors */                                                           \
                 for (int64_t j = 0; j < L; j++) {                                                       \
-                    if (j + KEY_AHEAD < L) prefetch_row((const char*)vb + (rows[j + KEY_AHEAD] + d0) * esz, 32 * esz); \
+                    if (j + KEY_AHEAD < npf) prefetch_row((const char*)vb + (rows[j + KEY_AHEAD] + d0) * esz, 32 * esz); \
                     __m256 pj[NH];                                                                      \
-                    for (int h = 0; h < NH; h++) pj[h] = _mm256_set1_ps(p[h * L + j]);                  \
+                    for (int h = 0; h < NH; h++) pj[h] = _mm256_set1_ps(p[h * ld + j]);                 \
                     for (int c = 0; c < 4; c++) {                                                       \
                         __m256 v = LDX(vb, rows[j] + d0 + c * 8, 0);                                    \
                         for (int h = 0; h < NH; h++) acc[h][c] = _mm256_fmadd_ps(pj[h], v, acc[h][c]);  \
@@ -369,12 +431,13 @@ AVX2 static inline void prefetch_row(const char* p, int64_t bytes) {
                     for (int c = 0; c < nv; c++) {                                                      \
                         __m256 v = LDX(vb, rows[j] + d0 + c * 8, c == nv - 1 ? rem : 0);                \
                         for (int h = 0; h < NH; h++)                                                    \
-                            acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * L + j]), v, acc[h][c]);    \
+                            acc[h][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * ld + j]), v, acc[h][c]);   \
                     }                                                                                   \
             for (int h = 0; h < NH; h++) {                                                              \
                 float tmp[32];                                                                          \
-                for (int c = 0; c < 4; c++) _mm256_storeu_ps(tmp + c * 8, acc[h][c]);                   \
-                memcpy(o + h * D + d0, tmp, (size_t)nd * sizeof(float));                               \
+                for (int c = 0; c < nv; c++)                                                            \
+                    _mm256_storeu_ps(c == nv - 1 && rem ? tmp + c * 8 : o + h * D + d0 + c * 8, acc[h][c]); \
+                for (int i = 0; i < rem; i++) o[h * D + d0 + (nv - 1) * 8 + i] = tmp[(nv - 1) * 8 + i];  \
             }                                                                                           \
         }                                                                                               \
     }
@@ -387,26 +450,33 @@ WSUM(wsum2, 2)
 WSUM(wsum3, 3)
 #undef LDX
 
-typedef void (*scores_fn)(const float*, const void*, const int64_t*, int64_t, int64_t, int, float*);
-typedef void (*wsum_fn)(const float*, const void*, const int64_t*, int64_t, int64_t, int, float*);
+typedef void (*scores_fn)(const float*, const void*, const int64_t*, int64_t, int64_t, int, float*, int64_t, int64_t);
+typedef void (*wsum_fn)(const float*, int64_t, const void*, const int64_t*, int64_t, int64_t, int, float*, int64_t);
 static const scores_fn scores_avx2[4] = {0, scores1, scores2, scores3};
 static const wsum_fn wsum_avx2[4] = {0, wsum1, wsum2, wsum3};
-#define MAX_NH 3 /* query heads computed together (one pass over a KV head's keys) */
 #else
 #define HAVE_AVX2_PATH 0
 #endif
 
-static int simd = 0, simd_max = 0; /* 0: portable C, 1: AVX2 + FMA, 2: and AVX-512's registers (tiles of up to 9 rows) */
+#define MAX_NH 3 /* query heads of a KV head whose scores and sums are computed together */
+/* 0: portable C, 1: AVX2 + FMA, 2: and AVX-512's registers (tiles of up to 9 rows), 3: and AVX-512 BF16
+ * dot products for bf16 linears (their own order; everything else as level 2) */
+static int simd = 0, simd_max = 0;
 
 /* ------------------------------------------------------------------ entry points */
 
-/* x: float32 [M, K] (linear widens bf16 inputs first); w, bias and out: bf16 when bf16, else float32 */
+/* x: float32 [M, K] (linear widens bf16 inputs first, but for level 3); w, bias and out: bf16 when bf16,
+ * else float32 */
 static void linear_range(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t n_lo,
                          int64_t n_hi, void* out, int64_t N, int64_t bf16) {
 #if HAVE_AVX2_PATH
     if (simd) {
-        if (simd == 2 && bf16) bf16w_linear(bf16w_cols3, bf16w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
-        else if (simd == 2) f32w_linear(f32w_cols3, f32w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+#if HAVE_DPBF16
+        if (simd == 3 && bf16) dp_linear(dp_cols3, dp_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+        else
+#endif
+        if (simd >= 2 && bf16) bf16w_linear(bf16w_cols3, bf16w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+        else if (simd >= 2) f32w_linear(f32w_cols3, f32w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else if (bf16) bf16_linear(bf16_cols3, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else f32_linear(f32_cols3, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         return;
@@ -433,82 +503,170 @@ static float qk_c(const float* q, const void* k, int64_t D, int bf16) {
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
-static void weighted_sum_c(const float* p, const void* vbase, const int64_t* rows, int64_t L, int64_t D, int bf16,
-                           float* out) {
-    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
-    for (int64_t j = 0; j < L; j++)
-        for (int64_t d = 0; d < D; d++) out[d] = fmaf(p[j], load1(vbase, rows[j] + d, bf16), out[d]);
+/* n (<= MAX_NH) query vectors D apart against L keys at element offsets rows[j] of kb:
+ * s[h * ld + j] = dot(q[h], key j) */
+static void scores_n(int64_t n, const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D,
+                     int bf16, float* s, int64_t ld, int64_t npf) {
+    if (L <= 0) return;
+#if HAVE_AVX2_PATH
+    if (simd) {
+        scores_avx2[n](q, kb, rows, L, D, bf16, s, ld, npf);
+        return;
+    }
+#endif
+    for (int64_t h = 0; h < n; h++)
+        for (int64_t j = 0; j < L; j++)
+            s[h * ld + j] = qk_c(q + h * D, (const char*)kb + rows[j] * (bf16 ? 2 : 4), D, bf16);
 }
 
-/* Tokens t0 + i for i in [i_lo, i_hi), each with query heads h_lo .. h_hi - 1 (all of one KV head:
- * heads kvh * G .. kvh * G + G - 1, G = H / H_kv), nh of them at a time (one pass over the keys
- * serves them all).
- *   q [T, H, D] and out [T, H, Dv]: fp32, or bf16 when bf16;
- *   k_cache / v_cache: one layer's pages, flat [slots, H_kv, D] / [slots, H_kv, Dv] (fp32, or bf16
- *   when bf16; Dv = D but for multi-head latent attention);
- *   token t reads cache positions run_lo[t] .. run_hi[t]-1, then extra[extra_off[t] .. extra_off[t+1]-1],
- *   cache position c of its sequence being flat slot kv_slots[seq[t] * Lk + c];
- *   softcap 0: none. Returns 0, or -1 when scratch memory could not be had. */
-static int64_t attend_range(const void* q, int64_t H, int64_t D, int64_t Dv, const void* k_cache, const void* v_cache,
-                            int64_t H_kv, const int64_t* kv_slots, int64_t Lk, const int64_t* seq,
-                            const int64_t* run_lo, const int64_t* run_hi, const int64_t* extra_off,
-                            const int64_t* extra, float scale, float softcap, void* out, int64_t t0, int64_t h_lo,
-                            int64_t h_hi, int64_t i_lo, int64_t i_hi, int64_t nh, int64_t bf16) {
-    int64_t kvh = h_lo / (H / H_kv);
-    int b16 = (int)bf16;
-    int64_t esz = b16 ? 2 : 4;
-    for (int64_t i = i_lo; i < i_hi; i++) {
-        int64_t t = t0 + i;
-        int64_t n_run = run_hi[t] - run_lo[t], n_extra = extra_off[t + 1] - extra_off[t], L = n_run + n_extra;
-        int64_t nrows = Dv == D ? L : 2 * L; /* values narrower than keys (MLA): their own offsets */
-        int64_t* rows = (int64_t*)malloc((size_t)nrows * sizeof(int64_t) + (size_t)MAX_NH * (L + D + Dv) * sizeof(float));
-        if (!rows) return -1;
-        int64_t* vrows = rows + nrows - L;
-        float *s = (float*)(rows + nrows), *qf = s + MAX_NH * L, *o = qf + MAX_NH * D;
-        const int64_t* slots = kv_slots + seq[t] * Lk;
-        for (int64_t j = 0; j < L; j++) { /* element offset of each key's D values (and value's Dv) */
-            int64_t c = j < n_run ? run_lo[t] + j : extra[extra_off[t] + j - n_run];
-            rows[j] = (slots[c] * H_kv + kvh) * D;
-            vrows[j] = (slots[c] * H_kv + kvh) * Dv;
-        }
-        for (int64_t h0 = h_lo; h0 < h_hi; h0 += nh) {
-            int64_t n = h_hi - h0 < nh ? h_hi - h0 : nh;
-            for (int64_t h = 0; h < n; h++)
-                for (int64_t d = 0; d < D; d++) qf[h * D + d] = load1(q, (t * H + h0 + h) * D + d, b16);
+/* o[h][d] += p[h * ld + j] * v_j[d] for j = 0 .. L-1 in order, one FMA each, for n heads Dv apart */
+static void wsum_n(int64_t n, const float* p, int64_t ld, const void* vb, const int64_t* rows, int64_t L,
+                   int64_t Dv, int bf16, float* o, int64_t npf) {
+    if (L <= 0) return;
 #if HAVE_AVX2_PATH
-            if (simd) scores_avx2[n](qf, k_cache, rows, L, D, b16, s);
-            else
-#endif
-                for (int64_t h = 0; h < n; h++)
-                    for (int64_t j = 0; j < L; j++) s[h * L + j] = qk_c(qf + h * D, (const char*)k_cache + rows[j] * esz, D, b16);
-            for (int64_t h = 0; h < n; h++) {
-                float* sh = s + h * L;
-#if HAVE_AVX2_PATH
-                if (simd && !(softcap > 0.0f)) { /* the scaling inside, vectorized */
-                    softmax_avx2(sh, L, scale);
-                    continue;
-                }
-#endif
-                for (int64_t j = 0; j < L; j++) {
-                    float sc = sh[j] * scale;
-                    sh[j] = softcap > 0.0f ? softcap * tanhf(sc / softcap) : sc;
-                }
-#if HAVE_AVX2_PATH
-                if (simd) softmax_avx2(sh, L, 1.0f);
-                else
-#endif
-                    softmax_c(sh, L);
-            }
-#if HAVE_AVX2_PATH
-            if (simd) wsum_avx2[n](s, v_cache, vrows, L, Dv, b16, o);
-            else
-#endif
-                for (int64_t h = 0; h < n; h++) weighted_sum_c(s + h * L, v_cache, vrows, L, Dv, b16, o + h * Dv);
-            for (int64_t h = 0; h < n; h++)
-                for (int64_t d = 0; d < Dv; d++) store1(out, (t * H + h0 + h) * Dv + d, o[h * Dv + d], b16);
-        }
-        free(rows);
+    if (simd) {
+        wsum_avx2[n](p, ld, vb, rows, L, Dv, bf16, o, npf);
+        return;
     }
+#endif
+    for (int64_t h = 0; h < n; h++)
+        for (int64_t j = 0; j < L; j++)
+            for (int64_t d = 0; d < Dv; d++) o[h * Dv + d] = fmaf(p[h * ld + j], load1(vb, rows[j] + d, bf16), o[h * Dv + d]);
+}
+
+/* in place over one query's L scores: scale, optional tanh soft-capping, softmax */
+static void normalize_scores(float* sh, int64_t L, float scale, float softcap) {
+#if HAVE_AVX2_PATH
+    if (simd && !(softcap > 0.0f)) { /* the scaling inside, vectorized */
+        softmax_avx2(sh, L, scale);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < L; j++) {
+        float sc = sh[j] * scale;
+        sh[j] = softcap > 0.0f ? softcap * tanhf(sc / softcap) : sc;
+    }
+#if HAVE_AVX2_PATH
+    if (simd) softmax_avx2(sh, L, 1.0f);
+    else
+#endif
+        softmax_c(sh, L);
+}
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int64_t *kv_slots, *seq, *run_lo, *run_hi, *extra_off, *extra;
+    void* out;
+    int64_t T, H, D, Dv, H_kv, Lk, bf16;
+    float scale, softcap;
+    const int64_t* starts; /* [R+1] first token of each run of tokens of one sequence */
+    int64_t chunks;        /* token pieces per (run, KV piece, head piece) */
+    int64_t kvsplit;       /* pieces the KV heads are cut into */
+    int64_t hsplit;        /* pieces the query heads of a KV head are cut into */
+    atomic_long failed;
+} attend_job;
+
+#define PASS_TOKENS 16 /* tokens of one sequence that share a pass over its keys */
+#define KEY_BLOCK 24   /* keys of the shared span read by all of a pass's queries while in L1 (3 and 8 divide it) */
+
+/* Tokens t_lo .. t_hi-1 of one sequence, each with query heads kvh * G + [g_lo, g_hi) of the KV heads
+ * kvh in [kv_lo, kv_hi) (G = H / H_kv). A token t sees cache positions run_lo[t] .. run_hi[t]-1,
+ * then extra[extra_off[t] .. extra_off[t+1]-1]: its key j, in that order, is its j-th score and the
+ * j-th term of each output element's sum.
+ *
+ * The positions all the tokens see, [max run_lo, min run_hi) (the cached prefix of a chain or a tree),
+ * are read once for all of them, KEY_BLOCK keys at a time, every KV head of the part for each key (one
+ * sequence's pages are then read front to back). Each query's own keys before and after that span are
+ * read for it alone. Which queries share a pass changes only what is in cache, never a query's
+ * arithmetic: its scores are independent dot products, and its values are summed key by key in its own
+ * key order, the running sums kept in o between calls. Returns 0, or -1 when scratch memory could not be had. */
+static int64_t attend_pass(const attend_job* J, int64_t t_lo, int64_t t_hi, int64_t kv_lo, int64_t kv_hi,
+                           int64_t g_lo, int64_t g_hi) {
+    int64_t nt = t_hi - t_lo, ng = g_hi - g_lo, HP = (kv_hi - kv_lo) * ng, D = J->D, Dv = J->Dv, H = J->H;
+    int64_t G = H / J->H_kv;
+    int b16 = (int)J->bf16;
+    int64_t esz = b16 ? 2 : 4;
+    int64_t Ls[PASS_TOKENS], sbase[PASS_TOKENS], own_at[PASS_TOKENS + 1], pre[PASS_TOKENS];
+    int64_t a = J->run_lo[t_lo], b = J->run_hi[t_lo], total = 0;
+    for (int64_t i = 0; i < nt; i++) {
+        int64_t t = t_lo + i;
+        a = J->run_lo[t] > a ? J->run_lo[t] : a;
+        b = J->run_hi[t] < b ? J->run_hi[t] : b;
+    }
+    int64_t nS = b > a ? b - a : 0;
+    own_at[0] = 0;
+    for (int64_t i = 0; i < nt; i++) {
+        int64_t t = t_lo + i;
+        Ls[i] = J->run_hi[t] - J->run_lo[t] + J->extra_off[t + 1] - J->extra_off[t];
+        sbase[i] = total;
+        total += HP * Ls[i];
+        pre[i] = nS ? a - J->run_lo[t] : 0; /* own keys before the span */
+        own_at[i + 1] = own_at[i] + Ls[i] - nS;
+    }
+    int64_t nown = own_at[nt], vsep = Dv != D; /* values narrower than keys (MLA): their own offsets */
+    int64_t nrows = (nS + nown) * (1 + vsep);
+    int64_t* krow = (int64_t*)malloc((size_t)nrows * sizeof(int64_t) +
+                                     (size_t)(total + nt * HP * (D + Dv)) * sizeof(float));
+    if (!krow) return -1;
+    int64_t *kown = krow + nS, *vrow = vsep ? kown + nown : krow, *vown = vrow + nS;
+    float *s = (float*)(krow + nrows), *qf = s + total, *o = qf + nt * HP * D;
+    const int64_t* slots = J->kv_slots + J->seq[t_lo] * J->Lk;
+    /* element offset of a position's keys (all KV heads) and values */
+#define KROW(c) (slots[c] * J->H_kv * D)
+#define VROW(c) (slots[c] * J->H_kv * Dv)
+    for (int64_t j = 0; j < nS; j++) krow[j] = KROW(a + j), vrow[j] = VROW(a + j);
+    for (int64_t i = 0; i < nt; i++) {
+        int64_t t = t_lo + i, n_run = J->run_hi[t] - J->run_lo[t], m = own_at[i];
+        for (int64_t j = 0; j < Ls[i]; j++) {
+            if (j >= pre[i] && j < pre[i] + nS) continue;
+            int64_t c = j < n_run ? J->run_lo[t] + j : J->extra[J->extra_off[t] + j - n_run];
+            kown[m] = KROW(c), vown[m++] = VROW(c);
+        }
+        for (int64_t hh = 0; hh < HP; hh++) {
+            int64_t h = (kv_lo + hh / ng) * G + g_lo + hh % ng;
+            for (int64_t d = 0; d < D; d++) qf[(i * HP + hh) * D + d] = load1(J->q, (t * H + h) * D + d, b16);
+        }
+    }
+#undef KROW
+#undef VROW
+    memset(o, 0, (size_t)(nt * HP * Dv) * sizeof(float));
+    /* for every query vector group (token i, KV head kv, heads g0 .. g0+n-1 of it): BODY */
+#define EACH_GROUP(BODY)                                                                                \
+    for (int64_t i = 0; i < nt; i++)                                                                   \
+        for (int64_t kv = kv_lo; kv < kv_hi; kv++)                                                     \
+            for (int64_t g0 = 0; g0 < ng; g0 += MAX_NH) {                                              \
+                int64_t n = ng - g0 < MAX_NH ? ng - g0 : MAX_NH, hh = (kv - kv_lo) * ng + g0;         \
+                float* sq = s + sbase[i] + hh * Ls[i]; /* the group's scores, Ls[i] apart */            \
+                const char* kb = (const char*)J->k_cache + kv * D * esz;                                \
+                const char* vb = (const char*)J->v_cache + kv * Dv * esz;                               \
+                const int64_t *ko = kown + own_at[i], *vo = vown + own_at[i];                           \
+                int64_t post = Ls[i] - nS - pre[i];                                                      \
+                (void)kb, (void)vb, (void)ko, (void)vo, (void)post;                                     \
+                BODY                                                                                    \
+            }
+    for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
+        int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
+        EACH_GROUP(scores_n(n, qf + (i * HP + hh) * D, kb, krow + j0, nb, D, b16, sq + pre[i] + j0, Ls[i],
+                            i || g0 ? 0 : nS - j0);)
+    }
+    EACH_GROUP(scores_n(n, qf + (i * HP + hh) * D, kb, ko, pre[i], D, b16, sq, Ls[i], g0 ? 0 : pre[i]);
+               scores_n(n, qf + (i * HP + hh) * D, kb, ko + pre[i], post, D, b16, sq + pre[i] + nS, Ls[i], g0 ? 0 : post);)
+    for (int64_t i = 0; i < nt; i++)
+        for (int64_t hh = 0; hh < HP; hh++) normalize_scores(s + sbase[i] + hh * Ls[i], Ls[i], J->scale, J->softcap);
+    EACH_GROUP(wsum_n(n, sq, Ls[i], vb, vo, pre[i], Dv, b16, o + (i * HP + hh) * Dv, g0 ? 0 : pre[i]);)
+    for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
+        int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
+        EACH_GROUP(wsum_n(n, sq + pre[i] + j0, Ls[i], vb, vrow + j0, nb, Dv, b16, o + (i * HP + hh) * Dv,
+                          i || g0 ? 0 : nS - j0);)
+    }
+    EACH_GROUP(wsum_n(n, sq + pre[i] + nS, Ls[i], vb, vo + pre[i], post, Dv, b16, o + (i * HP + hh) * Dv, g0 ? 0 : post);)
+#undef EACH_GROUP
+    for (int64_t i = 0; i < nt; i++)
+        for (int64_t hh = 0; hh < HP; hh++) {
+            int64_t h = (kv_lo + hh / ng) * G + g_lo + hh % ng;
+            for (int64_t d = 0; d < Dv; d++) store1(J->out, ((t_lo + i) * H + h) * Dv + d, o[(i * HP + hh) * Dv + d], b16);
+        }
+    free(krow);
     return 0;
 }
 
@@ -642,7 +800,7 @@ static void linear_part(void* ctx, int64_t part) { /* output columns [48 part, 4
 int64_t linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t N, void* out,
                int64_t bf16, int64_t threads) {
     float* xf = NULL; /* bf16 x widened to float32 once (exact), not once per tile */
-    if (bf16) {
+    if (bf16 && simd != 3) {
         xf = (float*)malloc((size_t)(M * K) * sizeof(float));
         if (!xf) return -1;
         for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
@@ -653,38 +811,23 @@ int64_t linear(const void* x, int64_t M, const void* w, int64_t K, const void* b
     return 0;
 }
 
-typedef struct {
-    const void *q, *k_cache, *v_cache;
-    const int64_t *kv_slots, *seq, *run_lo, *run_hi, *extra_off, *extra;
-    void* out;
-    int64_t T, H, D, Dv, H_kv, Lk, bf16;
-    float scale, softcap;
-    const int64_t* starts; /* [R+1] first token of each run of tokens of one sequence */
-    int64_t chunks;        /* token pieces per (run, head piece) */
-    int64_t hsplit;        /* pieces the query heads of a KV head are cut into */
-    int64_t nh;            /* query heads per pass over the keys */
-    atomic_long failed;
-} attend_job;
-
-/* Part p = (run r, head piece, token piece c): a piece of one sequence's tokens in this step, each with
- * a piece of the query heads of one KV head. That KV head's keys then stay in cache for all the part's
- * queries (which queries run together never changes a query's arithmetic). */
+/* Part p = (run r, KV piece, head piece, token piece): a piece of one sequence's tokens in this step,
+ * each with a piece of the query heads of some KV heads, in passes of up to PASS_TOKENS tokens. */
 static void attend_part(void* ctx, int64_t part) {
     attend_job* j = (attend_job*)ctx;
-    int64_t group = j->H / j->H_kv;
-    int64_t c = part % j->chunks, hp = part / j->chunks % (j->H_kv * j->hsplit), r = part / j->chunks / (j->H_kv * j->hsplit);
-    int64_t kvh = hp / j->hsplit, piece = hp % j->hsplit;
-    int64_t h_lo = kvh * group + group * piece / j->hsplit, h_hi = kvh * group + group * (piece + 1) / j->hsplit;
+    int64_t G = j->H / j->H_kv, c = part % j->chunks, rest = part / j->chunks;
+    int64_t hp = rest % j->hsplit, kp = rest / j->hsplit % j->kvsplit, r = rest / j->hsplit / j->kvsplit;
+    int64_t kv_lo = j->H_kv * kp / j->kvsplit, kv_hi = j->H_kv * (kp + 1) / j->kvsplit;
+    int64_t g_lo = G * hp / j->hsplit, g_hi = G * (hp + 1) / j->hsplit;
     int64_t n = j->starts[r + 1] - j->starts[r];
-    int64_t lo = n * c / j->chunks, hi = n * (c + 1) / j->chunks;
-    if (lo < hi && h_lo < h_hi &&
-        attend_range(j->q, j->H, j->D, j->Dv, j->k_cache, j->v_cache, j->H_kv, j->kv_slots, j->Lk, j->seq, j->run_lo,
-                     j->run_hi, j->extra_off, j->extra, j->scale, j->softcap, j->out, j->starts[r], h_lo, h_hi, lo,
-                     hi, j->nh, j->bf16))
-        atomic_store(&j->failed, 1);
+    int64_t lo = j->starts[r] + n * c / j->chunks, hi = j->starts[r] + n * (c + 1) / j->chunks;
+    if (kv_lo >= kv_hi || g_lo >= g_hi) return;
+    for (int64_t t = lo; t < hi; t += PASS_TOKENS)
+        if (attend_pass(j, t, hi - t < PASS_TOKENS ? hi : t + PASS_TOKENS, kv_lo, kv_hi, g_lo, g_hi))
+            atomic_store(&j->failed, 1);
 }
 
-/* attention of T tokens (see attend_range; a sequence's tokens are consecutive); returns 0, or -1
+/* attention of T tokens (see attend_pass; a sequence's tokens are consecutive); returns 0, or -1
  * when scratch memory could not be had */
 int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const void* k_cache, const void* v_cache, int64_t H_kv,
                const int64_t* kv_slots, int64_t Lk, const int64_t* seq, const int64_t* run_lo, const int64_t* run_hi,
@@ -698,22 +841,24 @@ int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const
         if (t == 0 || seq[t] != seq[t - 1]) starts[runs++] = t;
     starts[runs] = T;
     for (int64_t r = 0; r < runs; r++) longest = starts[r + 1] - starts[r] > longest ? starts[r + 1] - starts[r] : longest;
-    /* about one part per thread, each as large as that allows: one pass over a KV head's keys serves
-     * all the query heads of a part, so finer parts read the same keys again (a 1-token step of 3 KV
-     * heads: 3 parts of 3 heads took 60% of the time of 9 parts of 1 head on 2 threads). Where
-     * the tokens are too few for that, the heads of a KV head are cut too. */
-    int64_t groups = runs * H_kv, want = threads > 1 ? threads : 1, group = H / H_kv, hsplit = 1;
-    int64_t chunks = (want + groups - 1) / groups;
-    if (chunks > longest) { /* too few tokens: cut the heads of a KV head too */
-        chunks = longest;
-        hsplit = (want + groups * chunks - 1) / (groups * chunks);
-        hsplit = hsplit < group ? hsplit : group;
+    /* As few parts as keep the threads busy, since a part reads its keys once for all its queries.
+     * With at least two sequences per thread a part is a whole sequence: its pages are then read front
+     * to back, all KV heads at once. Otherwise a part is one KV head of a sequence (keys a row apart),
+     * and where that gives too few parts the tokens, then the query heads of a KV head, are cut too. */
+    int64_t want = threads > 1 ? threads : 1, group = H / H_kv, kvsplit = 1, hsplit = 1, chunks = 1;
+    if (runs < 2 * want) {
+        kvsplit = H_kv;
+        int64_t groups = runs * H_kv;
+        chunks = (want + groups - 1) / groups;
+        if (chunks > longest) { /* too few tokens: cut the heads of a KV head too */
+            chunks = longest;
+            hsplit = (want + groups * chunks - 1) / (groups * chunks);
+            hsplit = hsplit < group ? hsplit : group;
+        }
     }
-    int64_t nh = (group + hsplit - 1) / hsplit;
-    nh = nh < MAX_NH ? nh : MAX_NH;
     attend_job j = {q, k_cache, v_cache, kv_slots, seq, run_lo, run_hi, extra_off, extra, out,
-                    T, H, D, Dv, H_kv, Lk, bf16, scale, softcap, starts, chunks, hsplit, nh, 0};
-    run_parallel(attend_part, &j, groups * hsplit * chunks, threads);
+                    T, H, D, Dv, H_kv, Lk, bf16, scale, softcap, starts, chunks, kvsplit, hsplit, 0};
+    run_parallel(attend_part, &j, runs * kvsplit * hsplit * chunks, threads);
     free(starts);
     return atomic_load(&j.failed) ? -1 : 0;
 }
@@ -772,6 +917,9 @@ PyMODINIT_FUNC PyInit__cpu_kernels(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         simd_max = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") ? 2 : 1;
+#if HAVE_DPBF16
+    if (simd_max == 2 && __builtin_cpu_supports("avx512bf16")) simd_max = 3;
+#endif
     simd = simd_max;
 #endif
     pthread_atfork(NULL, NULL, after_fork_child);

@@ -10,6 +10,10 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
   output is one dot product in a fixed order (8 fp32 lanes over K, the lanes added in one fixed
   tree), so row i of an M-row call is bitwise that row alone, at any M and thread count.
   float32 and bfloat16 (widened in registers, fp32 accumulation, rounded once at the output).
+  On a CPU with AVX-512 BF16, bfloat16 weights take the dot-product instruction instead: lane l
+  adds the exact products of values k+2l+1, then k+2l, of each 16, values and sums below
+  FLT_MIN flushed to 0. That order is fixed too (rows stay invariant), but its bits differ from
+  the widened kernel's: bf16 results depend on whether the CPU has the instruction.
 - `rms_norm(x, weight, eps, form)`: RMS normalization of each row alone, its sum of squares in
   the same fixed lane order (the two forms HF's RMSNorm modules take, `RMS_FORMS`).
 - `attend(...)`: one query head over exactly its visible keys, read in place from the pages in
@@ -78,7 +82,8 @@ def uses_avx2() -> bool:
 
 def simd_level() -> int:
     """The vector code the kernels run: 0 portable C, 1 AVX2 + FMA, 2 the same arithmetic with
-    AVX-512's 32 registers (linear tiles of up to 9 rows instead of 4; bitwise the AVX2 results)."""
+    AVX-512's 32 registers (linear tiles of up to 9 rows instead of 4; bitwise the AVX2 results),
+    3 as 2 but bf16 linears by AVX-512 BF16 dot products (their own order, see the module text)."""
     return int(_LIB.simd_level()) if available() else 0
 
 

@@ -65,23 +65,63 @@ def test_linear_rows_are_invariant(m, k, n, dtype, bias, threads, seed):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_linear_simd_levels_agree_bitwise(dtype):
-    """The portable C code, the AVX2 tiles and the 8-row AVX-512 tiles run one arithmetic per
+    """The portable C code, the AVX2 tiles and the 9-row AVX-512 tiles run one arithmetic per
     output: every level this CPU has gives the same bits (a machine without AVX2 or AVX-512
-    compares the levels it has)."""
+    compares the levels it has). Level 3 runs fp32 as level 2; its bf16 order is its own
+    (test_bf16_dot_products_follow_their_order)."""
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(3)
     top = ck.simd_level()
+    levels = range(top + 1) if dt == torch.float32 else range(min(top, 2) + 1)
     try:
         for m in (1, 5, 9, 17, 64):
             x, w, b = torch.randn(m, 203, generator=g).to(dt), torch.randn(61, 203, generator=g).to(dt), torch.randn(61).to(dt)
             outs = []
-            for level in range(top + 1):
+            for level in levels:
                 ck.set_simd_level(level)
                 outs.append(ck.linear(x, w, b))
             assert all(torch.equal(o, outs[0]) for o in outs), m
     finally:
         ck.set_simd_level(top)
     assert ck.simd_level() == top
+
+
+def _dot_pairs_reference(x, w, b):
+    """Level 3's documented arithmetic in numpy float32: lane l adds the exact products of values
+    k+2l+1, then k+2l, of each 16 (zeros past K), each addition rounded, and values and sums below
+    FLT_MIN flushed to 0; then hsum8's tree, the bias, one rounding to bf16."""
+    xf, wf = x.float().numpy(), w.float().numpy()
+    (m, k), n = xf.shape, wf.shape[0]
+    k16 = -(-k // 16) * 16
+    tiny = np.finfo(np.float32).tiny
+    ftz = lambda a: np.where(np.abs(a) < tiny, np.float32(0), a).astype(np.float32)  # noqa: E731
+    xp, wp = np.zeros((m, k16), np.float32), np.zeros((n, k16), np.float32)
+    xp[:, :k], wp[:, :k] = ftz(xf), ftz(wf)
+    acc = np.zeros((m, n, 8), np.float32)
+    for i in range(0, k16, 16):
+        for odd in (1, 0):
+            ks = i + 2 * np.arange(8) + odd
+            acc = ftz(acc + xp[:, None, ks] * wp[None, :, ks])  # a bf16 x bf16 product is exact in fp32
+    a = acc
+    s = ((a[..., 0] + a[..., 4]) + (a[..., 2] + a[..., 6])) + ((a[..., 1] + a[..., 5]) + (a[..., 3] + a[..., 7]))
+    if b is not None:
+        s = s + b.float().numpy()
+    return torch.from_numpy(s.astype(np.float32)).bfloat16()
+
+
+@pytest.mark.skipif(ck.simd_level() < 3, reason="this CPU has no AVX-512 BF16 (level 3)")
+@pytest.mark.parametrize("m,k,n,scale", [(1, 203, 61, 1.0), (5, 576, 100, 1.0), (9, 1536, 30, 1.0), (3, 17, 7, 1.0),
+                                         (4, 64, 9, 1e-19)])
+def test_bf16_dot_products_follow_their_order(m, k, n, scale):
+    """Level 3's bf16 linear is bitwise its documented order (scale 1e-19: products below FLT_MIN,
+    flushed), and within a bf16 ulp or so of float64."""
+    g = torch.Generator().manual_seed(m * k + n)
+    x = (torch.randn(m, k, generator=g) * scale).bfloat16()
+    w, b = (torch.randn(n, k, generator=g) * scale).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    out = ck.linear(x, w, b)
+    assert torch.equal(out, _dot_pairs_reference(x, w, b))
+    ref = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(out.double(), ref, rtol=2**-7, atol=1e-4 * k**0.5)
 
 
 def test_linear_rejects_mixed_dtypes():
@@ -210,6 +250,38 @@ def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, t
     alone = ck.attend(q[i : i + 1], kc, vc, kv_slots, seq_a[i : i + 1], lo_a[i : i + 1], hi_a[i : i + 1],
                       np.array([0, xoff_a[i + 1] - xoff_a[i]]), extra_a[xoff_a[i] : xoff_a[i + 1]], 0.17, softcap)
     assert torch.equal(alone[0], out[i])
+
+
+@settings(max_examples=10, deadline=None)
+@given(dtype=st.sampled_from(["fp32", "bf16"]), window=st.sampled_from([None, 30]), seed=st.integers(0, 2**16))
+def test_attend_partitions_and_levels_agree_bitwise(dtype, window, seed):
+    """Five sequences feeding up to 20 chain tokens (more than the 16 that share one pass over the
+    keys) under 1, 2 and 3 threads, which cut the work by sequence, by KV head or by token: every
+    query is bitwise itself computed alone, at each SIMD level this CPU has (the portable level's
+    exp is libm's, so its bits are its own)."""
+    dt = DTYPES[dtype]
+    g, kc, vc, kv_slots = _paged(seed, dt, num_seqs=5, ctx=130)
+    seq, lo, hi = [], [], []
+    for b in range(5):
+        start, n = 40 + int(torch.randint(60, (1,), generator=g)), 1 + int(torch.randint(20, (1,), generator=g))
+        for j in range(n):
+            seq.append(b), hi.append(start + j + 1), lo.append(max(0, start + j + 1 - window) if window else 0)
+    t = len(seq)
+    arrays = [np.array(seq), np.array(lo), np.array(hi), np.zeros(t + 1, np.int64), np.zeros(0, np.int64)]
+    q = torch.randn(t, 6, 40, generator=g).to(dt)
+    top = ck.simd_level()
+    try:
+        for level in range(top + 1):
+            ck.set_simd_level(level)
+            alone = torch.stack([ck.attend(q[i : i + 1], kc, vc, kv_slots, arrays[0][i : i + 1], arrays[1][i : i + 1],
+                                           arrays[2][i : i + 1], np.zeros(2, np.int64), arrays[4], 0.2, None)[0]
+                                 for i in range(t)])
+            for threads in (1, 2, 3):
+                with _threads(threads):
+                    out = ck.attend(q, kc, vc, kv_slots, *arrays, 0.2, None)
+                assert torch.equal(out, alone), (level, threads)
+    finally:
+        ck.set_simd_level(top)
 
 
 def test_attend_rejects_a_query_that_does_not_fit_the_pages():
