@@ -328,6 +328,10 @@ class InvariantLinears:
             if form is not None:
                 self.modules.append(m)
                 self.forwards.append(_bind_norm(m, form))
+        # decode steps whose linears all run the C kernels (whose bits do not depend on threads)
+        # run torch's own ops on one thread (cpu_kernels.serial_torch)
+        self.serial_decode = bool(self.modules) and all(
+            cpu_kernels.supported(m.weight) for m in self.modules if type(m) is torch.nn.Linear)
 
     @staticmethod
     def _bind(module):
@@ -351,8 +355,10 @@ class InvariantLinears:
         # buffers and submodules on every call, which adds up over a model's linears every step
         for m, f in zip(self.modules, self.forwards):
             m.__dict__["forward"] = f
+        serial = self.serial_decode and layout.is_decode and device.type == "cpu"
         try:
-            with invariant_layout(build_layout(layout, device, self.prefill_unit)):
+            with invariant_layout(build_layout(layout, device, self.prefill_unit)), \
+                    cpu_kernels.serial_torch() if serial else contextlib.nullcontext():
                 yield
         finally:
             for m, f in zip(self.modules, self.forwards):

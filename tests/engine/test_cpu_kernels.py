@@ -319,3 +319,19 @@ def test_concurrent_callers_and_thread_counts():
             for c in callers:
                 c.join()
     assert errors == []
+
+
+def test_serial_torch_keeps_the_kernels_threads_and_restores():
+    """Inside serial_torch torch runs on one thread while the kernels keep the count torch had;
+    nested uses change nothing, and the count comes back after an exception too."""
+    with _threads(2):
+        with ck.serial_torch():
+            assert (torch.get_num_threads(), ck.threads()) == (1, 2)
+            with ck.serial_torch():
+                assert (torch.get_num_threads(), ck.threads()) == (1, 2)
+            assert (torch.get_num_threads(), ck.threads()) == (1, 2)
+        assert (torch.get_num_threads(), ck.threads()) == (2, 2)
+        with pytest.raises(KeyError):
+            with ck.serial_torch():
+                raise KeyError("x")
+        assert (torch.get_num_threads(), ck.threads()) == (2, 2)

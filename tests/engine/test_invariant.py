@@ -84,6 +84,33 @@ def test_drafts_and_batch_change_no_logit(arch, dtype):
         assert torch.equal(alone[0], plain[i, :n]), f"row {i} alone differs from the batch"
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
+def test_decode_steps_run_torch_on_one_thread():
+    """On CPU, decode steps run HF's own ops on one thread (the kernels keep torch's count:
+    cpu_kernels.serial_torch); prompt steps keep torch's threads for their GEMMs, and the count
+    is torch's again after generate. Logits as in a run with one thread throughout."""
+    hf = tiny_model("llama")
+    model = wrap_copy(hf, invariant=True)
+    seen = []
+    hook = hf.model.layers[0].mlp.register_forward_pre_hook(
+        lambda m, a: seen.append((a[0].shape[1], torch.get_num_threads(), cpu_kernels.threads())))
+    ids, mask = _left_pad(_prompts(3))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        logits, _ = _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        single, _ = _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+    finally:
+        torch.set_num_threads(prev)
+        hook.remove()
+    first = seen[: len(seen) // 2]
+    assert first[0] == (int(mask.sum()), 2, 2)  # the prompts' step (one chunk each)
+    assert all(t == (t[0], 1, 2) for t in first[1:]) and len(first) > 1
+    assert torch.equal(logits, single)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_long_prompt_chunks_change_no_logit(dtype):
     """Prompt chunks of more than PREFILL_TORCH_ROWS rows run torch's GEMM (float32, and bfloat16
