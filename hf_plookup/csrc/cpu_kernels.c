@@ -850,6 +850,9 @@ int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const
         kvsplit = H_kv;
         int64_t groups = runs * H_kv;
         chunks = (want + groups - 1) / groups;
+        /* parts a multiple of the threads where the tokens allow (3 KV heads on 2 threads: 6 parts,
+         * each reading its KV head's keys for half the tokens; a 9-token step 7.2 -> 5.8 ms) */
+        while (chunks < longest && (groups * chunks) % want) chunks++;
         if (chunks > longest) { /* too few tokens: cut the heads of a KV head too */
             chunks = longest;
             hsplit = (want + groups * chunks - 1) / (groups * chunks);
