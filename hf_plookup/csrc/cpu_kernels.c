@@ -870,11 +870,11 @@ int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const
  *   r = 1 / sqrt(sum(x^2) / K + eps), the sum in 8 lanes over K added in the fixed tree of dot8_c;
  *   form 0 (Llama's): out = w * round(x * r)  (round: to the dtype, a no-op in fp32)
  *   form 1 (Gemma's): out = round(x * r * (1 + w)).
- * Each row alone, in one fixed order whatever M: no threads (a row is a few hundred values). */
-int64_t rms_norm(const void* x, int64_t M, int64_t K, const void* w, float eps, int64_t form, void* out,
-                 int64_t bf16) {
-    int b16 = (int)bf16;
-    for (int64_t m = 0; m < M; m++) {
+ * Each row alone, in one fixed order whatever M; prompt chunks of many rows are cut into blocks of
+ * NORM_ROWS rows over the threads (a row is a few hundred values: fewer rows stay on one thread). */
+static void rms_rows(const void* x, int64_t m_lo, int64_t m_hi, int64_t K, const void* w, float eps, int64_t form,
+                     void* out, int b16) {
+    for (int64_t m = m_lo; m < m_hi; m++) {
         float acc[8] = {0};
         for (int64_t k = 0; k < K; k++) {
             float v = load1(x, m * K + k, b16);
@@ -893,6 +893,26 @@ int64_t rms_norm(const void* x, int64_t M, int64_t K, const void* w, float eps, 
             store1(out, m * K + k, y, b16);
         }
     }
+}
+
+#define NORM_ROWS 64
+typedef struct {
+    const void *x, *w;
+    void* out;
+    int64_t M, K, form, bf16;
+    float eps;
+} norm_job;
+
+static void norm_part(void* ctx, int64_t part) {
+    norm_job* j = (norm_job*)ctx;
+    int64_t lo = part * NORM_ROWS, hi = lo + NORM_ROWS < j->M ? lo + NORM_ROWS : j->M;
+    rms_rows(j->x, lo, hi, j->K, j->w, j->eps, j->form, j->out, (int)j->bf16);
+}
+
+int64_t rms_norm(const void* x, int64_t M, int64_t K, const void* w, float eps, int64_t form, void* out,
+                 int64_t bf16, int64_t threads) {
+    norm_job j = {x, w, out, M, K, form, bf16, eps};
+    run_parallel(norm_part, &j, (M + NORM_ROWS - 1) / NORM_ROWS, M >= 2 * NORM_ROWS ? threads : 1);
     return 0;
 }
 

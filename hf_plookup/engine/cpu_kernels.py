@@ -15,7 +15,8 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
   FLT_MIN flushed to 0. That order is fixed too (rows stay invariant), but its bits differ from
   the widened kernel's: bf16 results depend on whether the CPU has the instruction.
 - `rms_norm(x, weight, eps, form)`: RMS normalization of each row alone, its sum of squares in
-  the same fixed lane order (the two forms HF's RMSNorm modules take, `RMS_FORMS`).
+  the same fixed lane order (the two forms HF's RMSNorm modules take, `RMS_FORMS`); a prompt
+  chunk's rows go over the threads in blocks of 64.
 - `attend(...)`: one query head over exactly its visible keys, read in place from the pages in
   position order, with one fixed order of arithmetic per query: chains, tree nodes (the
   context, then the node's ancestors), GQA, sliding windows (the caller trims the keys) and
@@ -64,7 +65,7 @@ def _load():
         lib.set_simd_level.restype = i64
         lib.set_simd_level.argtypes = [i64]
         lib.rms_norm.restype = i64
-        lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, i64, ptr, i64]
+        lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, i64, ptr, i64, i64]
         return lib
     return None
 
@@ -190,7 +191,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> to
     w = weight.contiguous()
     out = torch.empty(x2d.shape, dtype=x.dtype)
     _LIB.rms_norm(x2d.data_ptr(), x2d.shape[0], k, w.data_ptr(), eps, RMS_FORMS[form], out.data_ptr(),
-                  x.dtype == torch.bfloat16)
+                  x.dtype == torch.bfloat16, threads())
     return out.view(x.shape)
 
 

@@ -138,11 +138,12 @@ def test_rms_norm_literal():
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 40), k=st.integers(1, 700), dtype=st.sampled_from(["fp32", "bf16"]),
+@given(m=st.one_of(st.integers(1, 40), st.integers(120, 300)), k=st.integers(1, 700), dtype=st.sampled_from(["fp32", "bf16"]),
        form=st.sampled_from(sorted(ck.RMS_FORMS)), eps=st.sampled_from([1e-6, 1e-5, 0.1]), seed=st.integers(0, 2**16))
 def test_rms_norm_rows_are_invariant(m, k, dtype, form, eps, seed):
-    """Each row of an M-row call equals that row alone and in another order; values match a
-    float64 reference of the form (within the dtype's rounding)."""
+    """Each row of an M-row call (from 128 rows, split over the threads) equals that row alone
+    and in another order; values match a float64 reference of the form (within the dtype's
+    rounding)."""
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(m, k, generator=g) * 4).to(dt)
