@@ -646,17 +646,18 @@ static int64_t attend_pass(const attend_job* J, int64_t t_lo, int64_t t_hi, int6
             }
     /* One token of a part of several KV heads (a decode step of many sequences): each key's rows
      * for every KV head in turn, so the pages are read in address order, which the hardware
-     * prefetchers stream (fp32: 8 sequences x 700 keys x 30 layers 17.2 -> 13.3 ms on a 2-core
+     * prefetchers stream (fp32: 8 sequences x 700 keys x 30 layers 16.7 -> 13.8 ms on a 2-core
      * EPYC; bf16's half-size rows gained nothing, and several tokens are better served by the
      * blocks, whose tiles share each key between tokens) */
-    if (simd && !b16 && nt == 1 && kv_hi - kv_lo > 1)
+    if (simd && !b16 && nt == 1 && kv_hi - kv_lo > 1) {
         for (int64_t j0 = 0; j0 < nS; j0++)
             EACH_GROUP(scores_n(n, qf + (i * HP + hh) * D, kb, krow + j0, 1, D, b16, sq + pre[i] + j0, Ls[i], 0);)
-    else
-    for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
-        int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
-        EACH_GROUP(scores_n(n, qf + (i * HP + hh) * D, kb, krow + j0, nb, D, b16, sq + pre[i] + j0, Ls[i],
-                            i || g0 ? 0 : nS - j0);)
+    } else {
+        for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
+            int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
+            EACH_GROUP(scores_n(n, qf + (i * HP + hh) * D, kb, krow + j0, nb, D, b16, sq + pre[i] + j0, Ls[i],
+                                i || g0 ? 0 : nS - j0);)
+        }
     }
     EACH_GROUP(scores_n(n, qf + (i * HP + hh) * D, kb, ko, pre[i], D, b16, sq, Ls[i], g0 ? 0 : pre[i]);
                scores_n(n, qf + (i * HP + hh) * D, kb, ko + pre[i], post, D, b16, sq + pre[i] + nS, Ls[i], g0 ? 0 : post);)
