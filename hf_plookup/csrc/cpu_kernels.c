@@ -198,7 +198,7 @@ typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, flo
         float acc[3 * MAXMB];                                                                           \
         int64_t n = n_lo, passes = (M + MAXMB - 1) / MAXMB;                                             \
         while (n < n_hi) {                                                                              \
-            int nb = n + 3 <= n_hi ? 3 : 1;                                                             \
+            int nb = M > SEQUENTIAL_ROWS && n + 3 <= n_hi ? 3 : 1;                                      \
             int64_t pf = nb == 3 && n + 3 * PF_TILES + 3 <= N ? passes : 0; /* rows to prefetch exist */ \
             for (int64_t p = 0; p < passes; p++) {                                                      \
                 int64_t m = M * p / passes;                                                             \
@@ -214,6 +214,11 @@ typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, flo
             n += nb;                                                                                    \
         }                                                                                               \
     }
+/* Up to this many rows of x, a tile takes one weight row at a time: the weights are then read as one
+ * sequential stream, which the hardware prefetcher follows at full speed (SmolLM2's 211 linears, 1 row,
+ * 2-core EPYC: fp32 19.0 -> 16.9 ms, the speed of a plain read; bf16 11.2 -> 10.0 ms). From 5 rows the
+ * 3-column tiles, sharing each x load between three weight rows, are faster. */
+#define SEQUENTIAL_ROWS 2
 #define AVX512 __attribute__((target("avx2,fma,avx512f,avx512vl")))
 TILES4(f32, AVX2, ld_f32, 4, 0)
 TILES4(bf16, AVX2, ld_bf16, 2, 1)
