@@ -149,15 +149,18 @@ class _Timer:
 
 
 def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
-    """Where a CPU step's time goes, eager invariant mode (what wrap runs on CPU), per batch and q:
-    the linear kernel and the attention kernel (engine.cpu_kernels), the linears' Python path
-    around the kernel (module call, layout, strategy), RMS/layer norms (whole: the C kernel where
-    invariant mode routes them, else HF's modules), the rest of the forward (RoPE, residuals,
-    activations, HF's module overhead, the step's layout), and per step of generation the n-gram
-    drafter (k=q-1 over --context tokens of history) and greedy sampling (argmax of the q kept rows). Timers wrap the calls, so the step is a little slower here
-    than in the table above."""
+    """Where a CPU step's time goes, eager invariant mode (what wrap runs on CPU), per batch and q.
+    A Llama-form model's decode steps run in C (engine.cpu_layers): the layers' linears (q/k/v,
+    o_proj, gate/up, down, as the C code times its phases), the attention kernel, the layers' other
+    C work (norms, RoPE, KV writes, residuals), the activation (torch), the final norm and LM head,
+    and the rest (Python, embedding, rotary tables, the step's layout). Other models run HF's modules:
+    the linear and attention kernels (engine.cpu_kernels), the linears' Python path around the kernel,
+    RMS/layer norms (the C kernel where invariant mode routes them, else HF's modules) and the rest
+    of the forward. Both: per step of generation the n-gram drafter (k=q-1 over --context tokens of
+    history) and greedy sampling (argmax of the q kept rows). Timers wrap the calls, so the step is a
+    little slower here than in the table above."""
     from hf_plookup.drafting.ngram import NgramProposer
-    from hf_plookup.engine import cpu_kernels
+    from hf_plookup.engine import cpu_kernels, cpu_layers
     from hf_plookup.engine import invariant as inv_mod
     from hf_plookup.engine.invariant import InvariantLinears
 
@@ -167,6 +170,8 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
     # forward (inv.forwards), the others through their own
     is_linear = [type(m) is torch.nn.Linear for m in inv.modules]
     norms = [m for m in model.modules() if "norm" in type(m).__name__.lower() and m not in inv.modules]
+    layers = inv.layers
+    acts = layers.acts if layers is not None else []
     rows = []
     lin_k, att_k = cpu_kernels.linear, cpu_kernels.attend
     try:
@@ -177,37 +182,60 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
         for m in norms:
             norm_t[m] = _Timer(m.forward)
             m.forward = norm_t[m]
+        act_t = {}
+        for m in acts:
+            act_t.setdefault(m, _Timer(m.forward))
+            m.forward = act_t[m]
         for b in args.batch_sizes:
             for q in args.q:
                 plan = step_plan(b, q, args.context, args.block_size, model.config.vocab_size)
                 gr.run(plan)
-                timers = [cpu_kernels.linear, cpu_kernels.attend, *inv.forwards, *norm_t.values()]
+                timers = [cpu_kernels.linear, cpu_kernels.attend, *inv.forwards, *norm_t.values(), *act_t.values()]
                 for t in timers:
                     t.total = 0.0
+                c_path = layers is not None and layers.on
+                if c_path:
+                    cpu_layers.layer_phases(True)
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
                     logits = gr.run(plan)
                 step = (time.perf_counter() - t0) / args.iters
                 lin = cpu_kernels.linear.total / args.iters
                 att = cpu_kernels.attend.total / args.iters
-                lin_py = sum(f.total for f, li in zip(inv.forwards, is_linear) if li) / args.iters - lin
-                nrm = (sum(t.total for t in norm_t.values())
-                       + sum(f.total for f, li in zip(inv.forwards, is_linear) if not li)) / args.iters
+                if c_path:
+                    phases = {k: v / args.iters for k, v in cpu_layers.layer_phases(False).items()}
+                    part = {"layers' linears": sum(v for k, v in phases.items() if k in ("q/k/v", "o_proj", "gate/up", "down")),
+                            "attention kernel": phases["attention"],
+                            "layers' norms, RoPE, KV writes, residuals": phases["norms, RoPE, KV writes, residuals"],
+                            "activation": sum(t.total for t in act_t.values()) / args.iters,
+                            "LM head": lin}
+                    part["rest (Python, embedding, rotary, layout, final norm)"] = step - sum(part.values())
+                    part.update({f"  {k}": v for k, v in phases.items() if k in ("q/k/v", "o_proj", "gate/up", "down")})
+                else:
+                    lin_py = sum(f.total for f, li in zip(inv.forwards, is_linear) if li) / args.iters - lin
+                    nrm = (sum(t.total for t in norm_t.values())
+                           + sum(f.total for f, li in zip(inv.forwards, is_linear) if not li)) / args.iters
+                    part = {"linear kernel": lin, "attention kernel": att, "linears' Python path": lin_py, "norms": nrm,
+                            "rest of the forward": step - lin - att - lin_py - nrm}
                 hist = np.random.default_rng(0).integers(3, 1000, size=(b, args.context))
                 prop = NgramProposer(max(q - 1, 1))
                 lengths = np.full(b, args.context)
                 draft = timed(lambda: prop.propose(hist, lengths), device, args.iters)
                 sample = timed(lambda: logits.argmax(-1).tolist(), device, args.iters)
-                part = {"linear kernel": lin, "attention kernel": att, "linears' Python path": lin_py, "norms": nrm,
-                        "rest of the forward": step - lin - att - lin_py - nrm, "drafter": draft, "greedy sampling": sample}
-                rows.append({"mode": "breakdown", "batch": b, "q": q, "step_s": step, "parts_s": part})
-                print(f"  breakdown batch {b:3d} q {q:2d}: step {1e3 * step:7.2f} ms = "
-                      + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in part.items() if k not in ("drafter", "greedy sampling"))
+                part.update({"drafter": draft, "greedy sampling": sample})
+                rows.append({"mode": "breakdown", "batch": b, "q": q, "step_s": step, "c_layers": c_path,
+                             "parts_s": part})
+                print(f"  breakdown batch {b:3d} q {q:2d} ({'C layers' if c_path else 'modules'}): step "
+                      f"{1e3 * step:7.2f} ms = "
+                      + ", ".join(f"{k.strip()} {1e3 * v:.2f}" for k, v in part.items()
+                                  if k not in ("drafter", "greedy sampling") and not k.startswith(" "))
+                      + (" (linears: " + ", ".join(f"{k.strip()} {1e3 * v:.2f}" for k, v in part.items()
+                                                   if k.startswith(" ")) + ")" if c_path else "")
                       + f"; between steps: drafter {1e3 * draft:.2f}, greedy sampling {1e3 * sample:.2f} ms", flush=True)
     finally:
         cpu_kernels.linear, cpu_kernels.attend = lin_k, att_k
         inv_mod.KERNELS["cpu"] = (inv_mod.KERNELS["cpu"][0], lin_k)
-        for m in norms:
+        for m in [*norms, *act_t]:
             if "forward" in vars(m):
                 del m.forward
     return rows

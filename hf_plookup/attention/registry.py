@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.util
 import os
 
@@ -111,6 +112,10 @@ def paged_attention_forward(
     """Entry point called by the HF model's attention modules during an engine forward. `s_aux`
     in `kwargs`: gpt-oss's attention sinks [H], taken by the sdpa backend only (resolve_backend)."""
     meta = current_metadata()
+    record = None if torch.compiler.is_compiling() else _RECORD.get()  # (dynamo cannot trace ContextVar.get)
+    if record is not None:
+        record[getattr(module, "layer_idx", None)] = {"scale": scaling, "window": sliding_window or None, "softcap": softcap,
+                                    "sinks": kwargs.get("s_aux") is not None}
     fn = compiled_paged_attention if torch.compiler.is_compiling() else BACKENDS[meta.backend]
     sinks = kwargs.get("s_aux")
     extra = {"sinks": sinks} if sinks is not None else {}
@@ -118,6 +123,21 @@ def paged_attention_forward(
         module, query, key, value, meta, scaling=scaling, sliding_window=sliding_window, softcap=softcap, **extra
     )
     return out, None
+
+
+_RECORD: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hf_plookup_record_attention", default=None)
+
+
+@contextlib.contextmanager
+def record_attention():
+    """Record, for the forwards run inside, the arguments each attention module passes:
+    {layer_idx: {"scale", "window", "softcap", "sinks"}} (engine.cpu_layers runs layers from them)."""
+    record: dict[int, dict] = {}
+    token = _RECORD.set(record)
+    try:
+        yield record
+    finally:
+        _RECORD.reset(token)
 
 
 def register() -> None:

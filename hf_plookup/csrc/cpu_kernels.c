@@ -20,6 +20,9 @@
  *   of values, each output element accumulated key by key. The keys a sequence's tokens all
  *   see (a chain's or a tree's cached prefix) are read once for all of them, block by block.
  *
+ * layer_attention, layer_mlp: a Llama-form decoder layer of a decode step in two calls, from the
+ *   kernels above and torch's elementwise arithmetic written out (engine.cpu_layers).
+ *
  * Threads: a small pool of its own (below) hands out 48 output columns or one attention part (a
  * sequence, or a KV head of one) at a time to `threads` threads, the caller being one of them.
  * Workers spin briefly between calls (a step makes hundreds of calls microseconds apart), then sleep.
@@ -797,34 +800,56 @@ static void run_parallel(task_fn fn, void* ctx, int64_t parts, int64_t threads) 
 
 /* ------------------------------------------------------------------ entry points (ctypes) */
 
+#ifndef BLOCK_N
 #define BLOCK_N 48 /* output columns per unit of work: a multiple of the 3-column tiles */
+#endif
+#define MAX_LINEARS 3 /* linears of one input run as one job (a layer's q, k and v; its gate and up) */
 
 typedef struct {
-    const void *x, *w, *bias;
-    void* out;
-    int64_t M, K, N, bf16;
+    const void* x;
+    int64_t M, K, bf16, n;
+    const void *w[MAX_LINEARS], *bias[MAX_LINEARS];
+    void* out[MAX_LINEARS];
+    int64_t N[MAX_LINEARS], first[MAX_LINEARS + 1]; /* each linear's first part */
 } linear_job;
 
-static void linear_part(void* ctx, int64_t part) { /* output columns [48 part, 48 part + 48) */
+/* output columns [48 p, 48 p + 48) of linear i, p counted from that linear's first part: the columns
+ * a call of that linear alone gives its part p, so each output's arithmetic is that call's */
+static void linear_part(void* ctx, int64_t part) {
     linear_job* j = (linear_job*)ctx;
-    int64_t n_lo = part * BLOCK_N, n_hi = n_lo + BLOCK_N < j->N ? n_lo + BLOCK_N : j->N;
-    linear_range(j->x, j->M, j->w, j->K, j->bias, n_lo, n_hi, j->out, j->N, j->bf16);
+    int64_t i = 0;
+    while (part >= j->first[i + 1]) i++;
+    int64_t n_lo = (part - j->first[i]) * BLOCK_N, n_hi = n_lo + BLOCK_N < j->N[i] ? n_lo + BLOCK_N : j->N[i];
+    linear_range(j->x, j->M, j->w[i], j->K, j->bias[i], n_lo, n_hi, j->out[i], j->N[i], j->bf16);
 }
 
-/* out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]); fp32, or bf16 (all four) when bf16; bias may be NULL.
- * Returns 0, or -1 when scratch memory could not be had. */
-int64_t linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t N, void* out,
-               int64_t bf16, int64_t threads) {
+/* out_i [M, N_i] = x [M, K] @ w_i [N_i, K]^T (+ bias_i [N_i]) for the n (<= MAX_LINEARS) linears of
+ * one input, in one parallel job; fp32, or bf16 (all of them) when bf16; a bias may be NULL. Returns 0,
+ * or -1 when scratch memory could not be had. */
+static int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w,
+                       const void* const* bias, void* const* out, const int64_t* N, int64_t bf16, int64_t threads) {
     float* xf = NULL; /* bf16 x widened to float32 once (exact), not once per tile */
     if (bf16 && simd != 3) {
         xf = (float*)malloc((size_t)(M * K) * sizeof(float));
         if (!xf) return -1;
         for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
     }
-    linear_job j = {xf ? xf : x, w, bias, out, M, K, N, bf16};
-    run_parallel(linear_part, &j, (N + BLOCK_N - 1) / BLOCK_N, threads);
+    linear_job j = {xf ? xf : x, M, K, bf16, n};
+    j.first[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        j.w[i] = w[i], j.bias[i] = bias[i], j.out[i] = out[i], j.N[i] = N[i];
+        j.first[i + 1] = j.first[i] + (N[i] + BLOCK_N - 1) / BLOCK_N;
+    }
+    run_parallel(linear_part, &j, j.first[n], threads);
     free(xf);
     return 0;
+}
+
+/* out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]); fp32, or bf16 (all four) when bf16; bias may be NULL.
+ * Returns 0, or -1 when scratch memory could not be had. */
+int64_t linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t N, void* out,
+               int64_t bf16, int64_t threads) {
+    return linears(x, M, K, 1, &w, &bias, &out, &N, bf16, threads);
 }
 
 /* Part p = (run r, KV piece, head piece, token piece): a piece of one sequence's tokens in this step,
@@ -929,6 +954,144 @@ int64_t rms_norm(const void* x, int64_t M, int64_t K, const void* w, float eps, 
                  int64_t bf16, int64_t threads) {
     norm_job j = {x, w, out, M, K, form, bf16, eps};
     run_parallel(norm_part, &j, (M + NORM_ROWS - 1) / NORM_ROWS, M >= 2 * NORM_ROWS ? threads : 1);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ decoder layers (engine.cpu_layers) */
+
+/* A decode step of a Llama-form model runs its layers here, two calls per layer, instead of HF's
+ * modules (about 300 Python-level calls a layer). Every operation is the one invariant mode runs
+ * through the modules, with the same rounding: the norms and linears above, attend, and torch's own
+ * elementwise arithmetic written out (a product or a sum rounded to fp32, then to bf16 for bf16
+ * tensors). Only the activation stays with the model's module, between the two calls: its exp is torch's. */
+
+typedef struct { /* sizes, the same for every layer */
+    int64_t hidden, H, H_kv, D, inter, bf16;
+} dec_shape;
+
+typedef struct { /* one layer's tensors (NULL: absent) */
+    const void *ln1, *ln2, *q_norm, *k_norm;      /* RMSNorm weights (q_norm, k_norm: per head, D) */
+    const void *wq, *wk, *wv, *wo, *wg, *wu, *wd; /* linear weights [N, K] */
+    const void *bq, *bk, *bv, *bo, *bg, *bu, *bd; /* biases */
+    void *k_cache, *v_cache;                      /* the layer's pages, [slots, H_kv, D] */
+    float eps1, eps2, eps_qk, scale, softcap;
+    int64_t form1, form2, form_qk; /* rms_norm forms */
+} dec_layer;
+
+typedef struct { /* one step of T tokens */
+    int64_t T, threads;
+    const int64_t* slots;                /* [T] each token's flat cache slot */
+    const void *cos, *sin;               /* [T, D] the rotary tables at the tokens' positions */
+    void *h, *x, *q, *k, *v, *a, *g, *u; /* [T, hidden] the residual stream (in place); scratch */
+} dec_step;
+
+typedef struct { /* the keys each token reads in a layer: attend's arguments (they depend on the window) */
+    const int64_t *kv_slots, *seq, *run_lo, *run_hi, *extra_off, *extra;
+    int64_t Lk;
+} dec_keys;
+
+static inline float rnd(float v, int b16) { return b16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* Where the layers' time goes (eval/step_bench.py --breakdown): nanoseconds per phase, summed while
+ * on. Phases: 0 norms, RoPE, KV writes and the elementwise products and sums; 1 q/k/v; 2 attention;
+ * 3 o_proj; 4 gate/up; 5 down. */
+#define PHASES 6
+static int64_t phase_on, phase_ns[PHASES];
+#define PHASE(i)                                                    \
+    do {                                                            \
+        if (phase_on) {                                             \
+            int64_t t_ = now_ns();                                  \
+            phase_ns[i] += t_ - phase_t;                            \
+            phase_t = t_;                                           \
+        }                                                           \
+    } while (0)
+
+/* copies the sums into out [PHASES] (when not NULL) and zeroes them; on: keep timing */
+int64_t layer_phases(int64_t on, int64_t* out) {
+    for (int i = 0; i < PHASES; i++) {
+        if (out) out[i] = phase_ns[i];
+        phase_ns[i] = 0;
+    }
+    phase_on = on;
+    return PHASES;
+}
+
+/* x[i] = x[i] + y[i] for n values (HF's residual add; bf16: the fp32 sum rounded) */
+static void add_into(void* x, const void* y, int64_t n, int b16) {
+    for (int64_t i = 0; i < n; i++) store1(x, i, load1(x, i, b16) + load1(y, i, b16), b16);
+}
+
+/* RoPE in place on T tokens of nh heads of D values, HF's rotate-half form
+ * x * cos + rotate_half(x) * sin, each product rounded, then the sum (no fused multiply-add) */
+static void rope(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const void* sin, int b16) {
+    int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < nh; h++) {
+            int64_t o = (t * nh + h) * D;
+            for (int64_t d = 0; d < half; d++) {
+                float x1 = load1(x, o + d, b16), x2 = load1(x, o + d + half, b16);
+                float a1 = rnd(x1 * load1(cos, t * D + d, b16), b16);
+                float b1 = rnd(-x2 * load1(sin, t * D + d, b16), b16);
+                float a2 = rnd(x2 * load1(cos, t * D + d + half, b16), b16);
+                float b2 = rnd(x1 * load1(sin, t * D + d + half, b16), b16);
+                store1(x, o + d, a1 + b1, b16);
+                store1(x, o + d + half, a2 + b2, b16);
+            }
+        }
+}
+
+/* First half of a layer: x = norm1(h); q, k, v = its projections (q and k normed per head where the
+ * layer has those norms); RoPE; k and v stored at the tokens' slots; a = attention; h += o_proj(a);
+ * x = norm2(h); g, u = gate and up projections of x. The caller then computes y = act(g). */
+int64_t layer_attention(const dec_shape* S, const dec_layer* L, const dec_step* P, const dec_keys* K) {
+    int64_t T = P->T, hid = S->hidden, D = S->D, qn = S->H * D, kn = S->H_kv * D, b16 = S->bf16;
+    int64_t esz = b16 ? 2 : 4, phase_t = phase_on ? now_ns() : 0;
+    rms_norm(P->h, T, hid, L->ln1, L->eps1, L->form1, P->x, b16, P->threads);
+    PHASE(0);
+    const void* w[3] = {L->wq, L->wk, L->wv};
+    const void* b[3] = {L->bq, L->bk, L->bv};
+    void* o[3] = {P->q, P->k, P->v};
+    int64_t N[3] = {qn, kn, kn};
+    if (linears(P->x, T, hid, 3, w, b, o, N, b16, P->threads)) return -1;
+    PHASE(1);
+    if (L->q_norm) rms_norm(P->q, T * S->H, D, L->q_norm, L->eps_qk, L->form_qk, P->q, b16, 1);
+    if (L->k_norm) rms_norm(P->k, T * S->H_kv, D, L->k_norm, L->eps_qk, L->form_qk, P->k, b16, 1);
+    rope(P->q, T, S->H, D, P->cos, P->sin, (int)b16);
+    rope(P->k, T, S->H_kv, D, P->cos, P->sin, (int)b16);
+    for (int64_t t = 0; t < T; t++) {
+        memcpy((char*)L->k_cache + P->slots[t] * kn * esz, (const char*)P->k + t * kn * esz, (size_t)(kn * esz));
+        memcpy((char*)L->v_cache + P->slots[t] * kn * esz, (const char*)P->v + t * kn * esz, (size_t)(kn * esz));
+    }
+    PHASE(0);
+    if (attend(P->q, T, S->H, D, D, L->k_cache, L->v_cache, S->H_kv, K->kv_slots, K->Lk, K->seq, K->run_lo,
+               K->run_hi, K->extra_off, K->extra, L->scale, L->softcap, P->a, b16, P->threads))
+        return -1;
+    PHASE(2);
+    if (linear(P->a, T, L->wo, qn, L->bo, hid, P->x, b16, P->threads)) return -1;
+    PHASE(3);
+    add_into(P->h, P->x, T * hid, (int)b16);
+    rms_norm(P->h, T, hid, L->ln2, L->eps2, L->form2, P->x, b16, P->threads);
+    PHASE(0);
+    const void* w2[2] = {L->wg, L->wu};
+    const void* b2[2] = {L->bg, L->bu};
+    void* o2[2] = {P->g, P->u};
+    int64_t N2[2] = {S->inter, S->inter};
+    int64_t failed = linears(P->x, T, hid, 2, w2, b2, o2, N2, b16, P->threads);
+    PHASE(4);
+    return failed;
+}
+
+/* Second half, y [T, inter] being act(g): g = y * u (rounded as torch's product); h += down_proj(g). */
+int64_t layer_mlp(const dec_shape* S, const dec_layer* L, const dec_step* P, const void* y) {
+    int64_t T = P->T, n = T * S->inter;
+    int b16 = (int)S->bf16;
+    int64_t phase_t = phase_on ? now_ns() : 0;
+    for (int64_t i = 0; i < n; i++) store1(P->g, i, load1(y, i, b16) * load1(P->u, i, b16), b16);
+    PHASE(0);
+    if (linear(P->g, T, L->wd, S->inter, L->bd, S->hidden, P->x, S->bf16, P->threads)) return -1;
+    PHASE(5);
+    add_into(P->h, P->x, T * S->hidden, b16);
+    PHASE(0);
     return 0;
 }
 

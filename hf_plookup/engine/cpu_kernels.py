@@ -22,6 +22,9 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
   context, then the node's ancestors), GQA, sliding windows (the caller trims the keys) and
   tanh soft-capping.
 
+`engine.cpu_layers` runs whole decoder layers of decode steps from these kernels (`layer_attention`,
+`layer_mlp` in the same C file).
+
 Threads: the kernels split their work over `torch.get_num_threads()` threads of a small pool
 of their own (numba's OpenMP layer beside torch's OpenMP runtime took milliseconds a call).
 They are called through ctypes, which lets go of the GIL while they run.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import inspect
 import threading
 
 import numpy as np
@@ -193,6 +197,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> to
     _LIB.rms_norm(x2d.data_ptr(), x2d.shape[0], k, w.data_ptr(), eps, RMS_FORMS[form], out.data_ptr(),
                   x.dtype == torch.bfloat16, threads())
     return out.view(x.shape)
+
+
+def rms_eps(module: torch.nn.Module) -> float | None:
+    """A norm module's epsilon (`variance_epsilon` or `eps`), or None."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def rms_form(module: torch.nn.Module) -> str | None:
+    """Which `RMS_FORMS` form `module`'s forward computes, or None. A candidate is a
+    module named like a norm, with one 1-D float32/bfloat16 CPU weight, an epsilon
+    (`variance_epsilon` or `eps`) and a forward of the hidden states alone; its form is the one
+    whose output matches the module's own on random rows (to float32 rounding, or bfloat16's)."""
+    weight, eps = getattr(module, "weight", None), rms_eps(module)
+    if ("norm" not in type(module).__name__.lower() or not isinstance(weight, torch.nn.Parameter) or eps is None
+            or weight.dim() != 1 or weight.device.type != "cpu" or weight.dtype not in DTYPES
+            or not available()):
+        return None
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, weight.shape[0], generator=gen) * 3 + 0.5).to(weight.dtype)
+    tol = 1e-5 if weight.dtype == torch.float32 else 1e-2
+    with torch.inference_mode():
+        try:
+            ref = type(module).forward(module, x)
+        except Exception:  # noqa: BLE001 - a norm whose forward wants other inputs is left alone
+            return None
+        if not isinstance(ref, torch.Tensor) or ref.shape != x.shape or ref.dtype != x.dtype:
+            return None
+        for form in RMS_FORMS:
+            got = rms_norm(x, weight, eps, form)
+            if torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max())):
+                return form
+    return None
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: np.ndarray, seq: np.ndarray,

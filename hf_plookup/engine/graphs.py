@@ -212,8 +212,14 @@ class GraphRunner:
         if self._regional is not None:
             with engine_attention(self.model), compiled_step_context(g.meta), mode, self._regional.active():
                 return self._logits(ids, pos)
+        layers = self.invariant.layers if self.invariant is not None else None
+        if layers is not None and layers.takes(g.layout):  # eager invariant steps in C (engine.cpu_layers)
+            return layers.run(g.layout, ids, pos, torch.arange(len(ids)), self.cache, lambda: self._eager(g, mode))
+        return self._eager(g, mode)
+
+    def _eager(self, g: _Graph, mode) -> torch.Tensor:
         with engine_attention(self.model), attention_context(g.meta), mode:
-            return self._logits(ids, pos)
+            return self._logits(g.inputs["input_ids"], g.inputs["positions"])
 
     def _capture(self, g: _Graph) -> None:
         side = torch.cuda.Stream(self.device)

@@ -50,6 +50,8 @@ import torch.nn.functional as F
 
 from ..attention.invariant import build_layout, current_layout, invariant_layout
 from . import cpu_kernels, row_linear
+from .cpu_kernels import rms_eps, rms_form
+from .cpu_layers import CpuLayers
 
 # Where invariant="auto" turns the mode on, by (device type, dtype). On CPU the mode runs decode
 # and verify steps through engine.cpu_kernels, which are faster than torch's kernels for every row
@@ -263,43 +265,8 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _rms_eps(module: torch.nn.Module) -> float | None:
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    return float(eps) if isinstance(eps, (int, float)) else None
-
-
-def rms_form(module: torch.nn.Module) -> str | None:
-    """Which `cpu_kernels.RMS_FORMS` form `module`'s forward computes, or None. A candidate is a
-    module named like a norm, with one 1-D float32/bfloat16 CPU weight, an epsilon
-    (`variance_epsilon` or `eps`) and a forward of the hidden states alone; its form is the one
-    whose output matches the module's own on random rows (to float32 rounding, or bfloat16's)."""
-    weight, eps = getattr(module, "weight", None), _rms_eps(module)
-    if ("norm" not in type(module).__name__.lower() or not isinstance(weight, torch.nn.Parameter) or eps is None
-            or weight.dim() != 1 or weight.device.type != "cpu" or weight.dtype not in cpu_kernels.DTYPES
-            or not cpu_kernels.available()):
-        return None
-    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
-    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
-        return None
-    gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, weight.shape[0], generator=gen) * 3 + 0.5).to(weight.dtype)
-    tol = 1e-5 if weight.dtype == torch.float32 else 1e-2
-    with torch.inference_mode():
-        try:
-            ref = type(module).forward(module, x)
-        except Exception:  # noqa: BLE001 - a norm whose forward wants other inputs is left alone
-            return None
-        if not isinstance(ref, torch.Tensor) or ref.shape != x.shape or ref.dtype != x.dtype:
-            return None
-        for form in cpu_kernels.RMS_FORMS:
-            got = cpu_kernels.rms_norm(x, weight, eps, form)
-            if torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max())):
-                return form
-    return None
-
-
 def _bind_norm(module: torch.nn.Module, form: str):
-    eps = _rms_eps(module)
+    eps = rms_eps(module)
 
     def forward(x):
         w = module.weight
@@ -332,6 +299,8 @@ class InvariantLinears:
         # run torch's own ops on one thread (cpu_kernels.serial_torch)
         self.serial_decode = bool(self.modules) and all(
             cpu_kernels.supported(m.weight) for m in self.modules if type(m) is torch.nn.Linear)
+        # decode steps of a Llama-form model in C, two calls a layer (engine.cpu_layers)
+        self.layers = CpuLayers.of(model)
 
     @staticmethod
     def _bind(module):

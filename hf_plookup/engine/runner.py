@@ -125,10 +125,19 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.supports(layout):
             return self.graphs.run(layout)
         tensors = step_tensors(layout, self.device)
-        meta = AttentionMetadata.of(tensors, self.cache, self.backend, invariant=self.invariant is not None)
         keep = layout.keep
         # no kept row (a prompt chunk that does not end its prompt): the LM head on one row, unused
         keep_t = torch.from_numpy(keep if len(keep) else np.zeros(1, np.int64)).to(self.device, non_blocking=True)
+        layers = self.invariant.layers if self.invariant is not None else None
+        if layers is not None and layers.takes(layout) and layout.embed_positions is None and not self.mixers:
+            return layers.run(layout, tensors["input_ids"], tensors["positions"], keep_t, self.cache,
+                              lambda: self._forward(layout, tensors, keep_t))
+        logits = self._forward(layout, tensors, keep_t)
+        return logits[:0] if len(keep) == 0 else logits
+
+    def _forward(self, layout: StepLayout, tensors: dict[str, torch.Tensor], keep_t: torch.Tensor) -> torch.Tensor:
+        """The step through the model's own forward: logits at `keep_t`."""
+        meta = AttentionMetadata.of(tensors, self.cache, self.backend, invariant=self.invariant is not None)
         mode = self.invariant.active(layout, self.device) if self.invariant is not None else fast_head(self.head)
         embed = contextlib.nullcontext()
         if layout.embed_positions is not None:
@@ -143,6 +152,6 @@ class ModelRunner:
                 logits_to_keep=keep_t,
             )
         logits = out.logits[0]
-        if len(keep) and logits.shape[0] != len(keep):  # a model that ignores logits_to_keep (Whisper's decoder)
+        if len(layout.keep) and logits.shape[0] != len(layout.keep):  # a model that ignores logits_to_keep (Whisper's decoder)
             logits = logits.index_select(0, keep_t.to(logits.device))
-        return logits[:0] if len(keep) == 0 else logits
+        return logits

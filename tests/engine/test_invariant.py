@@ -92,8 +92,9 @@ def test_decode_steps_run_torch_on_one_thread():
     hf = tiny_model("llama")
     model = wrap_copy(hf, invariant=True)
     seen = []
-    hook = hf.model.layers[0].mlp.register_forward_pre_hook(
-        lambda m, a: seen.append((a[0].shape[1], torch.get_num_threads(), cpu_kernels.threads())))
+    # (the activation: decode steps run it between engine.cpu_layers' C calls, prompt steps in the MLP)
+    hook = hf.model.layers[0].mlp.act_fn.register_forward_pre_hook(
+        lambda m, a: seen.append((a[0].numel() // a[0].shape[-1], torch.get_num_threads(), cpu_kernels.threads())))
     ids, mask = _left_pad(_prompts(3))
     prev = torch.get_num_threads()
     torch.set_num_threads(2)

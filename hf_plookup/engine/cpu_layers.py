@@ -1,0 +1,293 @@
+"""Decode steps of Llama-form models on CPU in two C calls a layer (invariant mode).
+
+Through HF's modules a 1-token step of SmolLM2-135M makes some 12,000 Python-level calls, which
+took about 11 of its 35 ms on a 2-core EPYC, more than the attention. `CpuLayers` runs a decode
+step's decoder layers in `cpu_kernels.c` instead (`layer_attention`, `layer_mlp`): the same
+norms, linears and attention kernels invariant mode calls through the modules, with torch's
+elementwise arithmetic (RoPE, residual adds, the gate-times-up product) written out to round
+as torch does. Only the activation stays with the model's own module, between the two calls,
+so its bits are torch's. The embedding, the rotary tables, the final norm and the LM head run as in the
+module path. Prompt steps keep the modules.
+
+Which models: a decoder of `model.model.layers` whose layers hold exactly an input and a
+post-attention RMSNorm, `self_attn` with `q_proj`, `k_proj`, `v_proj`, `o_proj` (and optional
+per-head `q_norm`, `k_norm`) and `mlp` with `gate_proj`, `up_proj`, `down_proj` and an
+activation module (Llama, Mistral, Qwen2, Qwen3, SmolLM, ...), every norm one `cpu_kernels.rms_norm` reproduces
+and every linear on the "cpu" kernel (`llama_form` says why a model is not taken). Structure
+does not show everything a forward does (a multiplier on the embeddings, a scaled residual), so
+the first decode step is run both ways (`CpuLayers.run`): the C path is used from then on only
+where its logits and its keys and values were bitwise the modules'. That run also records each
+layer's attention arguments (scale, sliding window, soft-cap) as the module passes them.
+
+Example (SmolLM2, fp32, one decode step of 5 tokens): `layer_attention` computes x = norm1(h);
+q, k, v; RoPE; stores k and v in the layer's pages; attends; h += o_proj(a); x = norm2(h); g, u =
+gate and up of x. The MLP's `act_fn` then gives y = silu(g), and `layer_mlp` computes
+h += down_proj(y * u).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+
+import numpy as np
+import torch
+from torch.nn.modules import module as _hooks
+
+from ..attention.invariant import build_layout
+from ..attention.registry import record_attention
+from . import cpu_kernels
+from .cpu_kernels import rms_eps, rms_form
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [(n, _I) for n in ("hidden", "H", "H_kv", "D", "inter", "bf16")]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = ([(n, _P) for n in ("ln1", "ln2", "q_norm", "k_norm", "wq", "wk", "wv", "wo", "wg", "wu", "wd",
+                                   "bq", "bk", "bv", "bo", "bg", "bu", "bd", "k_cache", "v_cache")]
+                + [(n, _F) for n in ("eps1", "eps2", "eps_qk", "scale", "softcap")]
+                + [(n, _I) for n in ("form1", "form2", "form_qk")])
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("T", _I), ("threads", _I)] + [(n, _P) for n in ("slots", "cos", "sin", "h", "x", "q", "k", "v",
+                                                                  "a", "g", "u")]
+
+
+class _Keys(ctypes.Structure):
+    _fields_ = [(n, _P) for n in ("kv_slots", "seq", "run_lo", "run_hi", "extra_off", "extra")] + [("Lk", _I)]
+
+
+_LIB = cpu_kernels._LIB
+if _LIB is not None:
+    _LIB.layer_attention.restype = _I
+    _LIB.layer_attention.argtypes = [_P, _P, _P, _P]
+    _LIB.layer_mlp.restype = _I
+    _LIB.layer_mlp.argtypes = [_P, _P, _P, _P]
+    _LIB.layer_phases.restype = _I
+    _LIB.layer_phases.argtypes = [_I, _P]
+
+# what the layers' time is spent on, in the order `layer_phases` counts it
+PHASES = ("norms, RoPE, KV writes, residuals", "q/k/v", "attention", "o_proj", "gate/up", "down")
+
+
+def layer_phases(on: bool) -> dict[str, float]:
+    """Seconds the C layers spent per phase (`PHASES`) since the last call, which zeroes them;
+    `on`: go on timing (eval/step_bench.py --breakdown; off, the layers read no clock)."""
+    out = np.zeros(len(PHASES), np.int64)
+    _LIB.layer_phases(int(on), out.ctypes.data)
+    return {name: float(ns) * 1e-9 for name, ns in zip(PHASES, out)}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(m) -> bool:
+    return type(m) is torch.nn.Linear and "forward" not in vars(m)
+
+
+def llama_form(model: torch.nn.Module) -> str | None:
+    """Why `CpuLayers` cannot take `model` (None: it can; the first decode step still checks it)."""
+    if not cpu_kernels.available():
+        return "the C kernels are not built"
+    inner, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    parts = [getattr(inner, n, None) for n in ("embed_tokens", "layers", "norm", "rotary_emb")]
+    if inner is None or any(p is None for p in parts) or not _linear(head):
+        return "not a decoder of model.model.{embed_tokens, layers, norm, rotary_emb} and model.lm_head"
+    if type(parts[0]) is not torch.nn.Embedding or not len(parts[1]):
+        return "its embedding is not a plain nn.Embedding, or it has no layers"
+    params = list(model.parameters())
+    if len({p.dtype for p in params}) != 1 or params[0].dtype not in cpu_kernels.DTYPES or any(
+            not cpu_kernels._plain(p) for p in params):
+        return "its weights are not all plain float32 or all plain bfloat16 CPU tensors"
+    config = model.config
+    h, h_kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // h
+    for i, layer in enumerate(parts[1]):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        kids = {n for n, m in layer.named_children() if any(True for _ in m.parameters())}
+        if kids != {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"}:
+            return f"layer {i} holds {sorted(kids)}, not a Llama layer's four parts"
+        akids = {n for n, m in attn.named_children() if any(True for _ in m.parameters())}
+        mkids = {n for n, m in mlp.named_children() if any(True for _ in m.parameters())}
+        if not ({"q_proj", "k_proj", "v_proj", "o_proj"} <= akids <= {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "q_norm", "k_norm"}) or ("q_norm" in akids) != ("k_norm" in akids):
+            return f"layer {i}'s attention holds {sorted(akids)}"
+        act = getattr(mlp, "act_fn", None)
+        if mkids != {"gate_proj", "up_proj", "down_proj"} or not isinstance(act, torch.nn.Module) or any(
+                True for _ in act.parameters()):
+            return f"layer {i}'s MLP is not gate/up/down with an activation module"
+        linears = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+            getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(_linear(m) for m in linears):
+            return f"layer {i} has a projection that is not a plain nn.Linear"
+        q, k, v, o, g, u, dn = linears
+        if (q.out_features != h * d or k.out_features != h_kv * d or v.out_features != h_kv * d
+                or o.in_features != h * d or g.out_features != u.out_features or dn.in_features != g.out_features
+                or d % 2):
+            return f"layer {i}'s projections do not fit {h} heads of {d} over {h_kv} KV heads"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [getattr(attn, n) for n in ("q_norm", "k_norm")
+                                                                           if n in akids]
+        if any(rms_form(m) is None for m in norms):
+            return f"layer {i} has a norm cpu_kernels.rms_norm does not reproduce"
+    if rms_form(parts[2]) is None:
+        return "its final norm is not one cpu_kernels.rms_norm reproduces"
+    if not all(cpu_kernels.supported(m.weight) for m in model.modules() if _linear(m)):
+        return "a linear layer does not run on the C kernel"
+    return None
+
+
+class CpuLayers:
+    """A Llama-form model's decode steps in C (see the module text). `run` takes a step."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        inner = model.model
+        self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
+        self.norm_form = rms_form(self.norm)
+        self.layers = list(inner.layers)
+        config = model.config
+        h = config.num_attention_heads
+        self.dtype = self.head.weight.dtype
+        attn0, mlp0 = self.layers[0].self_attn, self.layers[0].mlp
+        d = attn0.q_proj.out_features // h
+        self.shape = _Shape(hidden=config.hidden_size, H=h, H_kv=attn0.k_proj.out_features // d, D=d,
+                            inter=mlp0.gate_proj.out_features, bf16=int(self.dtype == torch.bfloat16))
+        self.forms = [(rms_form(la.input_layernorm), rms_form(la.post_attention_layernorm),
+                       rms_form(la.self_attn.q_norm) if hasattr(la.self_attn, "q_norm") else None) for la in self.layers]
+        self.acts = [la.mlp.act_fn for la in self.layers]
+        # the modules whose forward the C path does not call (the embedding, rotary and activation
+        # modules it does call)
+        self.skipped = [model, inner, self.norm, self.head] + [
+            m for la in self.layers for m in la.modules() if not any(m is a for a in self.acts)]
+        self.checked = False  # the first decode step ran both ways
+        self.on = False  # ... and the C path gave the modules' bits
+        self.attention: dict[int, dict] = {}  # layer_idx -> the arguments its module passed the attention
+        self._refs = None
+        self._plan_key = None  # the addresses the layer structs were built from
+        self._structs: list[_Layer] = []
+        self._windows: list[int | None] = []
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> CpuLayers | None:
+        return cls(model) if llama_form(model) is None else None
+
+    def takes(self, layout) -> bool:
+        """Whether `run` takes this step: a decode step with kept rows, unless the check failed or
+        a forward hook is set on a module the C path would not call (the model's own, its layers',
+        their parts', the final norm's or the LM head's: those steps run the modules, hooks and all)."""
+        return ((self.on or not self.checked) and layout.is_decode and len(layout.keep) > 0
+                and not (_hooks._global_forward_hooks or _hooks._global_forward_pre_hooks)
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in self.skipped))
+
+    def _tensors(self, cache) -> list[torch.Tensor]:
+        """Every tensor the layer structs point into, read from the modules and the cache now."""
+        if self._refs is None:  # (module, parameter name) of every weight of the layers
+            self._refs = [(m, n) for la in self.layers for m in la.modules() for n, p in m._parameters.items()
+                          if p is not None]
+        return [m._parameters[n] for m, n in self._refs] + [*cache.keys, *cache.values]
+
+    def _plan(self, cache) -> tuple[list[_Layer], list[int | None]] | None:
+        """The layers as C structs, rebuilt whenever a weight or a page tensor has moved (a
+        parameter replaced or its `.data` swapped since the last step); None (and the C path off
+        from then on) where a weight is no longer a contiguous tensor of the model's dtype."""
+        tensors = self._tensors(cache)
+        key = [t.data_ptr() for t in tensors]
+        if key == self._plan_key:
+            return self._structs, self._windows
+        if not all(t.dtype == self.dtype and t.is_contiguous() for t in tensors):  # a weight swapped for another kind
+            self.on = False
+            return None
+        structs, windows = [], []
+        for la, (f1, f2, fqk) in zip(self.layers, self.forms):
+            attn, mlp = la.self_attn, la.mlp
+            rec = self.attention[attn.layer_idx]
+            k_cache, v_cache = cache.layer(attn.layer_idx)
+            lin = {n: getattr(attn, p) for n, p in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj"))}
+            lin.update({n: getattr(mlp, p) for n, p in (("g", "gate_proj"), ("u", "up_proj"), ("d", "down_proj"))})
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            s = _Layer(ln1=_ptr(la.input_layernorm.weight), ln2=_ptr(la.post_attention_layernorm.weight),
+                       q_norm=_ptr(qn.weight) if qn is not None else None,
+                       k_norm=_ptr(kn.weight) if kn is not None else None,
+                       k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+                       eps1=rms_eps(la.input_layernorm), eps2=rms_eps(la.post_attention_layernorm),
+                       eps_qk=rms_eps(qn) if qn is not None else 0.0, scale=rec["scale"], softcap=rec["softcap"] or 0.0,
+                       form1=cpu_kernels.RMS_FORMS[f1], form2=cpu_kernels.RMS_FORMS[f2],
+                       form_qk=cpu_kernels.RMS_FORMS[fqk] if fqk else 0)
+            for n, m in lin.items():
+                setattr(s, "w" + n, m.weight.data_ptr())
+                setattr(s, "b" + n, _ptr(m.bias))
+            structs.append(s)
+            windows.append(rec["window"])
+        self._plan_key, self._structs, self._windows = key, structs, windows
+        return structs, windows
+
+    def _fits(self, cache) -> bool:
+        """Whether the recorded attention, the weights and the cache suit the C path."""
+        for la in self.layers:
+            rec = self.attention.get(la.self_attn.layer_idx)
+            if rec is None or rec["sinks"] or rec["scale"] is None:
+                return False
+            k, v = cache.layer(la.self_attn.layer_idx)
+            if k.shape[-2:] != (self.shape.H_kv, self.shape.D) or v.shape[-2:] != k.shape[-2:]:
+                return False
+        return all(t.dtype == self.dtype and t.is_contiguous() for t in self._tensors(cache))
+
+    def run(self, layout, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, cache,
+            module_forward) -> torch.Tensor:
+        """Logits of the decode step `layout` at rows `keep` ([N, V]). `module_forward()`: the same
+        step through the modules (run instead where the C path is off, and beside it once, to check)."""
+        if self.checked:
+            plan = self._plan(cache) if self.on else None
+            return self._forward(layout, input_ids, positions, keep, plan) if plan is not None else module_forward()
+        with record_attention() as rec:
+            ref = module_forward()
+        self.attention = rec
+        self.checked = True
+        if len(rec) != len(self.layers) or not self._fits(cache):
+            return ref
+        slots = torch.from_numpy(np.ascontiguousarray(layout.slot_mapping))
+        pages = [c.view(-1, *c.shape[-2:]) for la in self.layers for c in cache.layer(la.self_attn.layer_idx)]
+        kv_ref = [p.index_select(0, slots) for p in pages]
+        got = self._forward(layout, input_ids, positions, keep, self._plan(cache))
+        self.on = torch.equal(got, ref) and all(torch.equal(p.index_select(0, slots), r) for p, r in zip(pages, kv_ref))
+        if not self.on:  # the modules' keys and values stay
+            for p, r in zip(pages, kv_ref):
+                p.index_copy_(0, slots, r)
+        return ref
+
+    def _forward(self, layout, input_ids, positions, keep, plan) -> torch.Tensor:
+        structs, windows = plan
+        inv = build_layout(layout, input_ids.device)
+        t, shape = len(layout.input_ids), self.shape
+        keys = {}  # window -> (_Keys, the arrays it points into)
+        for w in set(windows):
+            arrays = [np.ascontiguousarray(layout.kv_slots, dtype=np.int64),
+                      *(np.ascontiguousarray(a, dtype=np.int64) for a in inv.decode_runs(w))]
+            keys[w] = (_Keys(*(a.ctypes.data for a in arrays), layout.kv_slots.shape[1]), arrays)
+        slots = np.ascontiguousarray(layout.slot_mapping, dtype=np.int64)
+        with cpu_kernels.serial_torch():
+            threads = cpu_kernels.threads()
+            h = self.embed(input_ids).contiguous()  # [T, hidden]
+            cos, sin = (c[0].contiguous() for c in self.rotary(h[None], positions[None]))  # [T, D] each
+            hd, kvd = shape.H * shape.D, shape.H_kv * shape.D
+            x = h.new_empty(t, shape.hidden)
+            q, a = h.new_empty(t, hd), h.new_empty(t, hd)
+            k, v = h.new_empty(t, kvd), h.new_empty(t, kvd)
+            g, u = h.new_empty(t, shape.inter), h.new_empty(t, shape.inter)
+            step = _Step(t, threads, slots.ctypes.data, *(z.data_ptr() for z in (cos, sin, h, x, q, k, v, a, g, u)))
+            ps, pp = ctypes.addressof(shape), ctypes.addressof(step)
+            for s, w, act in zip(structs, windows, self.acts):
+                if _LIB.layer_attention(ps, ctypes.addressof(s), pp, ctypes.addressof(keys[w][0])):
+                    raise MemoryError("cpu_layers: no memory for a layer's scratch")
+                y = act(g)
+                if _LIB.layer_mlp(ps, ctypes.addressof(s), pp, y.data_ptr()):
+                    raise MemoryError("cpu_layers: no memory for a layer's scratch")
+            rows = h.index_select(0, keep)
+            rows = cpu_kernels.rms_norm(rows, self.norm.weight, rms_eps(self.norm), self.norm_form)
+            return cpu_kernels.linear(rows, self.head.weight, self.head.bias)

@@ -1,0 +1,99 @@
+"""engine.cpu_layers: decode steps of Llama-form models in C give bitwise the logits of the same
+steps through HF's modules (invariant mode), and the first decode step's check keeps the modules
+wherever they differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_plookup.api import _state
+from hf_plookup.engine import cpu_kernels
+from hf_plookup.engine.cpu_layers import llama_form
+from tests.conftest import PAD, tiny_model, wrap_copy
+from tests.engine.test_invariant import _generate, _left_pad, _prompts
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
+
+TAKEN = ["llama", "mistral", "qwen2", "qwen3"]  # mistral with a sliding window of 8, qwen3 with per-head q/k norms
+
+
+def _layers(model):
+    return _state(model).engine.invariant.layers
+
+
+def _both(hf, **gen):
+    """Greedy logits [B, new, V] of the engine with its C layers and without (the modules)."""
+    ids, mask = _left_pad(_prompts(3))
+    fast, plain = wrap_copy(hf, invariant=True), wrap_copy(hf, invariant=True)
+    _state(plain).engine.invariant.layers = None
+    got, _ = _generate(fast, ids, mask, 16, **gen)
+    want, _ = _generate(plain, ids, mask, 16, **gen)
+    return got, want, _layers(fast)
+
+
+def test_llama_form_names_what_it_does_not_take():
+    assert llama_form(tiny_model("llama")) is None
+    assert llama_form(tiny_model("qwen3")) is None  # per-head q_norm and k_norm
+    assert "qkv_proj" in llama_form(tiny_model("phi3"))
+    assert "post_feedforward_layernorm" in llama_form(tiny_model("olmo2"))
+    assert llama_form(tiny_model("gpt_neox")).startswith("not a decoder of model.model")
+    assert llama_form(tiny_model("llama").to(torch.float16)) == (
+        "its weights are not all plain float32 or all plain bfloat16 CPU tensors")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", TAKEN)
+@pytest.mark.parametrize("gen", [{}, {"prompt_lookup_num_tokens": 4},
+                                 {"prompt_lookup_num_tokens": 4, "prompt_lookup_tree_nodes": 8}],
+                         ids=["greedy", "chain", "tree"])
+def test_c_layers_give_the_modules_logits(arch, dtype, gen):
+    got, want, layers = _both(tiny_model(arch).to(dtype), **gen)
+    assert layers is not None and layers.checked and layers.on
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["granite", "smollm3"])
+def test_check_keeps_the_modules_where_they_differ(arch):
+    """Granite scales embeddings, residuals and logits, SmolLM3 leaves RoPE out of some layers:
+    Llama-shaped, other forwards. The first decode step's check finds it and the modules stay."""
+    hf = tiny_model(arch)
+    assert llama_form(hf) is None
+    got, want, layers = _both(hf, prompt_lookup_num_tokens=4)
+    assert layers.checked and not layers.on
+    assert torch.equal(got, want)
+
+
+def test_swapped_weights_are_read_again():
+    """The C structs hold raw addresses: a weight replaced (or its `.data` swapped) after a call
+    is picked up at the next step, as the modules would."""
+    hf = tiny_model("llama")
+    fast, plain = wrap_copy(hf, invariant=True), wrap_copy(hf, invariant=True)
+    _state(plain).engine.invariant.layers = None
+    ids, mask = _left_pad(_prompts(2))
+    before, _ = _generate(fast, ids, mask, 8, prompt_lookup_num_tokens=4)
+    g = torch.Generator().manual_seed(3)
+    down = hf.model.layers[1].mlp.down_proj
+    down.weight.data = torch.randn(down.weight.shape, generator=g) * 0.2
+    hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.detach().flip(0).clone())
+    got, _ = _generate(fast, ids, mask, 8, prompt_lookup_num_tokens=4)
+    want, _ = _generate(plain, ids, mask, 8, prompt_lookup_num_tokens=4)
+    assert _layers(fast).on and not torch.equal(got, before)
+    assert torch.equal(got, want)
+
+
+def test_hooked_modules_run_their_forwards():
+    """A forward hook on a module the C path skips (a layer, the LM head) fires in every step, as
+    without hf_plookup: such steps run the modules. Removing the hook brings the C path back."""
+    hf = tiny_model("llama")
+    model = wrap_copy(hf, invariant=True)
+    ids, mask = _left_pad(_prompts(2))
+    seen = []
+    handle = hf.model.layers[1].register_forward_hook(lambda m, a, out: seen.append(a[0].shape[1]))
+    try:
+        _, stats = _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+    finally:
+        handle.remove()
+    assert len(seen) == stats.forwards and not _layers(model).checked
+    _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+    assert _layers(model).on
