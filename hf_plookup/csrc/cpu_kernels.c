@@ -491,6 +491,22 @@ static const wsum_fn wsum_avx2[4] = {0, wsum1, wsum2, wsum3};
  * dot products for bf16 linears (their own order; everything else as level 2) */
 static int simd = 0, simd_max = 0;
 
+/* NAME(PARAMS): BODY compiled twice, for AVX2 (run where the kernels run AVX2) and for the baseline.
+ * For the elementwise loops: the same IEEE operations either way (the build keeps products and sums
+ * apart, -ffp-contract=off), eight or more lanes at a time instead of four. */
+#if HAVE_AVX2_PATH
+#define VECTORIZED(NAME, PARAMS, ARGS, BODY)                 \
+    static void NAME##_base PARAMS { BODY; }                 \
+    AVX2 static void NAME##_avx2 PARAMS { BODY; }            \
+    static void NAME PARAMS {                                \
+        if (simd) NAME##_avx2 ARGS;                          \
+        else NAME##_base ARGS;                               \
+    }
+#else
+#define VECTORIZED(NAME, PARAMS, ARGS, BODY) \
+    static void NAME PARAMS { BODY; }
+#endif
+
 /* ------------------------------------------------------------------ entry points */
 
 /* x: float32 [M, K] (linear widens bf16 inputs first, but for level 3); w, bias and out: bf16 when bf16,
@@ -954,10 +970,9 @@ ELEMENTWISE void rms_rows_n(const void* x, int64_t m_lo, int64_t m_hi, int64_t K
             for (k = 0; k < K; k++) store1(out, m * K + k, load1(x, m * K + k, B) * r * (1.0f + load1(w, k, B)), B);
     }
 }
-static void rms_rows(const void* x, int64_t m_lo, int64_t m_hi, int64_t K, const void* w, float eps, int64_t form,
-                     void* out, int b16) {
-    BOTH_DTYPES(rms_rows_n(x, m_lo, m_hi, K, w, eps, form, out, B));
-}
+VECTORIZED(rms_rows, (const void* x, int64_t m_lo, int64_t m_hi, int64_t K, const void* w, float eps, int64_t form,
+                      void* out, int b16), (x, m_lo, m_hi, K, w, eps, form, out, b16),
+           BOTH_DTYPES(rms_rows_n(x, m_lo, m_hi, K, w, eps, form, out, B)))
 
 #define NORM_ROWS 64
 typedef struct {
@@ -1045,8 +1060,9 @@ ELEMENTWISE void binary_n(void* out, const void* a, const void* b, int64_t n, in
         store1(out, i, mul ? va * vb : va + vb, B);
     }
 }
-static void add_into(void* x, const void* y, int64_t n, int b16) { BOTH_DTYPES(binary_n(x, x, y, n, 0, B)); }
-static void mul_to(void* out, const void* a, const void* b, int64_t n, int b16) { BOTH_DTYPES(binary_n(out, a, b, n, 1, B)); }
+VECTORIZED(add_into, (void* x, const void* y, int64_t n, int b16), (x, y, n, b16), BOTH_DTYPES(binary_n(x, x, y, n, 0, B)))
+VECTORIZED(mul_to, (void* out, const void* a, const void* b, int64_t n, int b16), (out, a, b, n, b16),
+           BOTH_DTYPES(binary_n(out, a, b, n, 1, B)))
 
 /* RoPE in place on T tokens of nh heads of D values, HF's rotate-half form
  * x * cos + rotate_half(x) * sin, each product rounded, then the sum (no fused multiply-add) */
@@ -1066,9 +1082,8 @@ ELEMENTWISE void rope_n(void* x, int64_t T, int64_t nh, int64_t D, const void* c
             }
         }
 }
-static void rope(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const void* sin, int b16) {
-    BOTH_DTYPES(rope_n(x, T, nh, D, cos, sin, B));
-}
+VECTORIZED(rope, (void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const void* sin, int b16),
+           (x, T, nh, D, cos, sin, b16), BOTH_DTYPES(rope_n(x, T, nh, D, cos, sin, B)))
 
 /* First half of a layer: x = norm1(h); q, k, v = its projections (q and k normed per head where the
  * layer has those norms); RoPE; k and v stored at the tokens' slots; a = attention; h += o_proj(a);
