@@ -179,11 +179,12 @@ class CpuLayers:
 
     def takes(self, layout) -> bool:
         """Whether `run` takes this step: a decode step with kept rows, unless the check failed or
-        a forward hook is set on a module the C path would not call (the model's own, its layers',
-        their parts', the final norm's or the LM head's: those steps run the modules, hooks and all)."""
+        a module the C path would not call (the model, its layers and their parts, the final norm,
+        the LM head) has a forward hook or a forward of its own set on the instance (accelerate's
+        hooks wrap it so): those steps run the modules, hooks and all."""
         return ((self.on or not self.checked) and layout.is_decode and len(layout.keep) > 0
                 and not (_hooks._global_forward_hooks or _hooks._global_forward_pre_hooks)
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in self.skipped))
+                and not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in self.skipped))
 
     def _tensors(self, cache) -> list[torch.Tensor]:
         """Every tensor the layer structs point into, read from the modules and the cache now."""

@@ -97,3 +97,24 @@ def test_hooked_modules_run_their_forwards():
     assert len(seen) == stats.forwards and not _layers(model).checked
     _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
     assert _layers(model).on
+
+
+def test_wrapped_forwards_run():
+    """A layer whose forward was replaced on the instance (as accelerate's hooks do) runs it in
+    every step."""
+    hf = tiny_model("llama")
+    model = wrap_copy(hf, invariant=True)
+    layer = hf.model.layers[0]
+    calls = []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = forward
+    ids, mask = _left_pad(_prompts(2))
+    try:
+        _, stats = _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+    finally:
+        del layer.forward
+    assert len(calls) == stats.forwards and not _layers(model).checked
