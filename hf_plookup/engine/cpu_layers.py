@@ -91,8 +91,15 @@ def _linear(m) -> bool:
     return type(m) is torch.nn.Linear and "forward" not in vars(m)
 
 
-def llama_form(model: torch.nn.Module) -> str | None:
-    """Why `CpuLayers` cannot take `model` (None: it can; the first decode step still checks it)."""
+def norm_forms(model: torch.nn.Module) -> dict:
+    """{module: its `cpu_kernels.rms_form` (None: not one)} for every module of `model`."""
+    return {m: rms_form(m) for m in model.modules()}
+
+
+def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
+    """Why `CpuLayers` cannot take `model` (None: it can; the first decode step still checks it).
+    `forms`: `norm_forms(model)` where the caller has it (invariant.InvariantLinears does)."""
+    forms = norm_forms(model) if forms is None else forms
     if not cpu_kernels.available():
         return "the C kernels are not built"
     inner, head = getattr(model, "model", None), getattr(model, "lm_head", None)
@@ -133,9 +140,9 @@ def llama_form(model: torch.nn.Module) -> str | None:
             return f"layer {i}'s projections do not fit {h} heads of {d} over {h_kv} KV heads"
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + [getattr(attn, n) for n in ("q_norm", "k_norm")
                                                                            if n in akids]
-        if any(rms_form(m) is None for m in norms):
+        if any(forms.get(m) is None for m in norms):
             return f"layer {i} has a norm cpu_kernels.rms_norm does not reproduce"
-    if rms_form(parts[2]) is None:
+    if forms.get(parts[2]) is None:
         return "its final norm is not one cpu_kernels.rms_norm reproduces"
     if not all(cpu_kernels.supported(m.weight) for m in model.modules() if _linear(m)):
         return "a linear layer does not run on the C kernel"
@@ -145,11 +152,11 @@ def llama_form(model: torch.nn.Module) -> str | None:
 class CpuLayers:
     """A Llama-form model's decode steps in C (see the module text). `run` takes a step."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, forms: dict):
         self.model = model
         inner = model.model
         self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
-        self.norm_form = rms_form(self.norm)
+        self.norm_form = forms[self.norm]
         self.layers = list(inner.layers)
         config = model.config
         h = config.num_attention_heads
@@ -158,8 +165,8 @@ class CpuLayers:
         d = attn0.q_proj.out_features // h
         self.shape = _Shape(hidden=config.hidden_size, H=h, H_kv=attn0.k_proj.out_features // d, D=d,
                             inter=mlp0.gate_proj.out_features, bf16=int(self.dtype == torch.bfloat16))
-        self.forms = [(rms_form(la.input_layernorm), rms_form(la.post_attention_layernorm),
-                       rms_form(la.self_attn.q_norm) if hasattr(la.self_attn, "q_norm") else None) for la in self.layers]
+        self.forms = [(forms[la.input_layernorm], forms[la.post_attention_layernorm],
+                       forms[la.self_attn.q_norm] if hasattr(la.self_attn, "q_norm") else None) for la in self.layers]
         self.acts = [la.mlp.act_fn for la in self.layers]
         # the modules whose forward the C path does not call (the embedding, rotary and activation
         # modules it does call)
@@ -174,8 +181,10 @@ class CpuLayers:
         self._windows: list[int | None] = []
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> CpuLayers | None:
-        return cls(model) if llama_form(model) is None else None
+    def of(cls, model: torch.nn.Module, forms: dict | None = None) -> CpuLayers | None:
+        """`CpuLayers` of `model` where `llama_form` takes it, else None (`forms`: as llama_form's)."""
+        forms = norm_forms(model) if forms is None else forms
+        return cls(model, forms) if llama_form(model, forms) is None else None
 
     def takes(self, layout) -> bool:
         """Whether `run` takes this step: a decode step with kept rows, unless the check failed or
@@ -229,7 +238,8 @@ class CpuLayers:
         return structs, windows
 
     def _fits(self, cache) -> bool:
-        """Whether the recorded attention, the weights and the cache suit the C path."""
+        """Whether the recorded attention and the cache's page shapes suit the C path (`_plan` checks
+        the tensors' dtypes and layout)."""
         for la in self.layers:
             rec = self.attention.get(la.self_attn.layer_idx)
             if rec is None or rec["sinks"] or rec["scale"] is None:
@@ -237,7 +247,7 @@ class CpuLayers:
             k, v = cache.layer(la.self_attn.layer_idx)
             if k.shape[-2:] != (self.shape.H_kv, self.shape.D) or v.shape[-2:] != k.shape[-2:]:
                 return False
-        return all(t.dtype == self.dtype and t.is_contiguous() for t in self._tensors(cache))
+        return True
 
     def run(self, layout, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, cache,
             module_forward) -> torch.Tensor:
@@ -250,12 +260,13 @@ class CpuLayers:
             ref = module_forward()
         self.attention = rec
         self.checked = True
-        if len(rec) != len(self.layers) or not self._fits(cache):
+        plan = self._plan(cache) if len(rec) == len(self.layers) and self._fits(cache) else None
+        if plan is None:
             return ref
         slots = torch.from_numpy(np.ascontiguousarray(layout.slot_mapping))
         pages = [c.view(-1, *c.shape[-2:]) for la in self.layers for c in cache.layer(la.self_attn.layer_idx)]
         kv_ref = [p.index_select(0, slots) for p in pages]
-        got = self._forward(layout, input_ids, positions, keep, self._plan(cache))
+        got = self._forward(layout, input_ids, positions, keep, plan)
         self.on = torch.equal(got, ref) and all(torch.equal(p.index_select(0, slots), r) for p, r in zip(pages, kv_ref))
         if not self.on:  # the modules' keys and values stay
             for p, r in zip(pages, kv_ref):

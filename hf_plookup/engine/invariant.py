@@ -290,8 +290,8 @@ class InvariantLinears:
         self.forwards = [self._bind(m) for m in self.modules]
         # RMSNorm modules whose arithmetic cpu_kernels.rms_norm reproduces: one C call instead of
         # the half-dozen torch ops of HF's forward (row-local either way)
-        for m in model.modules():
-            form = rms_form(m) if "forward" not in vars(m) else None
+        forms = {m: rms_form(m) if "forward" not in vars(m) else None for m in model.modules()}
+        for m, form in forms.items():
             if form is not None:
                 self.modules.append(m)
                 self.forwards.append(_bind_norm(m, form))
@@ -300,7 +300,7 @@ class InvariantLinears:
         self.serial_decode = bool(self.modules) and all(
             cpu_kernels.supported(m.weight) for m in self.modules if type(m) is torch.nn.Linear)
         # decode steps of a Llama-form model in C, two calls a layer (engine.cpu_layers)
-        self.layers = CpuLayers.of(model)
+        self.layers = CpuLayers.of(model, forms)
 
     @staticmethod
     def _bind(module):
