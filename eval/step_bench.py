@@ -4,9 +4,11 @@ forward beside it. Random weights of the real shapes (eval/lib/models.py's SHAPE
 do not depend on weight values.
 
 Per model, batch size and tokens per sequence q (1 = plain decode, k+1 = verify), each mode
-runs the engine's bucketed step (engine.graphs.GraphRunner) over B sequences of --context
-cached tokens (pages filled with random keys/values):
-  eager            the static-buffer forward, no compile, no graph
+runs the engine's step over B sequences of --context cached tokens (pages filled with random
+keys/values):
+  eager            the step as the engine runs it without compile or graphs (engine.runner.
+                   ModelRunner, every CPU step by default): no padding to buckets
+  (the other modes run the bucketed step, engine.graphs.GraphRunner, on static buffers)
   compiled         torch.compile(fullgraph=True) of that forward (inductor; on CPU with freezing)
   graphs           eager forward captured in a CUDA graph (CUDA only)
   compiled+graphs  compiled forward captured in a CUDA graph (CUDA only; compile=True's path)
@@ -45,6 +47,7 @@ from hf_plookup.attention.ops import COMPILABLE_BACKENDS
 from hf_plookup.attention.registry import register
 from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket
 from hf_plookup.engine.kv_cache import PagedKVCache, layer_specs
+from hf_plookup.engine.runner import ModelRunner
 
 MODES = ("eager", "compiled", "graphs", "compiled+graphs")
 
@@ -109,21 +112,26 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
 
     capture, compiled = "graphs" in mode, "compiled" in mode
     regional = capture != swap_scope
-    gr = GraphRunner(model, cache, backend, max(args.batch_sizes), capture=capture, compiled=compiled,
-                     invariant=InvariantLinears(model) if invariant else None, regional=regional)
+    inv = InvariantLinears(model) if invariant else None
+    gr = (GraphRunner(model, cache, backend, max(args.batch_sizes), capture=capture, compiled=compiled,
+                      invariant=inv, regional=regional) if capture or compiled else None)
+    runner = ModelRunner(model, cache, None, backend, invariant=inv)  # blocks: only layout() reads them
     mode = mode + "+invariant" if invariant else mode
     mode = mode + ("/regional" if regional else "/whole") if compiled else mode
     rows = []
     for b in args.batch_sizes:
         for q in args.q:
             plan = step_plan(b, q, args.context, args.block_size, model.config.vocab_size)
+            run = gr.run if gr is not None else runner.run
             t0 = time.perf_counter()
-            gr.run(plan)  # compile / capture
+            run(plan)  # compile / capture
             sync(device)
             first = time.perf_counter() - t0
-            step = timed(lambda: gr.run(plan), device, args.iters)
+            step = timed(lambda: run(plan), device, args.iters)
             kernels = None
-            if device.type == "cuda":
+            if device.type == "cuda" and gr is None:
+                kernels = count_kernels(lambda: runner.run(plan), device)
+            elif device.type == "cuda":
                 key = (plan.max_query_len, batch_bucket(b), context_bucket(plan.max_context_len, args.block_size),
                        plan.tree_mask is not None)  # GraphRunner.run's key
                 kernels = count_kernels(lambda: gr._forward(gr.graphs[key]), device)
@@ -165,7 +173,7 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
     from hf_plookup.engine.invariant import InvariantLinears
 
     inv = InvariantLinears(model)
-    gr = GraphRunner(model, cache, "sdpa", max(args.batch_sizes), capture=False, compiled=False, invariant=inv)
+    runner = ModelRunner(model, cache, None, "sdpa", invariant=inv)  # the engine's eager step
     # norms: those invariant mode routes to cpu_kernels.rms_norm are timed through their routed
     # forward (inv.forwards), the others through their own
     is_linear = [type(m) is torch.nn.Linear for m in inv.modules]
@@ -189,7 +197,7 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
         for b in args.batch_sizes:
             for q in args.q:
                 plan = step_plan(b, q, args.context, args.block_size, model.config.vocab_size)
-                gr.run(plan)
+                runner.run(plan)
                 timers = [cpu_kernels.linear, cpu_kernels.attend, *inv.forwards, *norm_t.values(), *act_t.values()]
                 for t in timers:
                     t.total = 0.0
@@ -198,7 +206,7 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
                     cpu_layers.layer_phases(True)
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
-                    logits = gr.run(plan)
+                    logits = runner.run(plan)
                 step = (time.perf_counter() - t0) / args.iters
                 lin = cpu_kernels.linear.total / args.iters
                 att = cpu_kernels.attend.total / args.iters
