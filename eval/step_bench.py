@@ -113,16 +113,18 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
     capture, compiled = "graphs" in mode, "compiled" in mode
     regional = capture != swap_scope
     inv = InvariantLinears(model) if invariant else None
-    gr = (GraphRunner(model, cache, backend, max(args.batch_sizes), capture=capture, compiled=compiled,
-                      invariant=inv, regional=regional) if capture or compiled else None)
-    runner = ModelRunner(model, cache, None, backend, invariant=inv)  # blocks: only layout() reads them
+    if capture or compiled:
+        gr = GraphRunner(model, cache, backend, max(args.batch_sizes), capture=capture, compiled=compiled,
+                         invariant=inv, regional=regional)
+        run = gr.run
+    else:  # (blocks: only ModelRunner.layout reads them)
+        gr, run = None, ModelRunner(model, cache, None, backend, invariant=inv).run
     mode = mode + "+invariant" if invariant else mode
     mode = mode + ("/regional" if regional else "/whole") if compiled else mode
     rows = []
     for b in args.batch_sizes:
         for q in args.q:
             plan = step_plan(b, q, args.context, args.block_size, model.config.vocab_size)
-            run = gr.run if gr is not None else runner.run
             t0 = time.perf_counter()
             run(plan)  # compile / capture
             sync(device)
@@ -130,7 +132,7 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
             step = timed(lambda: run(plan), device, args.iters)
             kernels = None
             if device.type == "cuda" and gr is None:
-                kernels = count_kernels(lambda: runner.run(plan), device)
+                kernels = count_kernels(lambda: run(plan), device)
             elif device.type == "cuda":
                 key = (plan.max_query_len, batch_bucket(b), context_bucket(plan.max_context_len, args.block_size),
                        plan.tree_mask is not None)  # GraphRunner.run's key
