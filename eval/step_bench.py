@@ -19,7 +19,8 @@ keys/values):
                    (uncaptured steps); --both-scopes times each compiled mode with the other too
   <mode>+invariant (--invariant) each mode again in invariant mode (wrap(invariant=True)); graph
                    modes on attn_backend triton only (sdpa's invariant form is not captured)
-First calls (compile, capture) are reported apart from the median of --iters timed calls. On
+First calls (compile, capture) are reported apart from the median of --iters timed calls, the q values
+taking turns (one call each per round), and each q's ratio to the smallest q as the median of the rounds'. On
 CUDA also the GPU kernels one un-captured forward launches (torch.profiler).
 
     python eval/step_bench.py --device cpu --dtype fp32 --models smollm2-135m --threads 2
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,7 +43,7 @@ import torch
 from eval.lib.cli import DTYPES, add_threads_option, show_defaults
 from eval.lib.models import SHAPES, random_model
 from eval.lib.report import report, write_json
-from eval.lib.timing import copy_bandwidth, count_kernels, sync, timed
+from eval.lib.timing import copy_bandwidth, count_kernels, interleaved, sync, timed
 from hf_plookup.attention.metadata import StepLayout
 from hf_plookup.attention.ops import COMPILABLE_BACKENDS
 from hf_plookup.attention.registry import register
@@ -123,13 +125,20 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
     mode = mode + ("/regional" if regional else "/whole") if compiled else mode
     rows = []
     for b in args.batch_sizes:
+        plans, firsts = {}, {}
         for q in args.q:
-            plan = step_plan(b, q, args.context, args.block_size, model.config.vocab_size)
+            plans[q] = step_plan(b, q, args.context, args.block_size, model.config.vocab_size)
             t0 = time.perf_counter()
-            run(plan)  # compile / capture
+            run(plans[q])  # compile / capture
             sync(device)
-            first = time.perf_counter() - t0
-            step = timed(lambda: run(plan), device, args.iters)
+            firsts[q] = time.perf_counter() - t0
+        # the q values take turns, one call each per round, so that a neighbour's load on a shared
+        # machine falls on all of them alike; a q's ratio to the smallest q is the median of the rounds'
+        times = interleaved({q: (lambda p=plans[q]: run(p)) for q in args.q}, device, args.iters)
+        q0 = min(args.q)
+        for q in args.q:
+            plan, step = plans[q], statistics.median(times[q])
+            ratio = statistics.median(t / t0 for t, t0 in zip(times[q], times[q0]))
             kernels = None
             if device.type == "cuda" and gr is None:
                 kernels = count_kernels(lambda: run(plan), device)
@@ -138,9 +147,9 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
                        plan.tree_mask is not None)  # GraphRunner.run's key
                 kernels = count_kernels(lambda: gr._forward(gr.graphs[key]), device)
             rows.append({"mode": mode, "attn_backend": backend, "batch": b, "q": q, "step_s": step,
-                         "first_call_s": first, "kernels": kernels})
-            print(f"  {mode + '/' + backend:22s} batch {b:3d} q {q:2d}: {1e3 * step:8.2f} ms  (first call {first:6.1f} s"
-                  + (f", {kernels} kernels)" if kernels is not None else ")"), flush=True)
+                         f"vs_q{q0}": ratio, "first_call_s": firsts[q], "kernels": kernels})
+            print(f"  {mode + '/' + backend:22s} batch {b:3d} q {q:2d}: {1e3 * step:8.2f} ms  {ratio:5.2f}x q {q0}  "
+                  f"(first call {firsts[q]:6.1f} s" + (f", {kernels} kernels)" if kernels is not None else ")"), flush=True)
     return rows
 
 

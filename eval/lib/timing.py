@@ -77,6 +77,21 @@ def timed(fn, device, iters: int) -> float:
     return statistics.median(times)
 
 
+def interleaved(fns: dict, device, rounds: int) -> dict:
+    """Seconds of each of `fns`' calls over `rounds` rounds in which every fn runs once, in turn:
+    {key: [seconds per round]}. Side by side like this, a shared machine's slow spells fall on every
+    fn alike, so ratios of one round's times hold better than ratios of medians taken apart."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def count_kernels(fn, device) -> int | None:
     """GPU kernels launched by one call of `fn` (None off CUDA)."""
     device = torch.device(device)

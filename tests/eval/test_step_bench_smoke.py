@@ -27,6 +27,8 @@ def test_step_bench_smoke(tmp_path):
     rows = {(r["mode"], r["q"]): r for r in res["results"]}
     assert set(rows) == {(m, q) for m in ("eager", "eager+invariant", "breakdown") for q in (1, 3)}
     assert all(r["step_s"] > 0 for r in rows.values())
+    for m in ("eager", "eager+invariant"):  # the q values timed side by side: ratios to q=1
+        assert rows[(m, 1)]["vs_q1"] == 1.0 and rows[(m, 3)]["vs_q1"] > 0
     for q in (1, 3):
         b = rows[("breakdown", q)]
         assert b["c_layers"], "a Qwen3 decode step runs the C layers"
