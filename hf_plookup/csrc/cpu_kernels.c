@@ -478,17 +478,69 @@ WSUM(wsum2, 2)
 WSUM(wsum3, 3)
 #undef LDX
 
+#if HAVE_DPBF16
+/* Level 3, bf16 pages: q.k as VDPBF16PS dot products of bf16 pairs, in the level-3 order of the bf16
+ * linears (TILE_DP: lane l adds the exact products of values d + 2l + 1, then d + 2l, of each 16 from
+ * d, with the instruction's DAZ / FTZ; then hsum8). A query is bf16 already (the projection's output),
+ * so neither it nor the key is widened, and a score takes half the instructions of 8-lane FMAs. The
+ * order is fixed per score whatever the key blocks, heads or threads: invariant as the other levels,
+ * with bits of its own. */
+#define DP_LD(P, OFF, REM) ((REM) ? ld_pairs_part(P, OFF, REM) : ld_pairs(P, OFF))
+#define SCORES_DP(NAME, NH, KB)                                                                         \
+    AVX512BF16 static void NAME(const uint16_t* q, const void* kb, const int64_t* rows, int64_t L,       \
+                                int64_t D, float* s, int64_t ld, int64_t npf) {                         \
+        int64_t j = 0;                                                                                  \
+        for (; j + KB <= L; j += KB) {                                                                  \
+            for (int u = 0; u < KB && j + KEY_AHEAD + u < npf; u++)                                     \
+                prefetch_row((const char*)kb + rows[j + KEY_AHEAD + u] * 2, D * 2);                     \
+            __m256 a[NH][KB];                                                                           \
+            for (int h = 0; h < NH; h++)                                                                \
+                for (int u = 0; u < KB; u++) a[h][u] = _mm256_setzero_ps();                             \
+            for (int64_t d = 0; d < D; d += 16) {                                                       \
+                int rem = D - d < 16 ? (int)(D - d) : 0; /* the last D % 16 values: zeros after them */ \
+                __m256i kv[KB];                                                                         \
+                for (int u = 0; u < KB; u++) kv[u] = DP_LD(kb, rows[j + u] + d, rem);                   \
+                for (int h = 0; h < NH; h++) {                                                          \
+                    __m256bh qv = (__m256bh)DP_LD(q, h * D + d, rem);                                   \
+                    for (int u = 0; u < KB; u++) a[h][u] = _mm256_dpbf16_ps(a[h][u], (__m256bh)kv[u], qv); \
+                }                                                                                       \
+            }                                                                                           \
+            float sums[8];                                                                              \
+            hsum8x8(&a[0][0], sums); /* NH * KB is 8 or 9 */                                            \
+            for (int i = 0; i < NH * KB; i++)                                                           \
+                s[i / KB * ld + j + i % KB] = i < 8 ? sums[i] : hsum8(a[i / KB][i % KB]);                \
+        }                                                                                               \
+        for (; j < L; j++) {                                                                            \
+            __m256 a[NH];                                                                               \
+            for (int h = 0; h < NH; h++) a[h] = _mm256_setzero_ps();                                    \
+            for (int64_t d = 0; d < D; d += 16) {                                                       \
+                int rem = D - d < 16 ? (int)(D - d) : 0;                                                \
+                __m256bh kv = (__m256bh)DP_LD(kb, rows[j] + d, rem);                                    \
+                for (int h = 0; h < NH; h++) a[h] = _mm256_dpbf16_ps(a[h], kv, (__m256bh)DP_LD(q, h * D + d, rem)); \
+            }                                                                                           \
+            for (int h = 0; h < NH; h++) s[h * ld + j] = hsum8(a[h]);                                    \
+        }                                                                                               \
+    }
+SCORES_DP(scores_dp1, 1, 8)
+SCORES_DP(scores_dp2, 2, 4)
+SCORES_DP(scores_dp3, 3, 3)
+#undef DP_LD
+typedef void (*scores_dp_fn)(const uint16_t*, const void*, const int64_t*, int64_t, int64_t, float*, int64_t, int64_t);
+static const scores_dp_fn scores_dp[4] = {0, scores_dp1, scores_dp2, scores_dp3};
+#endif
+
 typedef void (*scores_fn)(const float*, const void*, const int64_t*, int64_t, int64_t, int, float*, int64_t, int64_t);
 typedef void (*wsum_fn)(const float*, int64_t, const void*, const int64_t*, int64_t, int64_t, int, float*, int64_t);
 static const scores_fn scores_avx2[4] = {0, scores1, scores2, scores3};
 static const wsum_fn wsum_avx2[4] = {0, wsum1, wsum2, wsum3};
 #else
 #define HAVE_AVX2_PATH 0
+#define HAVE_DPBF16 0
 #endif
 
 #define MAX_NH 3 /* query heads of a KV head whose scores and sums are computed together */
 /* 0: portable C, 1: AVX2 + FMA, 2: and AVX-512's registers (tiles of up to 9 rows), 3: and AVX-512 BF16
- * dot products for bf16 linears (their own order; everything else as level 2) */
+ * dot products for bf16 linears and bf16 attention scores (their own order; everything else as level 2) */
 static int simd = 0, simd_max = 0;
 
 /* NAME(PARAMS): BODY compiled twice, for AVX2 (run where the kernels run AVX2) and for the baseline.
@@ -548,10 +600,18 @@ static float qk_c(const float* q, const void* k, int64_t D, int bf16) {
 }
 
 /* n (<= MAX_NH) query vectors D apart against L keys at element offsets rows[j] of kb:
- * s[h * ld + j] = dot(q[h], key j) */
-static void scores_n(int64_t n, const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D,
-                     int bf16, float* s, int64_t ld, int64_t npf) {
+ * s[h * ld + j] = dot(q[h], key j); qb: the same vectors' bf16 bits where level 3 runs bf16 pages */
+static void scores_n(int64_t n, const float* q, const uint16_t* qb, const void* kb, const int64_t* rows, int64_t L,
+                     int64_t D, int bf16, float* s, int64_t ld, int64_t npf) {
     if (L <= 0) return;
+#if HAVE_DPBF16
+    if (qb) { /* level 3, bf16: q's bf16 bits, and the dot products' own order */
+        scores_dp[n](qb, kb, rows, L, D, s, ld, npf);
+        return;
+    }
+#else
+    (void)qb;
+#endif
 #if HAVE_AVX2_PATH
     if (simd) {
         scores_avx2[n](q, kb, rows, L, D, bf16, s, ld, npf);
@@ -649,11 +709,14 @@ static int64_t attend_pass(const attend_job* J, int64_t t_lo, int64_t t_hi, int6
     }
     int64_t nown = own_at[nt], vsep = Dv != D; /* values narrower than keys (MLA): their own offsets */
     int64_t nrows = (nS + nown) * (1 + vsep);
+    int dp = HAVE_DPBF16 && simd >= 3 && b16; /* level 3's bf16 dot products read q's bf16 bits (qb) */
     int64_t* krow = (int64_t*)malloc((size_t)nrows * sizeof(int64_t) +
-                                     (size_t)(total + nt * HP * (D + Dv)) * sizeof(float));
+                                     (size_t)(total + nt * HP * (D + Dv)) * sizeof(float) +
+                                     (size_t)(dp ? nt * HP * D : 0) * sizeof(uint16_t));
     if (!krow) return -1;
     int64_t *kown = krow + nS, *vrow = vsep ? kown + nown : krow, *vown = vrow + nS;
     float *s = (float*)(krow + nrows), *qf = s + total, *o = qf + nt * HP * D;
+    uint16_t* qb = dp ? (uint16_t*)(o + nt * HP * Dv) : NULL;
     const int64_t* slots = J->kv_slots + J->seq[t_lo] * J->Lk;
     /* element offset of a position's keys (all KV heads) and values */
 #define KROW(c) (slots[c] * J->H_kv * D)
@@ -669,11 +732,13 @@ static int64_t attend_pass(const attend_job* J, int64_t t_lo, int64_t t_hi, int6
         for (int64_t hh = 0; hh < HP; hh++) {
             int64_t h = (kv_lo + hh / ng) * G + g_lo + hh % ng;
             for (int64_t d = 0; d < D; d++) qf[(i * HP + hh) * D + d] = load1(J->q, (t * H + h) * D + d, b16);
+            if (qb) memcpy(qb + (i * HP + hh) * D, (const uint16_t*)J->q + (t * H + h) * D, (size_t)D * sizeof(uint16_t));
         }
     }
 #undef KROW
 #undef VROW
     memset(o, 0, (size_t)(nt * HP * Dv) * sizeof(float));
+#define QV(i, hh) qf + ((i) * HP + (hh)) * D, qb ? qb + ((i) * HP + (hh)) * D : NULL /* scores_n's q, qb */
     /* for every query vector group (token i, KV head kv, heads g0 .. g0+n-1 of it): BODY */
 #define EACH_GROUP(BODY)                                                                                \
     for (int64_t i = 0; i < nt; i++)                                                                   \
@@ -695,16 +760,16 @@ static int64_t attend_pass(const attend_job* J, int64_t t_lo, int64_t t_hi, int6
      * blocks, whose tiles share each key between tokens) */
     if (simd && !b16 && nt == 1 && kv_hi - kv_lo > 1) {
         for (int64_t j0 = 0; j0 < nS; j0++)
-            EACH_GROUP(scores_n(n, qf + (i * HP + hh) * D, kb, krow + j0, 1, D, b16, sq + pre[i] + j0, Ls[i], 0);)
+            EACH_GROUP(scores_n(n, QV(i, hh), kb, krow + j0, 1, D, b16, sq + pre[i] + j0, Ls[i], 0);)
     } else {
         for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
             int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
-            EACH_GROUP(scores_n(n, qf + (i * HP + hh) * D, kb, krow + j0, nb, D, b16, sq + pre[i] + j0, Ls[i],
+            EACH_GROUP(scores_n(n, QV(i, hh), kb, krow + j0, nb, D, b16, sq + pre[i] + j0, Ls[i],
                                 i || g0 ? 0 : nS - j0);)
         }
     }
-    EACH_GROUP(scores_n(n, qf + (i * HP + hh) * D, kb, ko, pre[i], D, b16, sq, Ls[i], g0 ? 0 : pre[i]);
-               scores_n(n, qf + (i * HP + hh) * D, kb, ko + pre[i], post, D, b16, sq + pre[i] + nS, Ls[i], g0 ? 0 : post);)
+    EACH_GROUP(scores_n(n, QV(i, hh), kb, ko, pre[i], D, b16, sq, Ls[i], g0 ? 0 : pre[i]);
+               scores_n(n, QV(i, hh), kb, ko + pre[i], post, D, b16, sq + pre[i] + nS, Ls[i], g0 ? 0 : post);)
     for (int64_t i = 0; i < nt; i++)
         for (int64_t hh = 0; hh < HP; hh++) normalize_scores(s + sbase[i] + hh * Ls[i], Ls[i], J->scale, J->softcap);
     EACH_GROUP(wsum_n(n, sq, Ls[i], vb, vo, pre[i], Dv, b16, o + (i * HP + hh) * Dv, g0 ? 0 : pre[i]);)
@@ -715,6 +780,7 @@ static int64_t attend_pass(const attend_job* J, int64_t t_lo, int64_t t_hi, int6
     }
     EACH_GROUP(wsum_n(n, sq + pre[i] + nS, Ls[i], vb, vo + pre[i], post, Dv, b16, o + (i * HP + hh) * Dv, g0 ? 0 : post);)
 #undef EACH_GROUP
+#undef QV
     for (int64_t i = 0; i < nt; i++)
         for (int64_t hh = 0; hh < HP; hh++) {
             int64_t h = (kv_lo + hh / ng) * G + g_lo + hh % ng;

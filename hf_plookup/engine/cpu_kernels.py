@@ -20,7 +20,8 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
 - `attend(...)`: one query head over exactly its visible keys, read in place from the pages in
   position order, with one fixed order of arithmetic per query: chains, tree nodes (the
   context, then the node's ancestors), GQA, sliding windows (the caller trims the keys) and
-  tanh soft-capping.
+  tanh soft-capping. With AVX-512 BF16, bf16 scores q.k take the dot-product instruction in
+  the linears' order of pairs (the query is bf16 already); the rest of attention is unchanged.
 
 `engine.cpu_layers` runs whole decoder layers of decode steps from these kernels (`layer_attention`,
 `layer_mlp` in the same C file).
@@ -121,7 +122,8 @@ def uses_avx2() -> bool:
 def simd_level() -> int:
     """The vector code the kernels run: 0 portable C, 1 AVX2 + FMA, 2 the same arithmetic with
     AVX-512's 32 registers (linear tiles of up to 9 rows instead of 4; bitwise the AVX2 results),
-    3 as 2 but bf16 linears by AVX-512 BF16 dot products (their own order, see the module text)."""
+    3 as 2 but bf16 linears and bf16 attention scores by AVX-512 BF16 dot products (their own
+    order, see the module text)."""
     return int(_LIB.simd_level()) if available() else 0
 
 

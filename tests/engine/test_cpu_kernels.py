@@ -209,6 +209,33 @@ def test_attend_literal_chain():
     torch.testing.assert_close(out[:, 0], torch.tensor([[1.0, 1.0], [7 / 4, 3 / 4]]))
 
 
+@pytest.mark.skipif(ck.simd_level() < 3, reason="this CPU has no AVX-512 BF16 (level 3)")
+def test_bf16_scores_follow_the_dot_product_order():
+    """Level 3 sums a bf16 score q.k as its bf16 linears do: lane l adds the products of values
+    2l+1, then 2l, of each 16, then hsum8. Key 0's products are 1, 2^24, 0, -2^24: lane 0 rounds
+    2^24 + 1 to 2^24, so the score is 0, where the 8-lane order of levels 0-2 (and of fp32 pages)
+    keeps the 1. Key 1 scores 0 and the values are one-hot, so the output shows the score."""
+    kc, vc = torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16)
+    q = torch.zeros(1, 1, 16)
+    q[0, 0, :4] = torch.tensor([1.0, 4096.0, 0.0, 4096.0])
+    kc[0, 0, 0, :4] = torch.tensor([1.0, 4096.0, 0.0, -4096.0])
+    vc[0, 0, 0, 0] = vc[0, 1, 0, 1] = 1.0
+    args = (np.array([[0, 1, 2, 3]]), np.array([0]), np.array([0]), np.array([2]), np.array([0, 0]),
+            np.zeros(0, np.int64), 1.0, None)
+    top = ck.simd_level()
+    try:
+        level3 = ck.attend(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), *args)
+        ck.set_simd_level(2)
+        level2 = ck.attend(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), *args)
+    finally:
+        ck.set_simd_level(top)
+    fp32 = ck.attend(q, kc, vc, *args)
+    e = 1 / (1 + float(np.exp(-1.0)))  # softmax of scores (1, 0)
+    assert level3[0, 0, :2].tolist() == [0.5, 0.5]
+    torch.testing.assert_close(level2[0, 0, :2].float(), torch.tensor([e, 1 - e]), atol=4e-3, rtol=0)
+    torch.testing.assert_close(fp32[0, 0, :2], torch.tensor([e, 1 - e]), atol=1e-6, rtol=0)
+
+
 @settings(max_examples=25, deadline=None)
 @given(dtype=st.sampled_from(["fp32", "bf16"]), window=st.sampled_from([None, 9, 40]), softcap=st.sampled_from([None, 5.0]),
        tree=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16), dv=st.sampled_from([40, 24]))
