@@ -112,7 +112,7 @@ static void linear_c(const void* x, int64_t M, const void* w, int64_t K, const v
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
 #ifndef PF_TILES
-#define PF_TILES 3 /* how many 3-row tiles ahead the first row tile prefetches weights (into L2) */
+#define PF_TILES 3 /* how many column tiles ahead the first row pass prefetches weights (into L2) */
 #endif
 #define HAVE_AVX2_PATH 1
 
@@ -152,7 +152,7 @@ AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
 /* A tile: MB rows of x (float32: bf16 inputs are widened once per call, in `linear`) times NB
  * weight rows. Prefetch: the weight rows PF_TILES column tiles ahead go into L2 one cache line at a
  * time, while this tile's weights stream from memory. A column tile is computed in `pf_every` row
- * passes (4 rows each); pass `pf_phase` requests every pf_every-th line, so requests go out
+ * passes; pass `pf_phase` requests every pf_every-th line, so requests go out
  * evenly over the tile's compute and memory stays busy during the later passes too (pf_every 0:
  * none). Into L1 instead, the prefetches evicted rows still being read and the stream ran at
  * about 70% of the speed. */
@@ -196,36 +196,48 @@ AVX2 static inline void prefetch_ahead(const void* w, int64_t n0, int nb, int64_
             for (int j = 0; j < NB; j++) acc_out[i * NB + j] = hsum8(acc[i][j]);                        \
     }
 
-/* A kernel: its tiles (1..4 rows with the 16 AVX2 registers, 1..9 rows with AVX-512's 32) and the
- * loop over output columns; M rows go in ceil(M / max rows) passes of about equal size. The
- * AVX-512 build runs the very same 8-lane arithmetic per output, so its results are bitwise the
- * AVX2 build's; it only keeps more rows in registers per weight load. */
-#define TILES4(T, TGT, LD, ESZ, BF)                                                                     \
+/* A kernel: a set of tiles and the loop over output columns; M rows go in ceil(M / the set's rows)
+ * passes of about equal size. With AVX-512's 32 registers a tile is up to 9 rows x 3 weight rows; with
+ * AVX2's 16, up to 4 x 3 or 6 x 2 (12 sums either way). The tile shape changes only which sums share a
+ * load: every output is the same 8-lane arithmetic, so all sets give the same bits. On AVX2 the 6 x 2
+ * set serves calls of up to 12 rows (6 in bf16) in fewer passes over each weight tile; from there the
+ * 4 x 3 set, whose x loads are shared by three weight rows, is faster (`linear_range`). */
+#define TILES_AVX2(T, TGT, LD, ESZ, BF)                                                                 \
+    TILE(T##_1x3, TGT, LD, ESZ, BF, 1, 3) TILE(T##_2x3, TGT, LD, ESZ, BF, 2, 3)                         \
+    TILE(T##_3x3, TGT, LD, ESZ, BF, 3, 3) TILE(T##_4x3, TGT, LD, ESZ, BF, 4, 3)                         \
+    TILE(T##_1x2, TGT, LD, ESZ, BF, 1, 2) TILE(T##_2x2, TGT, LD, ESZ, BF, 2, 2)                         \
+    TILE(T##_3x2, TGT, LD, ESZ, BF, 3, 2) TILE(T##_4x2, TGT, LD, ESZ, BF, 4, 2)                         \
+    TILE(T##_5x2, TGT, LD, ESZ, BF, 5, 2) TILE(T##_6x2, TGT, LD, ESZ, BF, 6, 2)                         \
+    TILE(T##_1x1, TGT, LD, ESZ, BF, 1, 1) TILE(T##_2x1, TGT, LD, ESZ, BF, 2, 1)                         \
+    TILE(T##_3x1, TGT, LD, ESZ, BF, 3, 1) TILE(T##_4x1, TGT, LD, ESZ, BF, 4, 1)                         \
+    TILE(T##_5x1, TGT, LD, ESZ, BF, 5, 1) TILE(T##_6x1, TGT, LD, ESZ, BF, 6, 1)
+#define TILES8(T, TGT, LD, ESZ, BF)                                                                     \
     TILE(T##_1x3, TGT, LD, ESZ, BF, 1, 3) TILE(T##_2x3, TGT, LD, ESZ, BF, 2, 3)                         \
     TILE(T##_3x3, TGT, LD, ESZ, BF, 3, 3) TILE(T##_4x3, TGT, LD, ESZ, BF, 4, 3)                         \
     TILE(T##_1x1, TGT, LD, ESZ, BF, 1, 1) TILE(T##_2x1, TGT, LD, ESZ, BF, 2, 1)                         \
-    TILE(T##_3x1, TGT, LD, ESZ, BF, 3, 1) TILE(T##_4x1, TGT, LD, ESZ, BF, 4, 1)
-#define TILES8(T, TGT, LD, ESZ, BF)                                                                     \
-    TILES4(T, TGT, LD, ESZ, BF)                                                                         \
+    TILE(T##_3x1, TGT, LD, ESZ, BF, 3, 1) TILE(T##_4x1, TGT, LD, ESZ, BF, 4, 1)                         \
     TILE(T##_5x3, TGT, LD, ESZ, BF, 5, 3) TILE(T##_6x3, TGT, LD, ESZ, BF, 6, 3)                         \
     TILE(T##_7x3, TGT, LD, ESZ, BF, 7, 3) TILE(T##_8x3, TGT, LD, ESZ, BF, 8, 3)                         \
     TILE(T##_5x1, TGT, LD, ESZ, BF, 5, 1) TILE(T##_6x1, TGT, LD, ESZ, BF, 6, 1)                         \
     TILE(T##_7x1, TGT, LD, ESZ, BF, 7, 1) TILE(T##_8x1, TGT, LD, ESZ, BF, 8, 1)                         \
     TILE(T##_9x3, TGT, LD, ESZ, BF, 9, 3) TILE(T##_9x1, TGT, LD, ESZ, BF, 9, 1)
 typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
-#define LINEAR(T, TGT, MAXMB, BF)                                                                       \
-    TGT static void T##_linear(const tile_fn* cols3, const tile_fn* cols1, const void* x, int64_t M,     \
+/* T_linear runs the set of tiles wide[mb] (mb rows x NBW weight rows) and one[mb] (mb rows x 1 weight
+ * row), mb <= MAXMB; the set's shape is a constant of the function (a set read at run time made the
+ * 4 x 3 calls 5-10% slower) */
+#define LINEAR(T, TGT, MAXMB, NBW, BF)                                                                  \
+    TGT static void T##_linear(const tile_fn* wide, const tile_fn* one, const void* x, int64_t M,        \
                                const void* w, int64_t K, const void* bias, int64_t n_lo, int64_t n_hi,  \
                                void* out, int64_t N) {                                                  \
-        float acc[3 * MAXMB];                                                                           \
+        float acc[NBW * MAXMB];                                                                         \
         int64_t n = n_lo, passes = (M + MAXMB - 1) / MAXMB;                                             \
         while (n < n_hi) {                                                                              \
-            int nb = M > SEQUENTIAL_ROWS && n + 3 <= n_hi ? 3 : 1;                                      \
-            int64_t pf = nb == 3 && n + 3 * PF_TILES + 3 <= N ? passes : 0; /* rows to prefetch exist */ \
+            int nb = M > SEQUENTIAL_ROWS && n + NBW <= n_hi ? NBW : 1;                                  \
+            int64_t pf = nb == NBW && n + NBW * (PF_TILES + 1) <= N ? passes : 0; /* rows to prefetch exist */ \
             for (int64_t p = 0; p < passes; p++) {                                                      \
                 int64_t m = M * p / passes;                                                             \
                 int mb = (int)(M * (p + 1) / passes - m);                                               \
-                (nb == 3 ? cols3 : cols1)[mb](x, w, K, m, n, acc, pf, p);                               \
+                (nb == NBW ? wide : one)[mb](x, w, K, m, n, acc, pf, p);                                \
                 for (int i = 0; i < mb; i++)                                                            \
                     for (int j = 0; j < nb; j++) {                                                      \
                         float s = acc[i * nb + j];                                                      \
@@ -238,18 +250,20 @@ typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, flo
     }
 /* Up to this many rows of x, a tile takes one weight row at a time: the weights are then read as one
  * sequential stream, which the hardware prefetcher follows at full speed (SmolLM2's 211 linears, 1 row,
- * 2-core EPYC: fp32 19.0 -> 16.9 ms, the speed of a plain read; bf16 11.2 -> 10.0 ms). From 5 rows the
- * 3-column tiles, sharing each x load between three weight rows, are faster. */
+ * 2-core EPYC: fp32 19.0 -> 16.9 ms, the speed of a plain read; bf16 11.2 -> 10.0 ms). From 3 rows the
+ * wider tiles, sharing each x load between two or three weight rows, are faster. */
 #define SEQUENTIAL_ROWS 2
 #define AVX512 __attribute__((target("avx2,fma,avx512f,avx512vl")))
-TILES4(f32, AVX2, ld_f32, 4, 0)
-TILES4(bf16, AVX2, ld_bf16, 2, 1)
+TILES_AVX2(f32, AVX2, ld_f32, 4, 0)
+TILES_AVX2(bf16, AVX2, ld_bf16, 2, 1)
 TILES8(f32w, AVX512, ld_f32, 4, 0)
 TILES8(bf16w, AVX512, ld_bf16, 2, 1)
-LINEAR(f32, AVX2, 4, 0)
-LINEAR(bf16, AVX2, 4, 1)
-LINEAR(f32w, AVX512, 9, 0)
-LINEAR(bf16w, AVX512, 9, 1)
+LINEAR(f32, AVX2, 4, 3, 0)
+LINEAR(f32_2, AVX2, 6, 2, 0)
+LINEAR(bf16, AVX2, 4, 3, 1)
+LINEAR(bf16_2, AVX2, 6, 2, 1)
+LINEAR(f32w, AVX512, 9, 3, 0)
+LINEAR(bf16w, AVX512, 9, 3, 1)
 /* AVX-512 BF16 (level 3; bf16 weights only): VDPBF16PS takes x and w as bf16 pairs, so a weight is
  * neither widened nor multiplied alone, and a step of 16 values is one instruction per row where
  * widened weights need two FMAs and two conversions. Its order differs from the 8-lane one above:
@@ -297,20 +311,26 @@ AVX512BF16 static inline __m256i ld_pairs_part(const void* p, int64_t i, int rem
     }
 #define TILES_DP(R) TILE_DP(dp_##R##x3, R, 3) TILE_DP(dp_##R##x1, R, 1)
 TILES_DP(1) TILES_DP(2) TILES_DP(3) TILES_DP(4) TILES_DP(5) TILES_DP(6) TILES_DP(7) TILES_DP(8) TILES_DP(9)
-LINEAR(dp, AVX512BF16, 9, 1)
+LINEAR(dp, AVX512BF16, 9, 3, 1)
 static const tile_fn dp_cols3[] = {0, dp_1x3, dp_2x3, dp_3x3, dp_4x3, dp_5x3, dp_6x3, dp_7x3, dp_8x3, dp_9x3};
 static const tile_fn dp_cols1[] = {0, dp_1x1, dp_2x1, dp_3x1, dp_4x1, dp_5x1, dp_6x1, dp_7x1, dp_8x1, dp_9x1};
+
 #else
 #define HAVE_DPBF16 0
 #endif
 static const tile_fn f32_cols3[] = {0, f32_1x3, f32_2x3, f32_3x3, f32_4x3};
-static const tile_fn f32_cols1[] = {0, f32_1x1, f32_2x1, f32_3x1, f32_4x1};
+static const tile_fn f32_cols2[] = {0, f32_1x2, f32_2x2, f32_3x2, f32_4x2, f32_5x2, f32_6x2};
+static const tile_fn f32_cols1[] = {0, f32_1x1, f32_2x1, f32_3x1, f32_4x1, f32_5x1, f32_6x1};
 static const tile_fn bf16_cols3[] = {0, bf16_1x3, bf16_2x3, bf16_3x3, bf16_4x3};
-static const tile_fn bf16_cols1[] = {0, bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1};
+static const tile_fn bf16_cols2[] = {0, bf16_1x2, bf16_2x2, bf16_3x2, bf16_4x2, bf16_5x2, bf16_6x2};
+static const tile_fn bf16_cols1[] = {0, bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1, bf16_5x1, bf16_6x1};
+#define F32_TILES2_ROWS 12 /* AVX2 calls of up to this many rows take the 6 x 2 set (bf16: 6) */
+#define BF16_TILES2_ROWS 6
 static const tile_fn f32w_cols3[] = {0, f32w_1x3, f32w_2x3, f32w_3x3, f32w_4x3, f32w_5x3, f32w_6x3, f32w_7x3, f32w_8x3, f32w_9x3};
 static const tile_fn f32w_cols1[] = {0, f32w_1x1, f32w_2x1, f32w_3x1, f32w_4x1, f32w_5x1, f32w_6x1, f32w_7x1, f32w_8x1, f32w_9x1};
 static const tile_fn bf16w_cols3[] = {0, bf16w_1x3, bf16w_2x3, bf16w_3x3, bf16w_4x3, bf16w_5x3, bf16w_6x3, bf16w_7x3, bf16w_8x3, bf16w_9x3};
 static const tile_fn bf16w_cols1[] = {0, bf16w_1x1, bf16w_2x1, bf16w_3x1, bf16w_4x1, bf16w_5x1, bf16w_6x1, bf16w_7x1, bf16w_8x1, bf16w_9x1};
+
 
 /* exp(x) for x <= 0 (softmax after the max is taken): 2^n * p(r), r in [-ln2/2, ln2/2], a degree-6
  * polynomial (relative error about 2e-7); exp(-88) and below flush to 0 */
@@ -573,7 +593,9 @@ static void linear_range(const void* x, int64_t M, const void* w, int64_t K, con
 #endif
         if (simd >= 2 && bf16) bf16w_linear(bf16w_cols3, bf16w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else if (simd >= 2) f32w_linear(f32w_cols3, f32w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+        else if (bf16 && M <= BF16_TILES2_ROWS) bf16_2_linear(bf16_cols2, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else if (bf16) bf16_linear(bf16_cols3, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+        else if (M <= F32_TILES2_ROWS) f32_2_linear(f32_cols2, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else f32_linear(f32_cols3, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         return;
     }
@@ -901,7 +923,7 @@ static void run_parallel(task_fn fn, void* ctx, int64_t parts, int64_t threads) 
 
 /* ------------------------------------------------------------------ entry points (ctypes) */
 
-/* output columns per unit of work: a multiple of the 3-column tiles. A thread reads a unit's weight
+/* output columns per unit of work: a multiple of the 2- and 3-column tiles. A thread reads a unit's weight
  * rows as one stream; 96 rather than 48 made SmolLM2's linears 5-10% faster at 5 and 9 rows. */
 #define BLOCK_N 96
 #define MAX_LINEARS 3 /* linears of one input run as one job (a layer's q, k and v; its gate and up) */
