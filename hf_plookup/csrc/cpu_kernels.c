@@ -223,8 +223,8 @@ AVX2 static inline void prefetch_ahead(const void* w, int64_t n0, int nb, int64_
     TILE(T##_9x3, TGT, LD, ESZ, BF, 9, 3) TILE(T##_9x1, TGT, LD, ESZ, BF, 9, 1)
 typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
 /* T_linear runs the set of tiles wide[mb] (mb rows x NBW weight rows) and one[mb] (mb rows x 1 weight
- * row), mb <= MAXMB; the set's shape is a constant of the function (a set read at run time made the
- * 4 x 3 calls 5-10% slower) */
+ * row), mb <= MAXMB; the set's shape is a constant of the function, which the compiler needs to keep
+ * the 4 x 3 calls as fast as before (a set read at run time slowed them) */
 #define LINEAR(T, TGT, MAXMB, NBW, BF)                                                                  \
     TGT static void T##_linear(const tile_fn* wide, const tile_fn* one, const void* x, int64_t M,        \
                                const void* w, int64_t K, const void* bias, int64_t n_lo, int64_t n_hi,  \
