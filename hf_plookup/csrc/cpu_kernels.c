@@ -400,6 +400,12 @@ AVX2 static inline void prefetch_row(const char* p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
     _mm_prefetch(p + bytes - 1, _MM_HINT_T0); /* the last line, when the row does not start a line */
 }
+/* a key block's NH x KB sums a[h][u] (8 lanes each; NH * KB is 8 or 9) to scores s[h * ld + j + u] */
+AVX2 static inline __attribute__((always_inline)) void store_scores(const __m256* a, int nh, int kb, float* s, int64_t ld, int64_t j) {
+    float sums[8];
+    hsum8x8(a, sums);
+    for (int i = 0; i < nh * kb; i++) s[i / kb * ld + j + i % kb] = i < 8 ? sums[i] : hsum8(a[i]);
+}
 #define SCORES(NAME, NH, KB)                                                                            \
     AVX2 static void NAME(const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D,     \
                           int bf16, float* s, int64_t ld, int64_t npf) {                                \
@@ -427,10 +433,7 @@ AVX2 static inline void prefetch_row(const char* p, int64_t bytes) {
                         a[h][u] = _mm256_fmadd_ps(ld_part(q + h * D, d, rem, 0), kv, a[h][u]);          \
                 }                                                                                       \
             }                                                                                           \
-            float sums[8];                                                                              \
-            hsum8x8(&a[0][0], sums); /* NH * KB is 8 or 9 */                                            \
-            for (int i = 0; i < NH * KB; i++)                                                           \
-                s[i / KB * ld + j + i % KB] = i < 8 ? sums[i] : hsum8(a[i / KB][i % KB]);                \
+            store_scores(&a[0][0], NH, KB, s, ld, j);                                                   \
         }                                                                                               \
         for (; j < L; j++) {                                                                            \
             __m256 a[NH];                                                                               \
@@ -525,10 +528,7 @@ WSUM(wsum3, 3)
                     for (int u = 0; u < KB; u++) a[h][u] = _mm256_dpbf16_ps(a[h][u], (__m256bh)kv[u], qv); \
                 }                                                                                       \
             }                                                                                           \
-            float sums[8];                                                                              \
-            hsum8x8(&a[0][0], sums); /* NH * KB is 8 or 9 */                                            \
-            for (int i = 0; i < NH * KB; i++)                                                           \
-                s[i / KB * ld + j + i % KB] = i < 8 ? sums[i] : hsum8(a[i / KB][i % KB]);                \
+            store_scores(&a[0][0], NH, KB, s, ld, j);                                                   \
         }                                                                                               \
         for (; j < L; j++) {                                                                            \
             __m256 a[NH];                                                                               \
