@@ -202,20 +202,19 @@ AVX2 static inline void prefetch_ahead(const void* w, int64_t n0, int nb, int64_
  * load: every output is the same 8-lane arithmetic, so all sets give the same bits. On AVX2 the 6 x 2
  * set serves calls of up to 12 rows (6 in bf16) in fewer passes over each weight tile; from there the
  * 4 x 3 set, whose x loads are shared by three weight rows, is faster (`linear_range`). */
-#define TILES_AVX2(T, TGT, LD, ESZ, BF)                                                                 \
+#define TILES4(T, TGT, LD, ESZ, BF)                                                                     \
     TILE(T##_1x3, TGT, LD, ESZ, BF, 1, 3) TILE(T##_2x3, TGT, LD, ESZ, BF, 2, 3)                         \
     TILE(T##_3x3, TGT, LD, ESZ, BF, 3, 3) TILE(T##_4x3, TGT, LD, ESZ, BF, 4, 3)                         \
+    TILE(T##_1x1, TGT, LD, ESZ, BF, 1, 1) TILE(T##_2x1, TGT, LD, ESZ, BF, 2, 1)                         \
+    TILE(T##_3x1, TGT, LD, ESZ, BF, 3, 1) TILE(T##_4x1, TGT, LD, ESZ, BF, 4, 1)
+#define TILES_AVX2(T, TGT, LD, ESZ, BF)                                                                 \
+    TILES4(T, TGT, LD, ESZ, BF)                                                                         \
     TILE(T##_1x2, TGT, LD, ESZ, BF, 1, 2) TILE(T##_2x2, TGT, LD, ESZ, BF, 2, 2)                         \
     TILE(T##_3x2, TGT, LD, ESZ, BF, 3, 2) TILE(T##_4x2, TGT, LD, ESZ, BF, 4, 2)                         \
     TILE(T##_5x2, TGT, LD, ESZ, BF, 5, 2) TILE(T##_6x2, TGT, LD, ESZ, BF, 6, 2)                         \
-    TILE(T##_1x1, TGT, LD, ESZ, BF, 1, 1) TILE(T##_2x1, TGT, LD, ESZ, BF, 2, 1)                         \
-    TILE(T##_3x1, TGT, LD, ESZ, BF, 3, 1) TILE(T##_4x1, TGT, LD, ESZ, BF, 4, 1)                         \
     TILE(T##_5x1, TGT, LD, ESZ, BF, 5, 1) TILE(T##_6x1, TGT, LD, ESZ, BF, 6, 1)
 #define TILES8(T, TGT, LD, ESZ, BF)                                                                     \
-    TILE(T##_1x3, TGT, LD, ESZ, BF, 1, 3) TILE(T##_2x3, TGT, LD, ESZ, BF, 2, 3)                         \
-    TILE(T##_3x3, TGT, LD, ESZ, BF, 3, 3) TILE(T##_4x3, TGT, LD, ESZ, BF, 4, 3)                         \
-    TILE(T##_1x1, TGT, LD, ESZ, BF, 1, 1) TILE(T##_2x1, TGT, LD, ESZ, BF, 2, 1)                         \
-    TILE(T##_3x1, TGT, LD, ESZ, BF, 3, 1) TILE(T##_4x1, TGT, LD, ESZ, BF, 4, 1)                         \
+    TILES4(T, TGT, LD, ESZ, BF)                                                                         \
     TILE(T##_5x3, TGT, LD, ESZ, BF, 5, 3) TILE(T##_6x3, TGT, LD, ESZ, BF, 6, 3)                         \
     TILE(T##_7x3, TGT, LD, ESZ, BF, 7, 3) TILE(T##_8x3, TGT, LD, ESZ, BF, 8, 3)                         \
     TILE(T##_5x1, TGT, LD, ESZ, BF, 5, 1) TILE(T##_6x1, TGT, LD, ESZ, BF, 6, 1)                         \
@@ -314,7 +313,6 @@ TILES_DP(1) TILES_DP(2) TILES_DP(3) TILES_DP(4) TILES_DP(5) TILES_DP(6) TILES_DP
 LINEAR(dp, AVX512BF16, 9, 3, 1)
 static const tile_fn dp_cols3[] = {0, dp_1x3, dp_2x3, dp_3x3, dp_4x3, dp_5x3, dp_6x3, dp_7x3, dp_8x3, dp_9x3};
 static const tile_fn dp_cols1[] = {0, dp_1x1, dp_2x1, dp_3x1, dp_4x1, dp_5x1, dp_6x1, dp_7x1, dp_8x1, dp_9x1};
-
 #else
 #define HAVE_DPBF16 0
 #endif
@@ -330,7 +328,6 @@ static const tile_fn f32w_cols3[] = {0, f32w_1x3, f32w_2x3, f32w_3x3, f32w_4x3, 
 static const tile_fn f32w_cols1[] = {0, f32w_1x1, f32w_2x1, f32w_3x1, f32w_4x1, f32w_5x1, f32w_6x1, f32w_7x1, f32w_8x1, f32w_9x1};
 static const tile_fn bf16w_cols3[] = {0, bf16w_1x3, bf16w_2x3, bf16w_3x3, bf16w_4x3, bf16w_5x3, bf16w_6x3, bf16w_7x3, bf16w_8x3, bf16w_9x3};
 static const tile_fn bf16w_cols1[] = {0, bf16w_1x1, bf16w_2x1, bf16w_3x1, bf16w_4x1, bf16w_5x1, bf16w_6x1, bf16w_7x1, bf16w_8x1, bf16w_9x1};
-
 
 /* exp(x) for x <= 0 (softmax after the max is taken): 2^n * p(r), r in [-ln2/2, ln2/2], a degree-6
  * polynomial (relative error about 2e-7); exp(-88) and below flush to 0 */
