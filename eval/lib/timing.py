@@ -67,14 +67,7 @@ class StepTimer:
 
 def timed(fn, device, iters: int) -> float:
     """Median seconds of `iters` calls of `fn`, each synchronised with `device`."""
-    times = []
-    for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(interleaved({0: fn}, device, iters)[0])
 
 
 def interleaved(fns: dict, device, rounds: int) -> dict:
