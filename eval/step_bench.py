@@ -43,7 +43,7 @@ import torch
 from eval.lib.cli import DTYPES, add_threads_option, show_defaults
 from eval.lib.models import SHAPES, random_model
 from eval.lib.report import report, write_json
-from eval.lib.timing import copy_bandwidth, count_kernels, interleaved, sync, timed
+from eval.lib.timing import copy_bandwidth, count_kernels, interleaved, read_bandwidth, sync, timed
 from hf_plookup.attention.metadata import StepLayout
 from hf_plookup.attention.ops import COMPILABLE_BACKENDS
 from hf_plookup.attention.registry import register
@@ -310,7 +310,9 @@ def main(argv=None) -> int:
         model = random_model(name, DTYPES[args.dtype], device, args.seed)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bound = weight_bytes / copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26)
-        print(f"== {name} {args.dtype} on {device}: bandwidth bound {1e3 * bound:.2f} ms/step", flush=True)
+        read_bound = weight_bytes / read_bandwidth(device, 2**30 if device.type == "cuda" else 2**28)
+        print(f"== {name} {args.dtype} on {device}: bandwidth bound {1e3 * bound:.2f} ms/step "
+              f"(reading the weights alone: {1e3 * read_bound:.2f} ms)", flush=True)
         bb = batch_bucket(max(args.batch_sizes))
         pages = bb * context_bucket(args.context + max(args.q), args.block_size) // args.block_size + 2
         cache = PagedKVCache(layer_specs(model), pages, args.block_size, scratch=True)
@@ -332,7 +334,7 @@ def main(argv=None) -> int:
             rows += bench_hf_static(model, args, device)
         if args.breakdown and device.type == "cpu":
             rows += breakdown(model, args, device, cache)
-        result["models"].append({"model": name, "bandwidth_bound_s": bound})
+        result["models"].append({"model": name, "bandwidth_bound_s": bound, "read_bound_s": read_bound})
         result["results"] += [{"model": name, **r} for r in rows]
         write_json(out, result)
         del model, cache

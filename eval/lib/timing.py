@@ -1,6 +1,6 @@
 """Timers that wait for the device: engine step times during a `generate` call, the median of
-repeated calls, GPU kernels per call, and device copy bandwidth (the bound of a decode step
-that reads every weight once: weight bytes / bandwidth)."""
+repeated calls, GPU kernels per call, and device copy and read bandwidth (the bound of a decode
+step that reads every weight once: weight bytes / bandwidth)."""
 
 from __future__ import annotations
 
@@ -97,6 +97,25 @@ def count_kernels(fn, device) -> int | None:
         fn()
         sync(device)
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def read_bandwidth(device, nbytes: int) -> float:
+    """Bytes per second of reading `nbytes` once (a sum over them): the fastest of 10 reads. A step
+    reads its weights and writes little, and some machines read alone at well under what a copy
+    moves in both directions (a shared 2-core EPYC: 22.6 GB/s read, 32 GB/s by `copy_bandwidth`),
+    so this is the bound such a step can approach there; `copy_bandwidth`'s stays the printed one."""
+    device = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    for _ in range(3):
+        src.sum()
+    best = float("inf")
+    for _ in range(10):
+        sync(device)
+        t0 = time.perf_counter()
+        src.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
 
 
 def copy_bandwidth(device, nbytes: int) -> float:

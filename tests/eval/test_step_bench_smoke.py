@@ -23,7 +23,7 @@ def test_step_bench_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     (model,) = res["models"]
-    assert model["model"] == "tiny-qwen3" and model["bandwidth_bound_s"] > 0
+    assert model["model"] == "tiny-qwen3" and model["bandwidth_bound_s"] > 0 and model["read_bound_s"] > 0
     rows = {(r["mode"], r["q"]): r for r in res["results"]}
     assert set(rows) == {(m, q) for m in ("eager", "eager+invariant", "breakdown") for q in (1, 3)}
     assert all(r["step_s"] > 0 for r in rows.values())
