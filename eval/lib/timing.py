@@ -99,6 +99,20 @@ def count_kernels(fn, device) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def _fastest(fn, device) -> float:
+    """Seconds of the fastest of 10 calls of `fn` on `device`, after 3 untimed ones."""
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(10):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def read_bandwidth(device, nbytes: int) -> float:
     """Bytes per second of reading `nbytes` once (a sum over them): the fastest of 10 reads. A step
     reads its weights and writes little, and some machines read alone at well under what a copy
@@ -106,16 +120,7 @@ def read_bandwidth(device, nbytes: int) -> float:
     so this is the bound such a step can approach there; `copy_bandwidth`'s stays the printed one."""
     device = torch.device(device)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    for _ in range(3):
-        src.sum()
-    best = float("inf")
-    for _ in range(10):
-        sync(device)
-        t0 = time.perf_counter()
-        src.sum()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return nbytes / _fastest(src.sum, device)
 
 
 def copy_bandwidth(device, nbytes: int) -> float:
@@ -124,13 +129,4 @@ def copy_bandwidth(device, nbytes: int) -> float:
     device = torch.device(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    best = float("inf")
-    for _ in range(10):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
+    return 2 * nbytes / _fastest(lambda: dst.copy_(src), device)
