@@ -174,13 +174,13 @@ AVX2 static inline void prefetch_ahead(const void* w, int64_t n0, int nb, int64_
  * neighbours were loading memory: fp32 34.5 -> 31.2 ms, bf16 18.4-23.2 -> 15.5-21.1 ms; on the quiet
  * machine no change. */
 #define STREAM_AHEAD 2048
-/* BF16_STREAM: a bf16 tile of one weight row loads 16 values (32 bytes) at a time and widens both halves
- * from the register, where other tiles load 8 (16 bytes). Each line of the stream then waits on 2 loads
- * instead of 4, so more lines are in flight, and each output's FMAs are the same ones in the same order. */
 AVX2 static inline void prefetch_stream(const void* w, int64_t i, int64_t esz) {
     if (((i * esz) & 63) < 8 * esz) /* the step that enters a new line */
         _mm_prefetch((const char*)w + i * esz + STREAM_AHEAD, _MM_HINT_T1);
 }
+/* BF16_STREAM: a bf16 tile of one weight row loads 16 values (32 bytes) at a time and widens both halves
+ * from the register, where other tiles load 8 (16 bytes). Each line of the stream then waits on 2 loads
+ * instead of 4, so more lines are in flight, and each output's FMAs are the same ones in the same order. */
 #define TILE(NAME, TGT, LD, ESZ, BF, MB, NB)                                                                 \
     TGT static void NAME(const void* x, const void* w, int64_t K, int64_t m0, int64_t n0, float* acc_out, \
                           int64_t pf_every, int64_t pf_phase) {                                         \
