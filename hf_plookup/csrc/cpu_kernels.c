@@ -170,9 +170,8 @@ AVX2 static inline void prefetch_ahead(const void* w, int64_t n0, int nb, int64_
 /* A one-weight-row tile reads its row as a piece of one sequential stream (the rows of a column range lie
  * end to end), and asks for the line STREAM_AHEAD bytes ahead into L2 at the start of each of its lines.
  * The hardware prefetchers alone kept too few lines in flight; a prefetch never faults, so the lines past
- * the matrix's end cost nothing. SmolLM2's 210 linears at 1 row, 2 threads, a 2-core EPYC (AVX2) whose
- * neighbours were loading memory: fp32 34.5 -> 31.2 ms, bf16 18.4-23.2 -> 15.5-21.1 ms; on the quiet
- * machine no change. */
+ * the matrix's end cost nothing. It paid where other work loaded memory and was even on a quiet machine
+ * (docs/results.md, eighth session). */
 #define STREAM_AHEAD 2048
 AVX2 static inline void prefetch_stream(const void* w, int64_t i, int64_t esz) {
     if (((i * esz) & 63) < 8 * esz) /* the step that enters a new line */
