@@ -182,6 +182,7 @@ class CpuLayers:
         self._refs = None
         self._plan_key = None  # the addresses the layer structs were built from
         self._structs: list[_Layer] = []
+        self._held: list[torch.Tensor] = []
         self._windows: list[int | None] = []
 
     @classmethod
@@ -238,7 +239,9 @@ class CpuLayers:
                 setattr(s, "b" + n, _ptr(m.bias))
             structs.append(s)
             windows.append(rec["window"])
-        self._plan_key, self._structs, self._windows = key, structs, windows
+        # the structs point into these tensors: held, their memory outlives a parameter's `.data` being
+        # swapped by another thread (engine.huge_pages) until the next step rebuilds the structs
+        self._plan_key, self._structs, self._windows, self._held = key, structs, windows, tensors
         return structs, windows
 
     def _fits(self, cache) -> bool:

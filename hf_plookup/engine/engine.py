@@ -24,6 +24,7 @@ from .batch import Batch, Call, GenerationResult, joinable
 from .cpu_head import head_chooser
 from .distributed import agree_min, agree_seed, tensor_parallel
 from .graphs import GraphRunner
+from .huge_pages import to_huge_pages
 from .invariant import CAPTURED_INVARIANT_BACKENDS, InvariantLinears, resolve_invariant
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
 from .runner import ModelRunner
@@ -185,6 +186,8 @@ class Engine:
         self.tensor_parallel = tensor_parallel(model)  # ranks must agree on every decision (engine.distributed)
         invariant = resolve_invariant(options.invariant, devices, dtypes, backend, compiled=self.use_compile,
                                       hooked=hooked, distributed=self.tensor_parallel)
+        if invariant and devices[0].type == "cpu" and len(devices) == 1 and not hooked:
+            to_huge_pages(model)  # the C kernels read weights faster from 2 MB pages (engine.huge_pages)
         self.prefill_unit = min(PREFILL_UNIT, options.max_batch_tokens) if invariant else None
         self.invariant = InvariantLinears(model, self.prefill_unit) if invariant else None
         if invariant and backend not in CAPTURED_INVARIANT_BACKENDS:
