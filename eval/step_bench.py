@@ -31,6 +31,7 @@ CUDA also the GPU kernels one un-captured forward launches (torch.profiler).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -48,6 +49,7 @@ from hf_plookup.attention.metadata import StepLayout
 from hf_plookup.attention.ops import COMPILABLE_BACKENDS
 from hf_plookup.attention.registry import register
 from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket
+from hf_plookup.engine.huge_pages import to_huge_pages
 from hf_plookup.engine.kv_cache import PagedKVCache, layer_specs
 from hf_plookup.engine.runner import ModelRunner
 
@@ -74,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also split the eager invariant step's time by kind of work (CPU): the C kernels, the "
                         "linears' Python path, norms, the rest of the forward, and the drafter and greedy "
                         "sampling that run between steps")
+    p.add_argument("--small-pages", action="store_true",
+                   help="CPU: also time the eager invariant step with a copy of the weights on the allocator's own "
+                        "pages beside the engine's 2 MB pages (engine.huge_pages), in the same rounds")
     p.add_argument("--attn-backends", nargs="+", default=["sdpa"], choices=["sdpa", "triton", "flash_attn", "flash_attn4"],
                    help="each mode runs once per backend")
     p.add_argument("--block-size", type=int, default=16)
@@ -150,6 +155,34 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
                          f"vs_q{q0}": ratio, "first_call_s": firsts[q], "kernels": kernels})
             print(f"  {mode + '/' + backend:22s} batch {b:3d} q {q:2d}: {1e3 * step:8.2f} ms  {ratio:5.2f}x q {q0}  "
                   f"(first call {firsts[q]:6.1f} s" + (f", {kernels} kernels)" if kernels is not None else ")"), flush=True)
+    return rows
+
+
+def bench_pages(model, args, device, cache: PagedKVCache) -> list[dict]:
+    """The eager invariant step (what wrap runs on CPU) with the weights on 2 MB pages, as the engine
+    moves them (engine.huge_pages), and with a deep copy of them on the allocator's own pages: each
+    round runs every q on both (the first batch size). Rows "eager+invariant/<pages>", and each q's
+    time over its time on 2 MB pages (the median of the rounds')."""
+    from hf_plookup.engine.invariant import InvariantLinears
+
+    small = copy.deepcopy(model)  # new storages from torch's allocator
+    runs = {pages: ModelRunner(m, cache, None, "sdpa", invariant=InvariantLinears(m)).run
+            for pages, m in (("2M-pages", model), ("small-pages", small))}
+    b = args.batch_sizes[0]
+    plans = {q: step_plan(b, q, args.context, args.block_size, model.config.vocab_size) for q in args.q}
+    fns = {(pages, q): (lambda r=run, p=plan: r(p)) for pages, run in runs.items() for q, plan in plans.items()}
+    for fn in fns.values():
+        fn()  # first calls (the C layers' check)
+    times = interleaved(fns, device, args.iters)
+    rows = []
+    for q in plans:
+        for pages in runs:
+            step = statistics.median(times[pages, q])
+            ratio = statistics.median(t / t2 for t, t2 in zip(times[pages, q], times["2M-pages", q]))
+            rows.append({"mode": f"eager+invariant/{pages}", "attn_backend": "sdpa", "batch": b,
+                         "q": q, "step_s": step, "vs_2M_pages": ratio})
+            print(f"  eager+invariant/{pages:11s} batch {b:3d} q {q:2d}: {1e3 * step:8.2f} ms  "
+                  f"{ratio:5.2f}x 2 MB pages", flush=True)
     return rows
 
 
@@ -308,11 +341,13 @@ def main(argv=None) -> int:
     result = report("step_bench", argv, args, device, [], models=[])
     for name in args.models:
         model = random_model(name, DTYPES[args.dtype], device, args.seed)
+        huge = device.type == "cpu" and to_huge_pages(model)  # as the engine does for its CPU steps
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bound = weight_bytes / copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26)
         read_bound = weight_bytes / read_bandwidth(device, 2**30 if device.type == "cuda" else 2**28)
         print(f"== {name} {args.dtype} on {device}: bandwidth bound {1e3 * bound:.2f} ms/step "
-              f"(reading the weights alone: {1e3 * read_bound:.2f} ms)", flush=True)
+              f"(reading the weights alone: {1e3 * read_bound:.2f} ms)" + ("; weights on 2 MB pages" if huge else ""),
+              flush=True)
         bb = batch_bucket(max(args.batch_sizes))
         pages = bb * context_bucket(args.context + max(args.q), args.block_size) // args.block_size + 2
         cache = PagedKVCache(layer_specs(model), pages, args.block_size, scratch=True)
@@ -332,9 +367,14 @@ def main(argv=None) -> int:
                     rows += bench_mode(model, mode, backend, args, device, cache, invariant=True)
         if args.hf_static:
             rows += bench_hf_static(model, args, device)
+        if args.small_pages and huge:
+            rows += bench_pages(model, args, device, cache)
+        elif args.small_pages:
+            print("  --small-pages: skipped (the weights are not on 2 MB pages here: no CPU, or no transparent huge pages)")
         if args.breakdown and device.type == "cpu":
             rows += breakdown(model, args, device, cache)
-        result["models"].append({"model": name, "bandwidth_bound_s": bound, "read_bound_s": read_bound})
+        result["models"].append({"model": name, "bandwidth_bound_s": bound, "read_bound_s": read_bound,
+                                 "huge_pages": huge})
         result["results"] += [{"model": name, **r} for r in rows]
         write_json(out, result)
         del model, cache
