@@ -17,7 +17,8 @@ boundary, and `/proc/self/smaps_rollup` counts 512 MB of it as `AnonHugePages` (
 pages within it).
 
 A no-op where the kernel offers no transparent huge pages (`enabled` set to "never", or not Linux),
-and for a model moved before (its parameters already in a mapping of this module).
+where the mapping cannot be had (no memory for it), and for a model moved before (its parameters
+already in a mapping of this module).
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ def to_huge_pages(model: torch.nn.Module) -> bool:
         return False
     sizes = {ptr: ps[0].untyped_storage().nbytes() for ptr, ps in storages.items()}
     total = sum(-(-n // ALIGN) * ALIGN for n in sizes.values())
-    buf = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so the pages come huge
+    try:
+        buf = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so the pages come huge
+    except OSError:  # no memory for a second copy, or the advice refused: the weights stay where they are
+        return False
     off = 0
     with torch.no_grad():
         for ptr, ps in storages.items():

@@ -78,3 +78,15 @@ def test_a_model_off_the_cpu_or_without_parameters_is_left_alone():
     assert huge_pages.to_huge_pages(empty) is False and not hasattr(empty, "_hf_plookup_huge_pages")
     meta = tiny_model("llama").to("meta")
     assert huge_pages.to_huge_pages(meta) is False
+
+
+def test_no_mapping_leaves_the_weights_where_they_are(monkeypatch):
+    model = tiny_model("llama")
+    where = {n: p.data_ptr() for n, p in model.named_parameters()}
+
+    def refused(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refused)
+    assert huge_pages.to_huge_pages(model) is False
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == where
