@@ -64,23 +64,23 @@ def to_huge_pages(model: torch.nn.Module) -> bool:
             storages.setdefault(p.untyped_storage().data_ptr(), []).append(p)
     if not storages:
         return False
-    sizes = {ptr: ps[0].untyped_storage().nbytes() for ptr, ps in storages.items()}
-    total = sum(-(-n // ALIGN) * ALIGN for n in sizes.values())
+    places, total = [], 0  # (the parameters on a storage, its bytes, its offset in the mapping)
+    for ps in storages.values():
+        n = ps[0].untyped_storage().nbytes()
+        places.append((ps, n, total))
+        total += -(-n // ALIGN) * ALIGN
     try:
         buf = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so the pages come huge
     except OSError:  # no memory for a second copy, or the advice refused: the weights stay where they are
         return False
-    off = 0
     with torch.no_grad():
-        for ptr, ps in storages.items():
-            n = sizes[ptr]
+        for ps, n, off in places:
             # a storage of its own within the mapping (torch.frombuffer keeps `buf` alive)
             copy = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off)
             copy.copy_(torch.empty(0, dtype=torch.uint8).set_(ps[0].untyped_storage()))
             for p in ps:
                 p.data = copy.view(p.dtype).as_strided(p.shape, p.stride(), p.storage_offset())
-            off += -(-n // ALIGN) * ALIGN
     lo = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
     model._hf_plookup_huge_pages = (lo, lo + total)
     return True
