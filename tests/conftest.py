@@ -13,6 +13,13 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+# The package as installed where no C compiler was found (pyproject.toml's optional extension):
+# set by tests/engine/test_without_c_kernels.py for the child session it runs
+if os.environ.get("HF_PLOOKUP_TEST_WITHOUT_C") == "1":
+    import sys
+
+    sys.modules["hf_plookup._cpu_kernels"] = None  # its import then raises ImportError
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM

@@ -89,3 +89,11 @@ def test_graph_sees_relative_and_function_level_imports():
 
 def test_no_import_circle():
     assert find_cycle(import_graph()) == []
+
+
+def test_c_kernels_are_built():
+    """The package was installed with its C kernels (a C compiler was found): the fast CPU path.
+    (Without them CPU steps still run, tests/engine/test_without_c_kernels.py, slower.)"""
+    from hf_plookup.engine import cpu_kernels
+
+    assert cpu_kernels.available()

@@ -177,18 +177,19 @@ def invariant_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def _group_call(rows: int, is_prefill: bool, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """Which call a row group of the step takes: "cpu" (`cpu_kernels.linear`), "gemm" (`F.linear`
-    of a chunk of more than PREFILL_TORCH_ROWS rows), "torch" (`F.linear` of a shorter chunk) or
-    "rows" (`invariant_rows` under another strategy). Decode rows take their weight's
-    `row_strategy`; a prompt chunk's rows (the same in every batch, as the scheduler cuts chunks at
-    fixed offsets) take the "cpu" kernel where that is the weight's strategy, except for long
-    chunks in float32, and in bfloat16 where torch's bf16 GEMM is native; else torch's call."""
+    of a chunk of more than PREFILL_TORCH_ROWS rows) or "rows" (`invariant_rows` under the
+    weight's other strategy). Decode rows take their weight's `row_strategy`. A prompt chunk's
+    rows take the "cpu" kernel where that is the weight's strategy, except for long chunks in
+    float32, and in bfloat16 where torch's bf16 GEMM is native. Short chunks never take torch's
+    batched call: where a prompt is cut depends on what else shares the step (a chain's budget
+    moves the cuts), and torch's rows change with the call's row count below about 64 rows."""
     cpu = row_strategy(weight, bias) == "cpu"
     if not is_prefill:
         return "cpu" if cpu else "rows"
     short = rows <= PREFILL_TORCH_ROWS
     if cpu and (short or (weight.dtype == torch.bfloat16 and not cpu_kernels.torch_bf16_is_native())):
         return "cpu"
-    return "torch" if short else "gemm"  # (only "gemm" calls are merged: merge_safe checks long chunks)
+    return "rows" if short else "gemm"  # (only "gemm" calls are merged: merge_safe checks long chunks)
 
 
 def merge_safe(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -235,7 +236,7 @@ def _merged(groups, weight: torch.Tensor, bias: torch.Tensor | None) -> list[lis
     return calls
 
 
-_CALLS = {"cpu": cpu_kernels.linear, "gemm": F.linear, "torch": F.linear, "rows": invariant_rows}
+_CALLS = {"cpu": cpu_kernels.linear, "gemm": F.linear, "rows": invariant_rows}
 
 
 def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

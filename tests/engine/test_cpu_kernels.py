@@ -13,11 +13,8 @@ from hypothesis import strategies as st
 from hf_plookup.engine import cpu_kernels as ck
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def test_kernels_are_built():
-    """The package was installed with its C kernels (a C compiler was found): the fast CPU path."""
-    assert ck.available()
+# (tests/test_imports.py fails where the package was installed without them)
+pytestmark = pytest.mark.skipif(not ck.available(), reason="the C kernels were not built")
 
 
 def _threads(n):

@@ -3,10 +3,11 @@ values, aliasing and strides, save and load as before, and generate the same tok
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_plookup.api import _state
-from hf_plookup.engine import huge_pages
+from hf_plookup.engine import cpu_kernels, huge_pages
 from tests.conftest import left_padded, tiny_model, wrap_copy
 
 
@@ -53,6 +54,7 @@ def test_parameters_keep_values_ties_and_strides(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built (invariant mode is then off)")
 def test_engine_moves_cpu_weights_and_tokens_stay_hf_greedy():
     hf = tiny_model("llama", hidden_size=256, intermediate_size=1024)
     ids, mask = left_padded(3)

@@ -226,6 +226,7 @@ def test_row_linear_rows_do_not_depend_on_the_call():
         assert torch.equal(row_linear(x.t().contiguous().t(), w, b), alone)  # a strided input
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norms_recognised_by_their_output(dtype):
     """`rms_form` names the arithmetic of Llama's and Gemma's RMSNorm (checked on random rows),
@@ -427,6 +428,8 @@ def test_triton_backend_drafts_change_no_logit():
     capture, run the same kernel through the attention op, as the compiled sdpa test runs it.)"""
     if importlib.util.find_spec("triton") is None:  # pragma: no cover - triton ships with the test extra
         pytest.skip("triton is not installed")
+    if torch.cuda.is_available():  # no interpreter there, and Triton takes no CPU model
+        pytest.skip("the interpreter's test: on CUDA, test_cuda_bf16_drafts_change_no_logit runs this backend")
     model = wrap_copy(tiny_model("llama"), invariant=True, attn_backend="triton", max_batch_tokens=16, block_size=16,
                       max_cache_tokens=1024)
     _drafts_change_no_logit(model, *_left_pad(_prompts(4)), 6)
@@ -502,13 +505,13 @@ def test_merged_prompt_calls_equal_each_chunk_alone(dtype):
         assert calls == [[0, 299, "cpu"]]
     elif row_strategy(w, None) == "cpu":  # the 40-row chunk and the decode rows: one call of the row kernel
         assert calls == [*torch_calls, [256, 299, "cpu"]]
-    # a weight whose decode rows take another strategy: short chunks go alone, never merged
+    # a weight whose decode rows take another strategy: short chunks take it too, alone, never merged
     invariant_mod._STRATEGIES[(*w.shape, w.dtype, w.device, True, torch.get_num_threads())] = "rows"
     try:
         calls = invariant_mod._merged([(0, 40, True), (40, 80, True), (80, 208, True), (208, 336, True)], w, None)
     finally:
         invariant_mod._STRATEGIES.pop((*w.shape, w.dtype, w.device, True, torch.get_num_threads()))
-    assert calls == [[0, 40, "torch"], [40, 80, "torch"], *([[80, 336, "gemm"]] if safe else [[80, 208, "gemm"], [208, 336, "gemm"]])]
+    assert calls == [[0, 40, "rows"], [40, 80, "rows"], *([[80, 336, "gemm"]] if safe else [[80, 208, "gemm"], [208, 336, "gemm"]])]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -528,7 +531,7 @@ def test_units_per_step_change_no_logit(dtype):
     assert torch.equal(_generate(wide, ids, mask, 10, prompt_lookup_num_tokens=4)[0], plain)
     r = rows[0][None]
     alone, _ = _generate(wide, r, torch.ones_like(r), 10)
-    assert torch.equal(alone[0], plain[0])
+    assert torch.equal(alone[0], plain[0, : alone.shape[1]])  # (alone, it stops at its EOS)
     if dtype == torch.float32:
         ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD)
         assert torch.equal(plain.argmax(-1), ref[:, ids.shape[1]:])

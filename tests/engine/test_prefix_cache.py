@@ -17,7 +17,8 @@ from hf_plookup.outputs import CACHE_FIELD
 from tests.conftest import VOCAB, tiny_model, wrap_copy
 
 # tiny pages and chunks so short prompts span several chunk units: 8-token pages, 32-token units
-OPTIONS = dict(max_cache_tokens=2048, block_size=8, max_batch_tokens=32)
+# invariant mode (the pool's condition) on even where "auto" leaves it off (no C kernels)
+OPTIONS = dict(max_cache_tokens=2048, block_size=8, max_batch_tokens=32, invariant=True)
 
 
 # -- the pool (BlockManager) ----------------------------------------------------------------

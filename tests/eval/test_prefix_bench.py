@@ -29,7 +29,7 @@ def test_fewshot_requests_share_their_examples():
 
 def test_calls_sharing_a_document_come_from_the_pool(tiny_ckpt):
     model, tok = load_model(str(tiny_ckpt), torch.float32, "cpu")
-    wrapped = hf_plookup.wrap(copy.copy(model), block_size=8, max_batch_tokens=32, max_cache_tokens=4096)
+    wrapped = hf_plookup.wrap(copy.copy(model), block_size=8, max_batch_tokens=32, max_cache_tokens=4096, invariant=True)
     doc = torch.randint(5, 60, (120,), generator=torch.Generator().manual_seed(0)).tolist()
     prompts = [doc + [7 + q, 8, 9] for q in range(4)]
     hf = prefix_bench.run_calls(model, tok, prompts, None, 6)
