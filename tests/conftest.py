@@ -62,6 +62,9 @@ ARCHS = {
     "gemma2": {  # attention and final logit soft-capping, alternating sliding/global layers
         "head_dim": 16, "attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0,
         "sliding_window": 8, "query_pre_attn_scalar": 24,
+        # its reference attention: transformers before 5.2x defaulted Gemma 2 to sdpa, which drops the
+        # attention softcap (later versions refuse sdpa for it)
+        "attn_implementation": "eager",
     },
     "cohere": {"logit_scale": 0.5},  # parallel attention and MLP
     "gpt_bigcode": {"multi_query": True, "num_key_value_heads": None},  # MQA

@@ -180,6 +180,26 @@ def test_unsupported_architecture_named_at_wrap_time(arch):
         hf_plookup.wrap(model)
 
 
+def test_attention_kernel_unlike_eager_named_with_the_fix():
+    """A model whose configured attention kernel computes other than its eager attention (as
+    sdpa dropped Gemma 2's attention softcap before transformers 5.2x): refused, the message
+    naming the kernel and the fix."""
+    from transformers import AttentionInterface
+    from transformers.models.gemma2 import modeling_gemma2
+
+    def no_softcap(module, query, key, value, attention_mask, **kwargs):
+        return modeling_gemma2.eager_attention_forward(module, query, key, value, attention_mask,
+                                                       **{**kwargs, "softcap": None})
+
+    AttentionInterface.register("no_softcap", no_softcap)
+    model = tiny_model("gemma2")
+    model.config._attn_implementation = "no_softcap"
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM.*attn_implementation='no_softcap'.*differ from its eager "
+                                         r".*attn_implementation='eager'"):
+        hf_plookup.wrap(model)
+    assert type(model) is modeling_gemma2.Gemma2ForCausalLM
+
+
 def test_layer_sharing_another_layers_keys_is_refused():
     """Cross-layer KV sharing (a layer attending with another layer's index) cannot get pages of its own."""
     model = tiny_model("llama")
