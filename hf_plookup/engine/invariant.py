@@ -21,7 +21,9 @@ engine forward and restored after):
   (engine.row_linear, fp32 on CPU where the C kernels were not built), `"triton"`
   (engine.triton_linear, CUDA); else `"rows"` (one 1-row call per row: equal by construction).
   A prompt chunk's rows need only be the same in every batch, not equal to 1-row calls: the
-  "cpu" kernel for bf16 and for fp32 chunks of up to PREFILL_TORCH_ROWS rows, else torch's call,
+  "cpu" kernel for bf16 and for fp32 chunks of up to PREFILL_TORCH_ROWS rows (without it, such
+  chunks take the weight's decode strategy: a short call's rows change with its row count, and
+  where a prompt is cut depends on the step's other work), else torch's call,
   and that call takes the step's neighbouring chunks with it where `merge_safe` found that its
   rows do not depend on the call's length (one GEMM of many rows is faster than several).
 - **RMSNorm modules** on CPU whose arithmetic `cpu_kernels.rms_norm` reproduces (`rms_form`
