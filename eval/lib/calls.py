@@ -109,7 +109,8 @@ def run_hf_generate_batch(model, rows: list[list[int]], max_new_tokens: int, pad
     config = GenerationConfig(**_greedy_kwargs(max_new_tokens, pad), eos_token_id=eos_token_id)
     # a KV cache sized for these rows, as hf_plookup's engine is given: left to itself,
     # generate_batch sizes its cache from free memory, which on CPU cost 20-35 s per call
-    page = ContinuousBatchingConfig().page_size
+    defaults = ContinuousBatchingConfig()
+    page = getattr(defaults, "page_size", None) or defaults.block_size  # (block_size before transformers 5.2x)
     blocks = sum(-(-(len(r) + max_new_tokens) // page) for r in rows) + len(rows)
     cb_config = ContinuousBatchingConfig(num_blocks=blocks)
     eos = set() if eos_token_id is None else {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}

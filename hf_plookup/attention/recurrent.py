@@ -119,7 +119,12 @@ def _copy_layer(layer):
 
 
 def _row_cache_class():
-    from transformers.cache_utils import Cache, DummyLayer
+    from transformers.cache_utils import Cache
+
+    try:
+        from transformers.cache_utils import DummyLayer
+    except ImportError:  # transformers before 5.2x: an empty layer that no mixer reads stands in
+        from transformers.cache_utils import DynamicLayer as DummyLayer
 
     class RowCache(Cache):
         """One sequence's cache as a mixer sees it: HF's `Cache` with one real layer (a

@@ -3,6 +3,8 @@ drafts against HF's own incremental decoding, and what the engine does with hybr
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -32,10 +34,12 @@ def test_snapshots_resume_the_committed_length_and_drop_the_rest():
 def _hf_incremental(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     """HF's generate path for one row: the prompt in one forward, then one token per forward
     through its cache. [L, V] logits."""
-    cache = DynamicCache(config=model.config)
-    out = [model(ids[None, :prompt], cache=cache, use_cache=True).logits[0]]
+    params = inspect.signature(type(model).forward).parameters  # the cache's name differs by version
+    name = next(n for n in ("cache", "past_key_values", "cache_params") if n in params)
+    cache = {name: DynamicCache(config=model.config)}
+    out = [model(ids[None, :prompt], **cache, use_cache=True).logits[0]]
     for t in range(prompt, len(ids)):
-        out.append(model(ids[None, t : t + 1], cache=cache, use_cache=True).logits[0])
+        out.append(model(ids[None, t : t + 1], **cache, use_cache=True).logits[0])
     return torch.cat(out)
 
 
