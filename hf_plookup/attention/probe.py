@@ -178,24 +178,24 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
     diff = float((reference - probed).abs().max())
     tol = atol if reference.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 5e-2
     scale = max(float(reference.abs().max()), 1.0)
-    if not diff <= tol * scale and any(getattr(m, "is_causal", None) is False for m in model.modules()):
-        raise ValueError(f"hf_plookup cannot run {_arch(model)}: its attention layers attend both ways "
-                         "(is_causal=False), not only to earlier tokens as a generating model does; a BERT-style "
-                         "model generates as a decoder with is_decoder=True in its config")
-    own = model.config._attn_implementation
-    if not diff <= tol * scale and isinstance(own, str) and own != "eager":
-        # its configured kernel may be what differs: transformers before 5.2x ran Gemma 2 on sdpa by
-        # default, which drops the attention softcap that the paged attention (and eager) applies
-        try:
-            with engine_attention(model, "eager"):
-                eager = model(input_ids=ids, use_cache=False, **pos).logits.float()
-        except Exception:  # noqa: BLE001 - a model without an eager path: the message below stands
-            eager = None
-        if eager is not None and float((eager - probed).abs().max()) <= tol * scale:
-            raise ValueError(f"hf_plookup cannot run {_arch(model)} with attn_implementation={own!r}: its outputs "
-                             f"differ from its eager attention's (max logit difference {diff:.3g}), whose arithmetic "
-                             "the paged cache reproduces; load the model with attn_implementation='eager'")
-    if not diff <= tol * scale:
+    if not diff <= tol * scale:  # the probe's outputs are not the model's own: say why, as best known
+        if any(getattr(m, "is_causal", None) is False for m in model.modules()):
+            raise ValueError(f"hf_plookup cannot run {_arch(model)}: its attention layers attend both ways "
+                             "(is_causal=False), not only to earlier tokens as a generating model does; a BERT-style "
+                             "model generates as a decoder with is_decoder=True in its config")
+        own = model.config._attn_implementation
+        if isinstance(own, str) and own != "eager":
+            # its configured kernel may be what differs: transformers before 5.2x ran Gemma 2 on sdpa by
+            # default, which drops the attention softcap that the paged attention (and eager) applies
+            try:
+                with engine_attention(model, "eager"):
+                    eager = model(input_ids=ids, use_cache=False, **pos).logits.float()
+            except Exception:  # noqa: BLE001 - a model without an eager path: the message below stands
+                eager = None
+            if eager is not None and float((eager - probed).abs().max()) <= tol * scale:
+                raise ValueError(f"hf_plookup cannot run {_arch(model)} with attn_implementation={own!r}: its "
+                                 f"outputs differ from its eager attention's (max logit difference {diff:.3g}), whose "
+                                 "arithmetic the paged cache reproduces; load the model with attn_implementation='eager'")
         raise ValueError(f"hf_plookup cannot run {_arch(model)}: its outputs change when its attention runs through "
                          f"AttentionInterface (max logit difference {diff:.3g}); it attends in a way the paged cache "
                          "does not reproduce (e.g. keys shared across layers)")
