@@ -332,7 +332,7 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
     model, tok = load_model(name, parse_dtype(args.dtype), device, args.seed)
     load_s = time.perf_counter() - t0
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    bw = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**24)
+    bw = copy_bandwidth(device)
     pad = pad_id(model, tok)
     source = args.prompt_source if args.prompt_source != "auto" else ("synthetic" if tok is None else "builtin")
     n = args.num_prompts or max(args.batch_sizes)

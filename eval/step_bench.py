@@ -343,8 +343,8 @@ def main(argv=None) -> int:
         model = random_model(name, DTYPES[args.dtype], device, args.seed)
         huge = device.type == "cpu" and to_huge_pages(model)  # as the engine does for its CPU steps
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        bound = weight_bytes / copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26)
-        read_bound = weight_bytes / read_bandwidth(device, 2**30 if device.type == "cuda" else 2**28)
+        bound = weight_bytes / copy_bandwidth(device)
+        read_bound = weight_bytes / read_bandwidth(device)
         print(f"== {name} {args.dtype} on {device}: bandwidth bound {1e3 * bound:.2f} ms/step "
               f"(reading the weights alone: {1e3 * read_bound:.2f} ms)" + ("; weights on 2 MB pages" if huge else ""),
               flush=True)

@@ -113,20 +113,30 @@ def _fastest(fn, device) -> float:
     return best
 
 
-def read_bandwidth(device, nbytes: int) -> float:
-    """Bytes per second of reading `nbytes` once (a sum over them): the fastest of 10 reads. A step
+def _buffer_bytes(device: torch.device, cpu_bytes: int) -> int:
+    """A buffer well past the last-level cache: 1 GiB on a GPU, `cpu_bytes` elsewhere (CPUs here have
+    up to 32 MB of L3; a buffer that fits would time the cache, not the memory)."""
+    return 2**30 if device.type == "cuda" else cpu_bytes
+
+
+def read_bandwidth(device, nbytes: int | None = None) -> float:
+    """Bytes per second of reading `nbytes` once (a sum over them; default 1 GiB on a GPU, 256 MiB
+    elsewhere): the fastest of 10 reads. A step
     reads its weights and writes little, and some machines read alone at well under what a copy
     moves in both directions (a shared 2-core EPYC: 22.6 GB/s read, 32 GB/s by `copy_bandwidth`),
     so this is the bound such a step can approach there; `copy_bandwidth`'s stays the printed one."""
     device = torch.device(device)
+    nbytes = nbytes or _buffer_bytes(device, 2**28)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     return nbytes / _fastest(src.sum, device)
 
 
-def copy_bandwidth(device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy, counting bytes read and written: the fastest
-    of 10 copies (a bound; on a shared machine the mean moves by a third between runs)."""
+def copy_bandwidth(device, nbytes: int | None = None) -> float:
+    """Bytes per second of a device-to-device copy of `nbytes` (default 1 GiB on a GPU, 64 MiB
+    elsewhere: source and copy together twice a 32 MB L3), counting bytes read and written: the
+    fastest of 10 copies (a bound; on a shared machine the mean moves by a third between runs)."""
     device = torch.device(device)
+    nbytes = nbytes or _buffer_bytes(device, 2**26)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / _fastest(lambda: dst.copy_(src), device)
