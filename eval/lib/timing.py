@@ -121,10 +121,10 @@ def _buffer_bytes(device: torch.device, cpu_bytes: int) -> int:
 
 def read_bandwidth(device, nbytes: int | None = None) -> float:
     """Bytes per second of reading `nbytes` once (a sum over them; default 1 GiB on a GPU, 256 MiB
-    elsewhere): the fastest of 10 reads. A step
-    reads its weights and writes little, and some machines read alone at well under what a copy
-    moves in both directions (a shared 2-core EPYC: 22.6 GB/s read, 32 GB/s by `copy_bandwidth`),
-    so this is the bound such a step can approach there; `copy_bandwidth`'s stays the printed one."""
+    elsewhere): the fastest of 10 reads. A step reads its weights and writes little, and some
+    machines read alone at well under what a copy moves in both directions (a shared 2-core EPYC:
+    22.6 GB/s read, 32 GB/s by `copy_bandwidth`), so this is the bound such a step can approach
+    there; `copy_bandwidth`'s stays the printed one."""
     device = torch.device(device)
     nbytes = nbytes or _buffer_bytes(device, 2**28)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
