@@ -352,7 +352,8 @@ static const tile_fn bf16_cols1[] = {0, bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1, 
 /* AVX2 fp32 calls of 7 to 9 rows take one weight row at a time instead (up to 9 x 1 tiles): one pass over
  * each weight row, which the 6 x 2 set reads in two. Its x loads are not shared, but the weights stream
  * once, in order (SmolLM2's 210 linears, 2-core EPYC: 7 rows 37-39 -> 33-34 ms, 9 rows 38-44 -> 34-39 ms;
- * bf16, whose arithmetic weighs more against its half-size stream, lost 8%: it keeps the 4 x 3 set). */
+ * bf16, whose arithmetic weighs more against its half-size stream, gained nothing steady: it keeps the 4 x 3
+ * set). Up to 6 rows one pass of the 6 x 2 set is as fast or faster. */
 #define F32_TILES1_ROWS 9
 #define BF16_TILES2_ROWS 6
 static const tile_fn f32w_cols3[] = {0, f32w_1x3, f32w_2x3, f32w_3x3, f32w_4x3, f32w_5x3, f32w_6x3, f32w_7x3, f32w_8x3, f32w_9x3};
