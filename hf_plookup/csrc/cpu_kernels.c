@@ -256,7 +256,8 @@ typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, flo
         int64_t n = n_lo, passes = (M + MAXMB - 1) / MAXMB;                                             \
         while (n < n_hi) {                                                                              \
             int nb = M > SEQUENTIAL_ROWS && n + NBW <= n_hi ? NBW : 1;                                  \
-            int64_t pf = NBW > 1 && nb == NBW && n + NBW * (PF_TILES + 1) <= N ? passes : 0; /* rows to prefetch exist */ \
+            /* rows to prefetch exist (a 1-column set's tiles prefetch their own stream instead) */           \
+            int64_t pf = NBW > 1 && nb == NBW && n + NBW * (PF_TILES + 1) <= N ? passes : 0;           \
             for (int64_t p = 0; p < passes; p++) {                                                      \
                 int64_t m = M * p / passes;                                                             \
                 int mb = (int)(M * (p + 1) / passes - m);                                               \
@@ -276,6 +277,7 @@ typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, flo
  * 2-core EPYC: fp32 19.0 -> 16.9 ms, the speed of a plain read; bf16 11.2 -> 10.0 ms). From 3 rows the
  * wider tiles, sharing each x load between two or three weight rows, are faster. */
 #define SEQUENTIAL_ROWS 2
+#define ROWS_6X2 6 /* rows of the 6 x 2 set's tiles: what one of its passes takes */
 #define AVX512 __attribute__((target("avx2,fma,avx512f,avx512vl")))
 TILES_AVX2(f32, AVX2, ld_f32, 4, 0)
 TILE(f32_7x1, AVX2, ld_f32, 4, 0, 7, 1) TILE(f32_8x1, AVX2, ld_f32, 4, 0, 8, 1) TILE(f32_9x1, AVX2, ld_f32, 4, 0, 9, 1)
@@ -283,10 +285,10 @@ TILES_AVX2(bf16, AVX2, ld_bf16, 2, 1)
 TILES8(f32w, AVX512, ld_f32, 4, 0)
 TILES8(bf16w, AVX512, ld_bf16, 2, 1)
 LINEAR(f32, AVX2, 4, 3, 0)
-LINEAR(f32_2, AVX2, 6, 2, 0)
+LINEAR(f32_2, AVX2, ROWS_6X2, 2, 0)
 LINEAR(f32_1, AVX2, 9, 1, 0)
 LINEAR(bf16, AVX2, 4, 3, 1)
-LINEAR(bf16_2, AVX2, 6, 2, 1)
+LINEAR(bf16_2, AVX2, ROWS_6X2, 2, 1)
 LINEAR(f32w, AVX512, 9, 3, 0)
 LINEAR(bf16w, AVX512, 9, 3, 1)
 /* AVX-512 BF16 (level 3; bf16 weights only): VDPBF16PS takes x and w as bf16 pairs, so a weight is
@@ -349,11 +351,11 @@ static const tile_fn bf16_cols3[] = {0, bf16_1x3, bf16_2x3, bf16_3x3, bf16_4x3};
 static const tile_fn bf16_cols2[] = {0, bf16_1x2, bf16_2x2, bf16_3x2, bf16_4x2, bf16_5x2, bf16_6x2};
 static const tile_fn bf16_cols1[] = {0, bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1, bf16_5x1, bf16_6x1};
 #define F32_TILES2_ROWS 12 /* AVX2 calls of up to this many rows take the 6 x 2 set (bf16: 6) */
-/* AVX2 fp32 calls of 7 to 9 rows take one weight row at a time instead (up to 9 x 1 tiles): one pass over
- * each weight row, which the 6 x 2 set reads in two. Its x loads are not shared, but the weights stream
- * once, in order (SmolLM2's 210 linears, 2-core EPYC: 7 rows 37-39 -> 33-34 ms, 9 rows 38-44 -> 34-39 ms;
- * bf16, whose arithmetic weighs more against its half-size stream, gained nothing steady: it keeps the 4 x 3
- * set). Up to 6 rows one pass of the 6 x 2 set is as fast or faster. */
+/* AVX2 fp32 calls of more rows than one 6 x 2 pass takes, up to 9, take one weight row at a time instead
+ * (up to 9 x 1 tiles): one pass over each weight row, which the 6 x 2 set reads in two. Their x loads are
+ * not shared, but the weights stream once, in order, and that was faster from memory. bf16, whose
+ * arithmetic weighs more against its half-size stream, gained nothing steady and keeps the 4 x 3 set
+ * (docs/results.md, twelfth session). */
 #define F32_TILES1_ROWS 9
 #define BF16_TILES2_ROWS 6
 static const tile_fn f32w_cols3[] = {0, f32w_1x3, f32w_2x3, f32w_3x3, f32w_4x3, f32w_5x3, f32w_6x3, f32w_7x3, f32w_8x3, f32w_9x3};
@@ -624,7 +626,7 @@ static void linear_range(const void* x, int64_t M, const void* w, int64_t K, con
         else if (simd >= 2) f32w_linear(f32w_cols3, f32w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else if (bf16 && M <= BF16_TILES2_ROWS) bf16_2_linear(bf16_cols2, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else if (bf16) bf16_linear(bf16_cols3, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
-        else if (M > 6 && M <= F32_TILES1_ROWS) f32_1_linear(f32_cols1, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+        else if (M > ROWS_6X2 && M <= F32_TILES1_ROWS) f32_1_linear(f32_cols1, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else if (M <= F32_TILES2_ROWS) f32_2_linear(f32_cols2, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else f32_linear(f32_cols3, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         return;
