@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import os
 
+# Under pytest-xdist (the README's `-n 2`) each worker process takes an equal share of the cores, for
+# torch, the C kernels' pool, numba and the scripts the tests start: two workers that each used every
+# core of a 2-core machine spun against each other and ran the suite slower than one process did.
+# Tests of thread counts set their own.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(_var, str(max(1, _cores // _WORKERS)))
+
 # Without CUDA the Triton kernels run under Triton's interpreter. Triton reads this when its
 # functions are decorated, including the ones of `triton.language` itself, so it must be set
 # before anything in the session imports triton (torch or transformers may do so).
@@ -22,6 +32,9 @@ if os.environ.get("HF_PLOOKUP_TEST_WITHOUT_C") == "1":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if _WORKERS > 1:  # in case a plugin imported torch before the variable was set
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 from transformers import AutoConfig, AutoModelForCausalLM
 
 VOCAB = 96
