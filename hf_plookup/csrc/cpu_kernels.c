@@ -223,9 +223,10 @@ AVX2 static inline void prefetch_stream(const void* w, int64_t i, int64_t esz) {
  * passes of about equal size. With AVX-512's 32 registers a tile is up to 9 rows x 3 weight rows; with
  * AVX2's 16, up to 4 x 3 or 6 x 2 (12 sums either way). The tile shape changes only which sums share a
  * load: every output is the same 8-lane arithmetic, so all sets give the same bits. On AVX2 the 6 x 2
- * set serves calls of up to 12 rows (6 in bf16) in fewer passes over each weight tile, but for fp32's 7 to
- * 9 rows, which 1-column tiles take in one pass (F32_TILES1_ROWS); from there the 4 x 3 set, whose x
- * loads are shared by three weight rows, is faster (`linear_range`). */
+ * set serves fp32 calls of up to 12 rows in fewer passes over each weight tile, but for 7 to 9 rows,
+ * which 1-column tiles take in one pass (F32_TILES1_ROWS); bf16 calls of up to 6 rows take 1-column
+ * tiles (BF16_TILES1_ROWS); from there the 4 x 3 set, whose x loads are shared by three weight rows,
+ * is faster (`linear_range`). */
 #define TILES4(T, TGT, LD, ESZ, BF)                                                                     \
     TILE(T##_1x3, TGT, LD, ESZ, BF, 1, 3) TILE(T##_2x3, TGT, LD, ESZ, BF, 2, 3)                         \
     TILE(T##_3x3, TGT, LD, ESZ, BF, 3, 3) TILE(T##_4x3, TGT, LD, ESZ, BF, 4, 3)                         \
@@ -281,14 +282,14 @@ typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, flo
 #define AVX512 __attribute__((target("avx2,fma,avx512f,avx512vl")))
 TILES_AVX2(f32, AVX2, ld_f32, 4, 0)
 TILE(f32_7x1, AVX2, ld_f32, 4, 0, 7, 1) TILE(f32_8x1, AVX2, ld_f32, 4, 0, 8, 1) TILE(f32_9x1, AVX2, ld_f32, 4, 0, 9, 1)
-TILES_AVX2(bf16, AVX2, ld_bf16, 2, 1)
+TILES4(bf16, AVX2, ld_bf16, 2, 1) TILE(bf16_5x1, AVX2, ld_bf16, 2, 1, 5, 1) TILE(bf16_6x1, AVX2, ld_bf16, 2, 1, 6, 1)
 TILES8(f32w, AVX512, ld_f32, 4, 0)
 TILES8(bf16w, AVX512, ld_bf16, 2, 1)
 LINEAR(f32, AVX2, 4, 3, 0)
 LINEAR(f32_2, AVX2, ROWS_6X2, 2, 0)
 LINEAR(f32_1, AVX2, 9, 1, 0)
 LINEAR(bf16, AVX2, 4, 3, 1)
-LINEAR(bf16_2, AVX2, ROWS_6X2, 2, 1)
+LINEAR(bf16_1, AVX2, 6, 1, 1)
 LINEAR(f32w, AVX512, 9, 3, 0)
 LINEAR(bf16w, AVX512, 9, 3, 1)
 /* AVX-512 BF16 (level 3; bf16 weights only): VDPBF16PS takes x and w as bf16 pairs, so a weight is
@@ -348,16 +349,17 @@ static const tile_fn f32_cols3[] = {0, f32_1x3, f32_2x3, f32_3x3, f32_4x3};
 static const tile_fn f32_cols2[] = {0, f32_1x2, f32_2x2, f32_3x2, f32_4x2, f32_5x2, f32_6x2};
 static const tile_fn f32_cols1[] = {0, f32_1x1, f32_2x1, f32_3x1, f32_4x1, f32_5x1, f32_6x1, f32_7x1, f32_8x1, f32_9x1};
 static const tile_fn bf16_cols3[] = {0, bf16_1x3, bf16_2x3, bf16_3x3, bf16_4x3};
-static const tile_fn bf16_cols2[] = {0, bf16_1x2, bf16_2x2, bf16_3x2, bf16_4x2, bf16_5x2, bf16_6x2};
 static const tile_fn bf16_cols1[] = {0, bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1, bf16_5x1, bf16_6x1};
-#define F32_TILES2_ROWS 12 /* AVX2 calls of up to this many rows take the 6 x 2 set (bf16: 6) */
+#define F32_TILES2_ROWS 12 /* AVX2 fp32 calls of up to this many rows take the 6 x 2 set */
 /* AVX2 fp32 calls of more rows than one 6 x 2 pass takes, up to 9, take one weight row at a time instead
  * (up to 9 x 1 tiles): one pass over each weight row, which the 6 x 2 set reads in two. Their x loads are
- * not shared, but the weights stream once, in order, and that was faster from memory. bf16, whose
- * arithmetic weighs more against its half-size stream, gained nothing steady and keeps the 4 x 3 set
- * (docs/results.md, twelfth session). */
+ * not shared, but the weights stream once, in order, and that was faster from memory. bf16 calls of up
+ * to 6 rows take them too (one pass either way, but the bf16 1-column tiles load 16 values a step): a
+ * few percent faster than the 6 x 2 set at 3 to 6 rows. At 7 to 9 bf16 rows, whose arithmetic weighs
+ * more against their half-size stream, they gained nothing steady over the 4 x 3 set (docs/results.md,
+ * twelfth and thirteenth sessions). */
 #define F32_TILES1_ROWS 9
-#define BF16_TILES2_ROWS 6
+#define BF16_TILES1_ROWS 6
 static const tile_fn f32w_cols3[] = {0, f32w_1x3, f32w_2x3, f32w_3x3, f32w_4x3, f32w_5x3, f32w_6x3, f32w_7x3, f32w_8x3, f32w_9x3};
 static const tile_fn f32w_cols1[] = {0, f32w_1x1, f32w_2x1, f32w_3x1, f32w_4x1, f32w_5x1, f32w_6x1, f32w_7x1, f32w_8x1, f32w_9x1};
 static const tile_fn bf16w_cols3[] = {0, bf16w_1x3, bf16w_2x3, bf16w_3x3, bf16w_4x3, bf16w_5x3, bf16w_6x3, bf16w_7x3, bf16w_8x3, bf16w_9x3};
@@ -624,7 +626,7 @@ static void linear_range(const void* x, int64_t M, const void* w, int64_t K, con
 #endif
         if (simd >= 2 && bf16) bf16w_linear(bf16w_cols3, bf16w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else if (simd >= 2) f32w_linear(f32w_cols3, f32w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
-        else if (bf16 && M <= BF16_TILES2_ROWS) bf16_2_linear(bf16_cols2, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+        else if (bf16 && M <= BF16_TILES1_ROWS) bf16_1_linear(bf16_cols1, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else if (bf16) bf16_linear(bf16_cols3, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else if (M > ROWS_6X2 && M <= F32_TILES1_ROWS) f32_1_linear(f32_cols1, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
         else if (M <= F32_TILES2_ROWS) f32_2_linear(f32_cols2, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
