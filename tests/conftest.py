@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 if _WORKERS > 1:  # in case a plugin imported torch before the variable was set
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 from transformers import AutoConfig, AutoModelForCausalLM
 
 VOCAB = 96

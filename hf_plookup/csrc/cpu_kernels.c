@@ -275,10 +275,20 @@ typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, flo
     }
 /* Up to this many rows of x, a tile takes one weight row at a time: the weights are then read as one
  * sequential stream, which the hardware prefetcher follows at full speed (SmolLM2's 211 linears, 1 row,
- * 2-core EPYC: fp32 19.0 -> 16.9 ms, the speed of a plain read; bf16 11.2 -> 10.0 ms). From 3 rows the
- * wider tiles, sharing each x load between two or three weight rows, are faster. */
+ * 2-core EPYC: fp32 19.0 -> 16.9 ms, the speed of a plain read; bf16 11.2 -> 10.0 ms). From 3 fp32 rows
+ * the wider tiles, sharing each x load between two or three weight rows, are faster (bf16: below). */
 #define SEQUENTIAL_ROWS 2
 #define ROWS_6X2 6 /* rows of the 6 x 2 set's tiles: what one of its passes takes */
+#define F32_TILES2_ROWS 12 /* AVX2 fp32 calls of up to this many rows take the 6 x 2 set */
+/* AVX2 fp32 calls of more rows than one 6 x 2 pass takes, up to 9, take one weight row at a time instead
+ * (up to 9 x 1 tiles): one pass over each weight row, which the 6 x 2 set reads in two. Their x loads are
+ * not shared, but the weights stream once, in order, and that was faster from memory. bf16 calls of up
+ * to 6 rows take them too (one pass either way, but the bf16 1-column tiles load 16 values a step): a
+ * few percent faster than the 6 x 2 set at 3 to 6 rows. At 7 to 9 bf16 rows, whose arithmetic weighs
+ * more against their half-size stream, they gained nothing steady over the 4 x 3 set (docs/results.md,
+ * twelfth and thirteenth sessions). */
+#define F32_TILES1_ROWS 9
+#define BF16_TILES1_ROWS 6
 #define AVX512 __attribute__((target("avx2,fma,avx512f,avx512vl")))
 TILES_AVX2(f32, AVX2, ld_f32, 4, 0)
 TILE(f32_7x1, AVX2, ld_f32, 4, 0, 7, 1) TILE(f32_8x1, AVX2, ld_f32, 4, 0, 8, 1) TILE(f32_9x1, AVX2, ld_f32, 4, 0, 9, 1)
@@ -287,9 +297,9 @@ TILES8(f32w, AVX512, ld_f32, 4, 0)
 TILES8(bf16w, AVX512, ld_bf16, 2, 1)
 LINEAR(f32, AVX2, 4, 3, 0)
 LINEAR(f32_2, AVX2, ROWS_6X2, 2, 0)
-LINEAR(f32_1, AVX2, 9, 1, 0)
+LINEAR(f32_1, AVX2, F32_TILES1_ROWS, 1, 0)
 LINEAR(bf16, AVX2, 4, 3, 1)
-LINEAR(bf16_1, AVX2, 6, 1, 1)
+LINEAR(bf16_1, AVX2, BF16_TILES1_ROWS, 1, 1)
 LINEAR(f32w, AVX512, 9, 3, 0)
 LINEAR(bf16w, AVX512, 9, 3, 1)
 /* AVX-512 BF16 (level 3; bf16 weights only): VDPBF16PS takes x and w as bf16 pairs, so a weight is
@@ -350,16 +360,6 @@ static const tile_fn f32_cols2[] = {0, f32_1x2, f32_2x2, f32_3x2, f32_4x2, f32_5
 static const tile_fn f32_cols1[] = {0, f32_1x1, f32_2x1, f32_3x1, f32_4x1, f32_5x1, f32_6x1, f32_7x1, f32_8x1, f32_9x1};
 static const tile_fn bf16_cols3[] = {0, bf16_1x3, bf16_2x3, bf16_3x3, bf16_4x3};
 static const tile_fn bf16_cols1[] = {0, bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1, bf16_5x1, bf16_6x1};
-#define F32_TILES2_ROWS 12 /* AVX2 fp32 calls of up to this many rows take the 6 x 2 set */
-/* AVX2 fp32 calls of more rows than one 6 x 2 pass takes, up to 9, take one weight row at a time instead
- * (up to 9 x 1 tiles): one pass over each weight row, which the 6 x 2 set reads in two. Their x loads are
- * not shared, but the weights stream once, in order, and that was faster from memory. bf16 calls of up
- * to 6 rows take them too (one pass either way, but the bf16 1-column tiles load 16 values a step): a
- * few percent faster than the 6 x 2 set at 3 to 6 rows. At 7 to 9 bf16 rows, whose arithmetic weighs
- * more against their half-size stream, they gained nothing steady over the 4 x 3 set (docs/results.md,
- * twelfth and thirteenth sessions). */
-#define F32_TILES1_ROWS 9
-#define BF16_TILES1_ROWS 6
 static const tile_fn f32w_cols3[] = {0, f32w_1x3, f32w_2x3, f32w_3x3, f32w_4x3, f32w_5x3, f32w_6x3, f32w_7x3, f32w_8x3, f32w_9x3};
 static const tile_fn f32w_cols1[] = {0, f32w_1x1, f32w_2x1, f32w_3x1, f32w_4x1, f32w_5x1, f32w_6x1, f32w_7x1, f32w_8x1, f32w_9x1};
 static const tile_fn bf16w_cols3[] = {0, bf16w_1x3, bf16w_2x3, bf16w_3x3, bf16w_4x3, bf16w_5x3, bf16w_6x3, bf16w_7x3, bf16w_8x3, bf16w_9x3};

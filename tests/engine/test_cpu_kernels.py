@@ -62,10 +62,10 @@ def test_linear_rows_are_invariant(m, k, n, dtype, bias, threads, seed):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_linear_simd_levels_agree_bitwise(dtype):
-    """The portable C code, the AVX2 tiles (fp32: 6 x 2 up to 12 rows, but 1-column tiles for 7 to 9;
-    bf16: 1-column tiles up to 6 rows; 4 x 3 above) and the 9-row AVX-512 tiles run one arithmetic per output: every
-    level this CPU has gives the same bits (a machine without AVX2 or AVX-512 compares the levels
-    it has). Level 3 runs fp32 as level 2; its bf16 order is its own
+    """The portable C code, the AVX2 tiles (fp32: 6 x 2 up to 12 rows, but 1-column tiles for 7 to
+    9; bf16: 1-column tiles up to 6 rows; 4 x 3 above) and the 9-row AVX-512 tiles run one
+    arithmetic per output: every level this CPU has gives the same bits (a machine without AVX2 or
+    AVX-512 compares the levels it has). Level 3 runs fp32 as level 2; its bf16 order is its own
     (test_bf16_dot_products_follow_their_order)."""
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(3)
