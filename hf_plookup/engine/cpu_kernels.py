@@ -121,9 +121,9 @@ def uses_avx2() -> bool:
 
 def simd_level() -> int:
     """The vector code the kernels run: 0 portable C, 1 AVX2 + FMA, 2 the same arithmetic with
-    AVX-512's 32 registers (linear tiles of up to 9 rows x 3 outputs instead of AVX2's 6 x 2,
-    6 x 1 or 9 x 1 and 4 x 3; bitwise the AVX2 results), 3 as 2 but bf16 linears and bf16 attention scores
-    by AVX-512 BF16 dot products (their own order, see the module text)."""
+    AVX-512's 32 registers (linear tiles of up to 9 rows x 3 outputs instead of AVX2's 4 x 3, 6 x 2
+    and 1-column tiles of up to 9 rows; bitwise the AVX2 results), 3 as 2 but bf16 linears and bf16
+    attention scores by AVX-512 BF16 dot products (their own order, see the module text)."""
     return int(_LIB.simd_level()) if available() else 0
 
 
