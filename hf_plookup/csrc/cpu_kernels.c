@@ -222,11 +222,9 @@ AVX2 static inline void prefetch_stream(const void* w, int64_t i, int64_t esz) {
 /* A kernel: a set of tiles and the loop over output columns; M rows go in ceil(M / the set's rows)
  * passes of about equal size. With AVX-512's 32 registers a tile is up to 9 rows x 3 weight rows; with
  * AVX2's 16, up to 4 x 3 or 6 x 2 (12 sums either way). The tile shape changes only which sums share a
- * load: every output is the same 8-lane arithmetic, so all sets give the same bits. On AVX2 the 6 x 2
- * set serves fp32 calls of up to 12 rows in fewer passes over each weight tile, but for 7 to 9 rows,
- * which 1-column tiles take in one pass (F32_TILES1_ROWS); bf16 calls of up to 6 rows take 1-column
- * tiles (BF16_TILES1_ROWS); from there the 4 x 3 set, whose x loads are shared by three weight rows,
- * is faster (`linear_range`). */
+ * load: every output is the same 8-lane arithmetic, so all sets give the same bits. Which set an AVX2
+ * call takes, `linear_range` decides by the row limits below (SEQUENTIAL_ROWS to BF16_TILES1_ROWS),
+ * whose comments say why. */
 #define TILES4(T, TGT, LD, ESZ, BF)                                                                     \
     TILE(T##_1x3, TGT, LD, ESZ, BF, 1, 3) TILE(T##_2x3, TGT, LD, ESZ, BF, 2, 3)                         \
     TILE(T##_3x3, TGT, LD, ESZ, BF, 3, 3) TILE(T##_4x3, TGT, LD, ESZ, BF, 4, 3)                         \
