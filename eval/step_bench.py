@@ -19,6 +19,8 @@ keys/values):
                    (uncaptured steps); --both-scopes times each compiled mode with the other too
   <mode>+invariant (--invariant) each mode again in invariant mode (wrap(invariant=True)); graph
                    modes on attn_backend triton only (sdpa's invariant form is not captured)
+  kernels/...      (--kernels, CPU) the C linear and attention kernels alone, each from memory
+                   and from cache in the same rounds: which of them wait on memory, which on the core
 First calls (compile, capture) are reported apart from the median of --iters timed calls, the q values
 taking turns (one call each per round), and each q's ratio to the smallest q as the median of the rounds'. On
 CUDA also the GPU kernels one un-captured forward launches (torch.profiler).
@@ -26,6 +28,7 @@ CUDA also the GPU kernels one un-captured forward launches (torch.profiler).
     python eval/step_bench.py --device cpu --dtype fp32 --models smollm2-135m --threads 2
     python eval/step_bench.py --models smollm2-135m qwen3-8b --batch-sizes 1 16 64 --hf-static
     python eval/step_bench.py --models smollm2-135m --q 1 5 9 --modes eager compiled+graphs --attn-backends triton --invariant
+    python eval/step_bench.py --device cpu --dtype bf16 --modes eager --invariant --threads 2 --kernels
 """
 
 from __future__ import annotations
@@ -79,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small-pages", action="store_true",
                    help="CPU: also time the eager invariant step with a copy of the weights on the allocator's own "
                         "pages beside the engine's 2 MB pages (engine.huge_pages), in the same rounds")
+    p.add_argument("--kernels", action="store_true",
+                   help="CPU: also time the C kernels alone per q, each from memory (every layer's own weights "
+                        "and pages) and from cache (the first layer's, for every layer), in the same rounds: "
+                        "which of a step's kernels wait on memory and which on the core")
     p.add_argument("--attn-backends", nargs="+", default=["sdpa"], choices=["sdpa", "triton", "flash_attn", "flash_attn4"],
                    help="each mode runs once per backend")
     p.add_argument("--block-size", type=int, default=16)
@@ -183,6 +190,56 @@ def bench_pages(model, args, device, cache: PagedKVCache) -> list[dict]:
                          "q": q, "step_s": step, "vs_2M_pages": ratio})
             print(f"  eager+invariant/{pages:11s} batch {b:3d} q {q:2d}: {1e3 * step:8.2f} ms  "
                   f"{ratio:5.2f}x 2 MB pages", flush=True)
+    return rows
+
+
+def bench_kernels(model, args, device, cache: PagedKVCache) -> list[dict]:
+    """The CPU kernels of a step alone, per q (the first batch size): the decoder layers' linears
+    (the `linear` kernel on each weight, batch x q rows) and the attention (`cpu_kernels.attend`,
+    each layer's pages, batch x q tokens over --context cached ones), each run over every layer's
+    own weights and pages ("memory": the weights stream from DRAM, as in a step) and over the first
+    layer's, once per layer ("cache": they stay in L2/L3), all in the same rounds. A kernel that
+    takes about as long from cache waits on the core's work, not on memory. Rows "kernels/<kind>/
+    <memory|cache>" with each q's ratio to the smallest q's, and "vs_cache", from the same rounds."""
+    from hf_plookup.attention.invariant import build_layout
+    from hf_plookup.engine import cpu_kernels
+
+    layers = model.model.layers
+    weights = [[m.weight for m in la.modules() if isinstance(m, torch.nn.Linear)] for la in layers]
+    pages = [cache.layer(la.self_attn.layer_idx) for la in layers]
+    cfg = model.config
+    heads, head_dim = cfg.num_attention_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    sets = {"memory": (weights, pages), "cache": ([weights[0]] * len(layers), [pages[0]] * len(layers))}
+    b, gen = args.batch_sizes[0], torch.Generator().manual_seed(args.seed)
+    fns = {}
+    for q in args.q:
+        plan = step_plan(b, q, args.context, args.block_size, cfg.vocab_size)
+        runs = build_layout(plan, device).decode_runs(None)
+        kv_slots = np.ascontiguousarray(plan.kv_slots, dtype=np.int64)
+        xs = {w.shape[1]: torch.randn(b * q, w.shape[1], generator=gen).to(w.dtype) for w in weights[0]}
+        outs = {w.shape[0]: torch.empty(b * q, w.shape[0], dtype=w.dtype) for w in weights[0]}
+        qs = torch.randn(b * q, heads, head_dim, generator=gen).to(pages[0][0].dtype)
+        for where, (ws, ps) in sets.items():
+            # the C entry point with its arguments made beforehand, as the C layers call it: the Python
+            # wrapper's own cost per call would weigh alike on both sets and blur their ratio (the
+            # lambda holds xs and outs, whose memory the pointers name)
+            calls = [(xs[w.shape[1]].data_ptr(), b * q, w.data_ptr(), w.shape[1], None, w.shape[0],
+                      outs[w.shape[0]].data_ptr(), w.dtype == torch.bfloat16, cpu_kernels.threads())
+                     for l in ws for w in l]
+            fns["linears", where, q] = lambda calls=calls, held=(xs, outs): [cpu_kernels._LIB.linear(*c) for c in calls]
+            fns["attention", where, q] = lambda ps=ps, qs=qs, runs=runs, kv_slots=kv_slots: [
+                cpu_kernels.attend(qs, k, v, kv_slots, *runs, head_dim ** -0.5, None) for k, v in ps]
+    for fn in fns.values():
+        fn()
+    times = interleaved(fns, device, args.iters)
+    q0, rows = min(args.q), []
+    for (kind, where, q), ts in sorted(times.items(), key=lambda kv: (kv[0][0] != "linears", kv[0][1] != "memory", kv[0][2])):
+        row = {"mode": f"kernels/{kind}/{where}", "batch": b, "q": q, "step_s": statistics.median(ts),
+               f"vs_q{q0}": statistics.median(t / t0 for t, t0 in zip(ts, times[kind, where, q0])),
+               "vs_cache": statistics.median(t / c for t, c in zip(ts, times[kind, "cache", q]))}
+        rows.append(row)
+        print(f"  {row['mode']:24s} batch {b:3d} q {q:2d}: {1e3 * row['step_s']:8.2f} ms  "
+              f"{row[f'vs_q{q0}']:5.2f}x q {q0}  {row['vs_cache']:5.2f}x from cache", flush=True)
     return rows
 
 
@@ -374,6 +431,8 @@ def main(argv=None) -> int:
             print("  --small-pages: skipped (the weights are not on 2 MB pages here: no CPU, or no transparent huge pages)")
         if args.breakdown and device.type == "cpu":
             rows += breakdown(model, args, device, cache)
+        if args.kernels and device.type == "cpu":
+            rows += bench_kernels(model, args, device, cache)
         result["models"].append({"model": name, "bandwidth_bound_s": bound, "read_bound_s": read_bound,
                                  "huge_pages": huge})
         result["results"] += [{"model": name, **r} for r in rows]

@@ -1,6 +1,7 @@
 """eval/step_bench.py end to end on CPU (tiny random Qwen3, fp32): the eager step as the engine runs
 it (engine.runner.ModelRunner), its invariant form, the same with the weights on the allocator's pages
-(--small-pages) and the breakdown of a C-layers step."""
+(--small-pages), the breakdown of a C-layers step and the kernels alone from memory and from cache
+(--kernels)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_step_bench_smoke(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, str(ROOT / "eval" / "step_bench.py"), "--models", "tiny-qwen3", "--device", "cpu",
-                           "--dtype", "fp32", "--modes", "eager", "--invariant", "--breakdown", "--small-pages", "--q", "1", "3",
+                           "--dtype", "fp32", "--modes", "eager", "--invariant", "--breakdown", "--small-pages", "--kernels", "--q", "1", "3",
                            "--context", "40", "--iters", "2", "--threads", "2", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,12 +31,17 @@ def test_step_bench_smoke(tmp_path):
     rows = {(r["mode"], r["q"]): r for r in res["results"]}
     pages = ("eager+invariant/2M-pages", "eager+invariant/small-pages") if model["huge_pages"] else ()
     assert model["huge_pages"] == huge_pages.available()  # the engine's CPU weights on 2 MB pages where Linux has them
-    assert set(rows) == {(m, q) for m in ("eager", "eager+invariant", "breakdown", *pages) for q in (1, 3)}
+    kernels = tuple(f"kernels/{k}/{w}" for k in ("linears", "attention") for w in ("memory", "cache"))
+    assert set(rows) == {(m, q) for m in ("eager", "eager+invariant", "breakdown", *pages, *kernels) for q in (1, 3)}
     assert all(r["step_s"] > 0 for r in rows.values())
     for m in ("eager", "eager+invariant"):  # the q values timed side by side: ratios to q=1
         assert rows[(m, 1)]["vs_q1"] == 1.0 and rows[(m, 3)]["vs_q1"] > 0
     for q in (1, 3) if pages else ():  # both copies of the weights in the same rounds: ratios to 2 MB pages
         assert rows[(pages[0], q)]["vs_2M_pages"] == 1.0 and rows[(pages[1], q)]["vs_2M_pages"] > 0
+    for m in kernels:  # each kernel's q values and its two sources timed in the same rounds
+        assert rows[(m, 1)]["vs_q1"] == 1.0 and rows[(m, 3)]["vs_q1"] > 0
+        assert all(rows[(m, q)]["vs_cache"] == 1.0 if m.endswith("cache") else rows[(m, q)]["vs_cache"] > 0
+                   for q in (1, 3))
     for q in (1, 3):
         b = rows[("breakdown", q)]
         assert b["c_layers"], "a Qwen3 decode step runs the C layers"
