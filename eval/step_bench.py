@@ -208,7 +208,7 @@ def bench_kernels(model, args, device, cache: PagedKVCache) -> list[dict]:
     weights = [[m.weight for m in la.modules() if isinstance(m, torch.nn.Linear)] for la in layers]
     pages = [cache.layer(la.self_attn.layer_idx) for la in layers]
     cfg = model.config
-    heads, head_dim = cfg.num_attention_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads, head_dim = cfg.num_attention_heads, pages[0][0].shape[-1]  # (the pages' [blocks, block, H_kv, D])
     sets = {"memory": (weights, pages), "cache": ([weights[0]] * len(layers), [pages[0]] * len(layers))}
     b, gen = args.batch_sizes[0], torch.Generator().manual_seed(args.seed)
     fns = {}
@@ -233,7 +233,8 @@ def bench_kernels(model, args, device, cache: PagedKVCache) -> list[dict]:
         fn()
     times = interleaved(fns, device, args.iters)
     q0, rows = min(args.q), []
-    for (kind, where, q), ts in sorted(times.items(), key=lambda kv: (kv[0][0] != "linears", kv[0][1] != "memory", kv[0][2])):
+    for kind, where, q in ((kind, where, q) for kind in ("linears", "attention") for where in sets for q in args.q):
+        ts = times[kind, where, q]
         row = {"mode": f"kernels/{kind}/{where}", "batch": b, "q": q, "step_s": statistics.median(ts),
                f"vs_q{q0}": statistics.median(t / t0 for t, t0 in zip(ts, times[kind, where, q0])),
                "vs_cache": statistics.median(t / c for t, c in zip(ts, times[kind, "cache", q]))}
