@@ -332,7 +332,7 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
                 lengths = np.full(b, args.context)
                 draft = timed(lambda: prop.propose(hist, lengths), device, args.iters)
                 # as the engine samples greedily (batch._targets): argmax of the logits as fp32 scores
-                sample = timed(lambda: logits.float().argmax(-1).tolist(), device, args.iters)
+                sample = timed(lambda: logits.float().argmax(-1).cpu().numpy(), device, args.iters)
                 part.update({"drafter": draft, "greedy sampling": sample})
                 rows.append({"mode": "breakdown", "batch": b, "q": q, "step_s": step, "c_layers": c_path,
                              "parts_s": part})
