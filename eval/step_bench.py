@@ -220,10 +220,11 @@ def bench_kernels(model, args, device, cache: PagedKVCache) -> list[dict]:
         outs = {w.shape[0]: torch.empty(b * q, w.shape[0], dtype=w.dtype) for w in weights[0]}
         qs = torch.randn(b * q, heads, head_dim, generator=gen).to(pages[0][0].dtype)
         for where, (ws, ps) in sets.items():
-            # the C entry point with its arguments made beforehand, as the C layers call it: the Python
-            # wrapper's own cost per call would weigh alike on both sets and blur their ratio (the
-            # lambda holds xs and outs, whose memory the pointers name)
-            calls = [(xs[w.shape[1]].data_ptr(), b * q, w.data_ptr(), w.shape[1], None, w.shape[0],
+            # the C entry point with its arguments made beforehand, as the C layers call it (on the packed
+            # weights, which cpu_kernels.packed keeps): the Python wrapper's own cost per call would weigh
+            # alike on both sets and blur their ratio (the lambda holds xs and outs, whose memory the
+            # pointers name)
+            calls = [(xs[w.shape[1]].data_ptr(), b * q, cpu_kernels.packed(w).data_ptr(), w.shape[1], None, w.shape[0],
                       outs[w.shape[0]].data_ptr(), w.dtype == torch.bfloat16, cpu_kernels.threads())
                      for l in ws for w in l]
             fns["linears", where, q] = lambda calls=calls, held=(xs, outs): [cpu_kernels._LIB.linear(*c) for c in calls]

@@ -5,14 +5,14 @@
  * how many rows share the call, where a row sits in it or which thread computes it. So a
  * token's logits in a k+1-token verify step are bitwise those of a 1-token step.
  *
- * linear_range: out[m, n] = dot(x[m], w[n]) (+ bias[n]) for n in [n_lo, n_hi), every m.
- *   The dot product runs in 8 fp32 lanes (lane l sums k = l, l+8, l+16, ... with one FMA
- *   each, in order), then the lanes are added in one fixed tree (hsum8). Tiles of up to 4
- *   rows x 3 outputs share each weight load between rows; a tile's shape changes which
- *   outputs are computed together, never an output's arithmetic. Each weight row is read
- *   from memory once per call, for all rows: a step of 5 tokens streams the weights as a
- *   step of 1 does. bf16 weights and inputs are widened in registers (a bf16 is the high half
- *   of an fp32) and the fp32 result is rounded once (to nearest even), after the bias.
+ * linear_range: out[m, n] = dot(x[m], w[n]) (+ bias[n]) for the columns of some panels, every m.
+ *   The weights come packed in panels of 8 output columns (engine.cpu_kernels.pack), and each
+ *   output is one FMA chain over k = 0, 1, ..., K - 1 in order, from 0; the bias is added and, for
+ *   bf16, the fp32 result rounded once (to nearest even). Tiles of up to 9 rows x 4 panels share
+ *   each weight load between rows and each x value between 8 to 32 outputs; a tile's shape changes
+ *   which outputs are computed together, never an output's arithmetic. Each weight is read from
+ *   memory once per call, for all rows: a step of 5 tokens streams the weights as a step of 1
+ *   does. bf16 weights and inputs are widened exactly (a bf16 is the high half of an fp32).
  *
  * attend_pass: one query head over its visible keys, read in place from the paged cache
  *   ([slots, H_kv, D], flat), in position order: scores (8-lane dot, fixed hsum), optional
@@ -23,12 +23,12 @@
  * layer_attention, layer_mlp: a Llama-form decoder layer of a decode step in two calls, from the
  *   kernels above and torch's elementwise arithmetic written out (engine.cpu_layers).
  *
- * Threads: a small pool of its own (below) hands out BLOCK_N output columns or one attention part (a
+ * Threads: a small pool of its own (below) hands out BLOCK_P panels or one attention part (a
  * sequence, or a KV head of one) at a time to `threads` threads, the caller being one of them.
  * Workers spin briefly between calls (a step makes hundreds of calls microseconds apart), then sleep.
  *
  * An x86-64 CPU with AVX2 and FMA runs the vector code; any other CPU runs a plain C version
- * with the same lane structure (the check is made once, at load).
+ * with the same arithmetic (the check is made once, at load).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -86,34 +86,10 @@ static inline void store1(void* p, int64_t i, float v, int bf16) {
 /* v rounded to bf16 (when bf16), as torch rounds each op's fp32 result of bf16 tensors */
 static inline float rnd(float v, int b16) { return b16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
-/* ------------------------------------------------------------------ portable version */
-
-/* dot of n values in 8 lanes, lanes summed as hsum8 does */
-static float dot8_c(const void* a, int a_bf16, const void* b, int b_bf16, int64_t n) {
-    float acc[8] = {0};
-    for (int64_t k = 0; k < n; k++) acc[k & 7] = fmaf(load1(a, k, a_bf16), load1(b, k, b_bf16), acc[k & 7]);
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-}
-
-static void linear_c(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t n_lo,
-                     int64_t n_hi, void* out, int64_t N, int bf16) {
-    for (int64_t n = n_lo; n < n_hi; n++)
-        for (int64_t m = 0; m < M; m++) {
-            const float* xr = (const float*)x + m * K;
-            const char* wr = (const char*)w + n * K * (bf16 ? 2 : 4);
-            float s = dot8_c(wr, bf16, xr, 0, K);
-            if (bias) s += load1(bias, n, bf16);
-            store1(out, m * N + n, s, bf16);
-        }
-}
-
 /* ------------------------------------------------------------------ AVX2 + FMA version */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
-#ifndef PF_TILES
-#define PF_TILES 3 /* how many column tiles ahead the first row pass prefetches weights (into L2) */
-#endif
 #define HAVE_AVX2_PATH 1
 
 AVX2 static inline float hsum8(__m256 v) { /* ((0+4)+(2+6)) + ((1+5)+(3+7)) */
@@ -149,165 +125,87 @@ AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
     return _mm256_loadu_ps(tmp);
 }
 
-/* A tile: MB rows of x (float32: bf16 inputs are widened once per call, in `linear`) times NB
- * weight rows. Prefetch: the weight rows PF_TILES column tiles ahead go into L2 one cache line at a
- * time, while this tile's weights stream from memory. A column tile is computed in `pf_every` row
- * passes; pass `pf_phase` requests every pf_every-th line, so requests go out
- * evenly over the tile's compute and memory stays busy during the later passes too (pf_every 0:
- * none). Into L1 instead, the prefetches evicted rows still being read and the stream ran at
- * about 70% of the speed. */
-/* A tile's share of those prefetches, called at value k of each step: at the start of every cache
- * line of its weight rows (esz bytes a value), pass pf_phase of pf_every requests that line of the nb
- * rows PF_TILES column tiles ahead (`line` counts the lines seen, modulo pf_every) */
-AVX2 static inline void prefetch_ahead(const void* w, int64_t n0, int nb, int64_t K, int64_t k, int64_t esz,
-                                       int64_t* line, int64_t pf_every, int64_t pf_phase) {
-    if (!pf_every || (k & (64 / esz - 1))) return;
-    if (*line == pf_phase)
-        for (int j = 0; j < nb; j++)
-            _mm_prefetch((const char*)w + ((n0 + PF_TILES * nb + j) * K + k) * esz, _MM_HINT_T1);
-    if (++*line == pf_every) *line = 0;
-}
-/* A one-weight-row tile reads its row as a piece of one sequential stream (the rows of a column range lie
- * end to end), and asks for the line STREAM_AHEAD bytes ahead into L2 at the start of each of its lines.
- * The hardware prefetchers alone kept too few lines in flight; a prefetch never faults, so the lines past
- * the matrix's end cost nothing. It paid where other work loaded memory and was even on a quiet machine
- * (docs/results.md, eighth session). */
-#define STREAM_AHEAD 2048
-AVX2 static inline void prefetch_stream(const void* w, int64_t i, int64_t esz) {
-    if (((i * esz) & 63) < 8 * esz) /* the step that enters a new line */
-        _mm_prefetch((const char*)w + i * esz + STREAM_AHEAD, _MM_HINT_T1);
-}
-/* BF16_STREAM: a bf16 tile of one weight row loads 16 values (32 bytes) at a time and widens both halves
- * from the register, where other tiles load 8 (16 bytes). Each line of the stream then waits on 2 loads
- * instead of 4, so more lines are in flight, and each output's FMAs are the same ones in the same order. */
-#define TILE(NAME, TGT, LD, ESZ, BF, MB, NB)                                                                 \
-    TGT static void NAME(const void* x, const void* w, int64_t K, int64_t m0, int64_t n0, float* acc_out, \
-                          int64_t pf_every, int64_t pf_phase) {                                         \
-        __m256 acc[MB][NB];                                                                             \
-        for (int i = 0; i < MB; i++)                                                                    \
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();                               \
-        int64_t k = 0, line = 0;                                                                        \
-        if (ESZ == 2 && NB == 1) /* bf16 stream: 16 values a load (see BF16_STREAM) */                 \
-            for (; k + 16 <= K; k += 16) {                                                              \
-                __m256i raw = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + n0 * K + k));     \
-                __m256 w0 = widen8(_mm256_castsi256_si128(raw)), w1 = widen8(_mm256_extracti128_si256(raw, 1)); \
-                prefetch_stream(w, n0 * K + k, ESZ);                                                    \
-                prefetch_stream(w, n0 * K + k + 8, ESZ);                                                \
-                for (int i = 0; i < MB; i++) acc[i][0] = _mm256_fmadd_ps(w0, ld_f32(x, (m0 + i) * K + k), acc[i][0]); \
-                for (int i = 0; i < MB; i++) acc[i][0] = _mm256_fmadd_ps(w1, ld_f32(x, (m0 + i) * K + k + 8), acc[i][0]); \
+/* ------------------------------------------------------------------ linear: packed weights
+ *
+ * A linear's weights come packed (engine.cpu_kernels.pack) in panels of 8 output columns, the 8
+ * columns' values for one k side by side: fp32 [P][K][8]; bf16 [P][K2/2][8][2], K2 being K rounded
+ * up to even, so that lane c of a 32-bit pair holds column c's value k in its low half and k + 1 in
+ * its high half; P = ceil(N / 8), zeros past N and K. x goes in transposed, [K][M] in fp32 (bf16
+ * widened, exactly), so a tile broadcasts x[m][k] from one place.
+ *
+ * Every output n of row m is one FMA chain over k in order, from 0:
+ *   s = fma(w[n][K-1], x[m][K-1], ... fma(w[n][1], x[m][1], fma(w[n][0], x[m][0], 0)) ...)
+ * then s + bias[n], then (bf16) one rounding to nearest even. Nothing in it depends on the row count,
+ * the row's place or the thread, and a padding zero adds 0 * 0. A tile of MB rows x NP panels keeps
+ * MB x NP vectors of 8 sums and makes one FMA per 8 outputs: no horizontal sums, a bf16 pair widened by
+ * one shift and one mask, and each panel read as one sequential stream, which the tile prefetches
+ * PACK_AHEAD bytes ahead into L2. Against the row-along-K tiles this replaced, SmolLM2's linears took
+ * 0.56-0.87x the time in bf16 and 0.79-0.94x in fp32 at 1 to 9 rows on a 2-core EPYC (docs/results.md,
+ * eighteenth session). The shapes keep within AVX2's 16 registers (sums, weights, one broadcast). */
+#define PACK_AHEAD_F32 4096
+#define PACK_AHEAD_BF16 16384
+#define UNROLL _Pragma("GCC unroll 16")
+/* (gcc 12 at -O3 kept a tile's sums in memory, a store per FMA, unless every loop over them unrolls) */
+typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K, float* o);
+#define PTILE_F32(MB, NP)                                                                               \
+    AVX2 static void pf32_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, float* o) { \
+        const float* w = (const float*)wp;                                                              \
+        __m256 acc[MB][NP];                                                                             \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_setzero_ps(); \
+        for (int64_t k = 0; k < K; k++) {                                                               \
+            __m256 wv[NP];                                                                              \
+            UNROLL for (int j = 0; j < NP; j++) {                                                       \
+                const float* p = w + (j * K + k) * 8;                                                   \
+                if (!(k & 1)) _mm_prefetch((const char*)p + PACK_AHEAD_F32, _MM_HINT_T1);               \
+                wv[j] = _mm256_loadu_ps(p);                                                             \
             }                                                                                           \
-        for (; k + 8 <= K; k += 8) {                                                                    \
-            __m256 wv[NB];                                                                              \
-            for (int j = 0; j < NB; j++) wv[j] = LD(w, (n0 + j) * K + k);                               \
-            prefetch_ahead(w, n0, NB, K, k, ESZ, &line, pf_every, pf_phase);                            \
-            if (NB == 1) prefetch_stream(w, n0 * K + k, ESZ);                                           \
-            for (int i = 0; i < MB; i++) {                                                              \
-                __m256 xv = ld_f32(x, (m0 + i) * K + k);                                                \
-                for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);         \
+            UNROLL for (int i = 0; i < MB; i++) {                                                       \
+                __m256 xb = _mm256_broadcast_ss(xt + k * ldx + i);                                      \
+                UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);  \
             }                                                                                           \
         }                                                                                               \
-        if (k < K) {                                                                                    \
-            int rem = (int)(K - k);                                                                     \
-            __m256 wv[NB];                                                                              \
-            for (int j = 0; j < NB; j++) wv[j] = ld_part(w, (n0 + j) * K + k, rem, BF);                 \
-            for (int i = 0; i < MB; i++) {                                                              \
-                __m256 xv = ld_part(x, (m0 + i) * K + k, rem, 0);                                       \
-                for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);         \
-            }                                                                                           \
-        }                                                                                               \
-        for (int i = 0; i < MB; i++)                                                                    \
-            for (int j = 0; j < NB; j++) acc_out[i * NB + j] = hsum8(acc[i][j]);                        \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) _mm256_storeu_ps(o + (i * NP + j) * 8, acc[i][j]); \
     }
-
-/* A kernel: a set of tiles and the loop over output columns; M rows go in ceil(M / the set's rows)
- * passes of about equal size. With AVX-512's 32 registers a tile is up to 9 rows x 3 weight rows; with
- * AVX2's 16, up to 4 x 3 or 6 x 2 (12 sums either way). The tile shape changes only which sums share a
- * load: every output is the same 8-lane arithmetic, so all sets give the same bits. Which set an AVX2
- * call takes, `linear_range` decides by the row limits below (SEQUENTIAL_ROWS to BF16_TILES1_ROWS),
- * whose comments say why. */
-#define TILES4(T, TGT, LD, ESZ, BF)                                                                     \
-    TILE(T##_1x3, TGT, LD, ESZ, BF, 1, 3) TILE(T##_2x3, TGT, LD, ESZ, BF, 2, 3)                         \
-    TILE(T##_3x3, TGT, LD, ESZ, BF, 3, 3) TILE(T##_4x3, TGT, LD, ESZ, BF, 4, 3)                         \
-    TILE(T##_1x1, TGT, LD, ESZ, BF, 1, 1) TILE(T##_2x1, TGT, LD, ESZ, BF, 2, 1)                         \
-    TILE(T##_3x1, TGT, LD, ESZ, BF, 3, 1) TILE(T##_4x1, TGT, LD, ESZ, BF, 4, 1)
-#define TILES_AVX2(T, TGT, LD, ESZ, BF)                                                                 \
-    TILES4(T, TGT, LD, ESZ, BF)                                                                         \
-    TILE(T##_1x2, TGT, LD, ESZ, BF, 1, 2) TILE(T##_2x2, TGT, LD, ESZ, BF, 2, 2)                         \
-    TILE(T##_3x2, TGT, LD, ESZ, BF, 3, 2) TILE(T##_4x2, TGT, LD, ESZ, BF, 4, 2)                         \
-    TILE(T##_5x2, TGT, LD, ESZ, BF, 5, 2) TILE(T##_6x2, TGT, LD, ESZ, BF, 6, 2)                         \
-    TILE(T##_5x1, TGT, LD, ESZ, BF, 5, 1) TILE(T##_6x1, TGT, LD, ESZ, BF, 6, 1)
-#define TILES8(T, TGT, LD, ESZ, BF)                                                                     \
-    TILES4(T, TGT, LD, ESZ, BF)                                                                         \
-    TILE(T##_5x3, TGT, LD, ESZ, BF, 5, 3) TILE(T##_6x3, TGT, LD, ESZ, BF, 6, 3)                         \
-    TILE(T##_7x3, TGT, LD, ESZ, BF, 7, 3) TILE(T##_8x3, TGT, LD, ESZ, BF, 8, 3)                         \
-    TILE(T##_5x1, TGT, LD, ESZ, BF, 5, 1) TILE(T##_6x1, TGT, LD, ESZ, BF, 6, 1)                         \
-    TILE(T##_7x1, TGT, LD, ESZ, BF, 7, 1) TILE(T##_8x1, TGT, LD, ESZ, BF, 8, 1)                         \
-    TILE(T##_9x3, TGT, LD, ESZ, BF, 9, 3) TILE(T##_9x1, TGT, LD, ESZ, BF, 9, 1)
-typedef void (*tile_fn)(const void*, const void*, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
-/* T_linear runs the set of tiles wide[mb] (mb rows x NBW weight rows) and one[mb] (mb rows x 1 weight
- * row), mb <= MAXMB; the set's shape is a constant of the function, which the compiler needs to keep
- * the 4 x 3 calls as fast as before (a set read at run time slowed them) */
-#define LINEAR(T, TGT, MAXMB, NBW, BF)                                                                  \
-    TGT static void T##_linear(const tile_fn* wide, const tile_fn* one, const void* x, int64_t M,        \
-                               const void* w, int64_t K, const void* bias, int64_t n_lo, int64_t n_hi,  \
-                               void* out, int64_t N) {                                                  \
-        float acc[NBW * MAXMB];                                                                         \
-        int64_t n = n_lo, passes = (M + MAXMB - 1) / MAXMB;                                             \
-        while (n < n_hi) {                                                                              \
-            int nb = M > SEQUENTIAL_ROWS && n + NBW <= n_hi ? NBW : 1;                                  \
-            /* rows to prefetch exist (a 1-column set's tiles prefetch their own stream instead) */           \
-            int64_t pf = NBW > 1 && nb == NBW && n + NBW * (PF_TILES + 1) <= N ? passes : 0;           \
-            for (int64_t p = 0; p < passes; p++) {                                                      \
-                int64_t m = M * p / passes;                                                             \
-                int mb = (int)(M * (p + 1) / passes - m);                                               \
-                (nb == NBW ? wide : one)[mb](x, w, K, m, n, acc, pf, p);                                \
-                for (int i = 0; i < mb; i++)                                                            \
-                    for (int j = 0; j < nb; j++) {                                                      \
-                        float s = acc[i * nb + j];                                                      \
-                        if (bias) s += load1(bias, n + j, BF);                                          \
-                        store1(out, (m + i) * N + n + j, s, BF);                                        \
-                    }                                                                                   \
+/* K here is K2 (even); values k and k + 1 of 8 columns are one 32-byte load */
+#define PTILE_BF16(MB, NP)                                                                              \
+    AVX2 static void pbf16_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, float* o) { \
+        const uint16_t* w = (const uint16_t*)wp;                                                        \
+        const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);                                         \
+        __m256 acc[MB][NP];                                                                             \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_setzero_ps(); \
+        for (int64_t k = 0; k < K; k += 2) {                                                            \
+            __m256 wv[NP]; /* value k of each column, then value k + 1 (read again: fewer registers held) */ \
+            UNROLL for (int j = 0; j < NP; j++) {                                                       \
+                const uint16_t* p = w + (j * K + k) * 8;                                                \
+                if (!(k & 3)) _mm_prefetch((const char*)p + PACK_AHEAD_BF16, _MM_HINT_T1);              \
+                wv[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)p), 16)); \
             }                                                                                           \
-            n += nb;                                                                                    \
+            UNROLL for (int i = 0; i < MB; i++) {                                                       \
+                __m256 xb = _mm256_broadcast_ss(xt + k * ldx + i);                                      \
+                UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);  \
+            }                                                                                           \
+            UNROLL for (int j = 0; j < NP; j++)                                                         \
+                wv[j] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(w + (j * K + k) * 8)), hi)); \
+            UNROLL for (int i = 0; i < MB; i++) {                                                       \
+                __m256 xb = _mm256_broadcast_ss(xt + (k + 1) * ldx + i);                                \
+                UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);  \
+            }                                                                                           \
         }                                                                                               \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) _mm256_storeu_ps(o + (i * NP + j) * 8, acc[i][j]); \
     }
-/* Up to this many rows of x, a tile takes one weight row at a time: the weights are then read as one
- * sequential stream, which the hardware prefetcher follows at full speed (SmolLM2's 211 linears, 1 row,
- * 2-core EPYC: fp32 19.0 -> 16.9 ms, the speed of a plain read; bf16 11.2 -> 10.0 ms). From 3 fp32 rows
- * the wider tiles, sharing each x load between two or three weight rows, are faster (bf16: below). */
-#define SEQUENTIAL_ROWS 2
-#define ROWS_6X2 6 /* rows of the 6 x 2 set's tiles: what one of its passes takes */
-#define F32_TILES2_ROWS 12 /* AVX2 fp32 calls of up to this many rows take the 6 x 2 set */
-/* AVX2 fp32 calls of more rows than one 6 x 2 pass takes, up to 9, take one weight row at a time instead
- * (up to 9 x 1 tiles): one pass over each weight row, which the 6 x 2 set reads in two. Their x loads are
- * not shared, but the weights stream once, in order, and that was faster from memory. bf16 calls of up
- * to 6 rows take them too (one pass either way, but the bf16 1-column tiles load 16 values a step): a
- * few percent faster than the 6 x 2 set at 3 to 6 rows. At 7 to 9 bf16 rows, whose arithmetic weighs
- * more against their half-size stream, they gained nothing steady over the 4 x 3 set (docs/results.md,
- * twelfth and thirteenth sessions). */
-#define F32_TILES1_ROWS 9
-#define BF16_TILES1_ROWS 6
-#define AVX512 __attribute__((target("avx2,fma,avx512f,avx512vl")))
-TILES_AVX2(f32, AVX2, ld_f32, 4, 0)
-TILE(f32_7x1, AVX2, ld_f32, 4, 0, 7, 1) TILE(f32_8x1, AVX2, ld_f32, 4, 0, 8, 1) TILE(f32_9x1, AVX2, ld_f32, 4, 0, 9, 1)
-TILES4(bf16, AVX2, ld_bf16, 2, 1) TILE(bf16_5x1, AVX2, ld_bf16, 2, 1, 5, 1) TILE(bf16_6x1, AVX2, ld_bf16, 2, 1, 6, 1)
-TILES8(f32w, AVX512, ld_f32, 4, 0)
-TILES8(bf16w, AVX512, ld_bf16, 2, 1)
-LINEAR(f32, AVX2, 4, 3, 0)
-LINEAR(f32_2, AVX2, ROWS_6X2, 2, 0)
-LINEAR(f32_1, AVX2, F32_TILES1_ROWS, 1, 0)
-LINEAR(bf16, AVX2, 4, 3, 1)
-LINEAR(bf16_1, AVX2, BF16_TILES1_ROWS, 1, 1)
-LINEAR(f32w, AVX512, 9, 3, 0)
-LINEAR(bf16w, AVX512, 9, 3, 1)
-/* AVX-512 BF16 (level 3; bf16 weights only): VDPBF16PS takes x and w as bf16 pairs, so a weight is
- * neither widened nor multiplied alone, and a step of 16 values is one instruction per row where
- * widened weights need two FMAs and two conversions. Its order differs from the 8-lane one above:
- * lane l sums, for each 16 values from k, the exact products of values k + 2l + 1 then k + 2l, each
- * added and rounded in turn, inputs and results below FLT_MIN read and written as 0 (the
- * instruction's fixed DAZ / FTZ rounding); the lanes then go through hsum8, the bias is added and
- * the sum rounded once to bf16, as in the other kernels. Fixed per output whatever the row count:
- * row-invariant as the other levels, but its bits are its own. */
+#define PTILES_X1(T) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1) T(7, 1) T(8, 1) T(9, 1)
+PTILES_X1(PTILE_F32) PTILE_F32(1, 4) PTILE_F32(2, 4) PTILE_F32(3, 3) PTILE_F32(4, 3) PTILE_F32(5, 2) PTILE_F32(6, 2)
+PTILES_X1(PTILE_BF16) PTILE_BF16(1, 4) PTILE_BF16(2, 3) PTILE_BF16(3, 3) PTILE_BF16(4, 2) PTILE_BF16(5, 2)
+/* by rows (1-9): the tile of one pass over the panels, and its panels; the 1-panel tile of as many rows */
+static const ptile_fn pf32_wide[] = {0, pf32_1x4, pf32_2x4, pf32_3x3, pf32_4x3, pf32_5x2, pf32_6x2, pf32_7x1, pf32_8x1, pf32_9x1};
+static const int pf32_np[] = {0, 4, 4, 3, 3, 2, 2, 1, 1, 1};
+static const ptile_fn pf32_one[] = {0, pf32_1x1, pf32_2x1, pf32_3x1, pf32_4x1, pf32_5x1, pf32_6x1, pf32_7x1, pf32_8x1, pf32_9x1};
+static const ptile_fn pbf16_wide[] = {0, pbf16_1x4, pbf16_2x3, pbf16_3x3, pbf16_4x2, pbf16_5x2, pbf16_6x1, pbf16_7x1, pbf16_8x1, pbf16_9x1};
+static const int pbf16_np[] = {0, 4, 3, 3, 2, 2, 1, 1, 1, 1};
+static const ptile_fn pbf16_one[] = {0, pbf16_1x1, pbf16_2x1, pbf16_3x1, pbf16_4x1, pbf16_5x1, pbf16_6x1, pbf16_7x1, pbf16_8x1, pbf16_9x1};
+/* AVX-512 BF16 (level 3): VDPBF16PS multiplies bf16 pairs and adds both products to an fp32 lane, with
+ * the instruction's fixed DAZ / FTZ rounding; level 3 uses it for bf16 attention scores (SCORES_DP,
+ * below), whose order is then its own. */
 #if (defined(__clang__) && __clang_major__ >= 11) || (!defined(__clang__) && __GNUC__ >= 11)
 #define HAVE_DPBF16 1
 #define AVX512BF16 __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bf16")))
@@ -317,51 +215,9 @@ AVX512BF16 static inline __m256i ld_pairs_part(const void* p, int64_t i, int rem
     memcpy(tmp, (const uint16_t*)p + i, (size_t)rem * 2);
     return _mm256_loadu_si256((const __m256i*)tmp);
 }
-#define TILE_DP(NAME, MB, NB)                                                                           \
-    AVX512BF16 static void NAME(const void* x, const void* w, int64_t K, int64_t m0, int64_t n0,        \
-                                float* acc_out, int64_t pf_every, int64_t pf_phase) {                   \
-        __m256 acc[MB][NB];                                                                             \
-        for (int i = 0; i < MB; i++)                                                                    \
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();                               \
-        int64_t k = 0, line = 0;                                                                        \
-        for (; k + 16 <= K; k += 16) {                                                                  \
-            __m256i wv[NB];                                                                             \
-            for (int j = 0; j < NB; j++) wv[j] = ld_pairs(w, (n0 + j) * K + k);                         \
-            prefetch_ahead(w, n0, NB, K, k, 2, &line, pf_every, pf_phase);                              \
-            for (int i = 0; i < MB; i++) {                                                              \
-                __m256bh xv = (__m256bh)ld_pairs(x, (m0 + i) * K + k);                                  \
-                for (int j = 0; j < NB; j++) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], (__m256bh)wv[j], xv); \
-            }                                                                                           \
-        }                                                                                               \
-        if (k < K) {                                                                                    \
-            int rem = (int)(K - k);                                                                     \
-            __m256i wv[NB];                                                                             \
-            for (int j = 0; j < NB; j++) wv[j] = ld_pairs_part(w, (n0 + j) * K + k, rem);               \
-            for (int i = 0; i < MB; i++) {                                                              \
-                __m256bh xv = (__m256bh)ld_pairs_part(x, (m0 + i) * K + k, rem);                        \
-                for (int j = 0; j < NB; j++) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], (__m256bh)wv[j], xv); \
-            }                                                                                           \
-        }                                                                                               \
-        for (int i = 0; i < MB; i++)                                                                    \
-            for (int j = 0; j < NB; j++) acc_out[i * NB + j] = hsum8(acc[i][j]);                        \
-    }
-#define TILES_DP(R) TILE_DP(dp_##R##x3, R, 3) TILE_DP(dp_##R##x1, R, 1)
-TILES_DP(1) TILES_DP(2) TILES_DP(3) TILES_DP(4) TILES_DP(5) TILES_DP(6) TILES_DP(7) TILES_DP(8) TILES_DP(9)
-LINEAR(dp, AVX512BF16, 9, 3, 1)
-static const tile_fn dp_cols3[] = {0, dp_1x3, dp_2x3, dp_3x3, dp_4x3, dp_5x3, dp_6x3, dp_7x3, dp_8x3, dp_9x3};
-static const tile_fn dp_cols1[] = {0, dp_1x1, dp_2x1, dp_3x1, dp_4x1, dp_5x1, dp_6x1, dp_7x1, dp_8x1, dp_9x1};
 #else
 #define HAVE_DPBF16 0
 #endif
-static const tile_fn f32_cols3[] = {0, f32_1x3, f32_2x3, f32_3x3, f32_4x3};
-static const tile_fn f32_cols2[] = {0, f32_1x2, f32_2x2, f32_3x2, f32_4x2, f32_5x2, f32_6x2};
-static const tile_fn f32_cols1[] = {0, f32_1x1, f32_2x1, f32_3x1, f32_4x1, f32_5x1, f32_6x1, f32_7x1, f32_8x1, f32_9x1};
-static const tile_fn bf16_cols3[] = {0, bf16_1x3, bf16_2x3, bf16_3x3, bf16_4x3};
-static const tile_fn bf16_cols1[] = {0, bf16_1x1, bf16_2x1, bf16_3x1, bf16_4x1, bf16_5x1, bf16_6x1};
-static const tile_fn f32w_cols3[] = {0, f32w_1x3, f32w_2x3, f32w_3x3, f32w_4x3, f32w_5x3, f32w_6x3, f32w_7x3, f32w_8x3, f32w_9x3};
-static const tile_fn f32w_cols1[] = {0, f32w_1x1, f32w_2x1, f32w_3x1, f32w_4x1, f32w_5x1, f32w_6x1, f32w_7x1, f32w_8x1, f32w_9x1};
-static const tile_fn bf16w_cols3[] = {0, bf16w_1x3, bf16w_2x3, bf16w_3x3, bf16w_4x3, bf16w_5x3, bf16w_6x3, bf16w_7x3, bf16w_8x3, bf16w_9x3};
-static const tile_fn bf16w_cols1[] = {0, bf16w_1x1, bf16w_2x1, bf16w_3x1, bf16w_4x1, bf16w_5x1, bf16w_6x1, bf16w_7x1, bf16w_8x1, bf16w_9x1};
 
 /* exp(x) for x <= 0 (softmax after the max is taken): 2^n * p(r), r in [-ln2/2, ln2/2], a degree-6
  * polynomial (relative error about 2e-7); exp(-88) and below flush to 0 */
@@ -533,9 +389,8 @@ WSUM(wsum3, 3)
 #undef LDX
 
 #if HAVE_DPBF16
-/* Level 3, bf16 pages: q.k as VDPBF16PS dot products of bf16 pairs, in the level-3 order of the bf16
- * linears (TILE_DP: lane l adds the exact products of values d + 2l + 1, then d + 2l, of each 16 from
- * d, with the instruction's DAZ / FTZ; then hsum8). A query is bf16 already (the projection's output),
+/* Level 3, bf16 pages: q.k as VDPBF16PS dot products of bf16 pairs (lane l adds the exact products of
+ * values d + 2l + 1, then d + 2l, of each 16 from d, with the instruction's DAZ / FTZ; then hsum8). A query is bf16 already (the projection's output),
  * so neither it nor the key is widened, and a score takes half the instructions of 8-lane FMAs. The
  * order is fixed per score whatever the key blocks, heads or threads: invariant as the other levels,
  * with bits of its own. */
@@ -590,8 +445,9 @@ static const wsum_fn wsum_avx2[4] = {0, wsum1, wsum2, wsum3};
 #endif
 
 #define MAX_NH 3 /* query heads of a KV head whose scores and sums are computed together */
-/* 0: portable C, 1: AVX2 + FMA, 2: and AVX-512's registers (tiles of up to 9 rows), 3: and AVX-512 BF16
- * dot products for bf16 linears and bf16 attention scores (their own order; everything else as level 2) */
+/* 0: portable C, 1: AVX2 + FMA, 2: an AVX-512 CPU (which runs level 1's code: the packed linears' AVX2
+ * tiles beat the 32-register AVX-512 ones they replaced, docs/results.md, eighteenth session), 3: and
+ * AVX-512 BF16 dot products for bf16 attention scores (their own order; everything else as level 1) */
 static int simd = 0, simd_max = 0;
 
 /* NAME(PARAMS): BODY compiled twice, for AVX2 (run where the kernels run AVX2) and for the baseline.
@@ -612,27 +468,63 @@ static int simd = 0, simd_max = 0;
 
 /* ------------------------------------------------------------------ entry points */
 
-/* x: float32 [M, K] (linear widens bf16 inputs first, but for level 3); w, bias and out: bf16 when bf16,
- * else float32 */
-static void linear_range(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t n_lo,
-                         int64_t n_hi, void* out, int64_t N, int64_t bf16) {
+/* the weight of output column n at value k of a packed linear (the portable path's read) */
+static inline float packed_w(const void* wp, int64_t K2, int64_t n, int64_t k, int bf16) {
+    if (!bf16) return ((const float*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
+    return bf16_to_f32(((const uint16_t*)wp)[((n / 8) * K2 + (k & ~(int64_t)1)) * 8 + (n % 8) * 2 + (k & 1)]);
+}
+
+/* out[m0 + i][n] = o[i][c] + bias[n] (rounded to bf16 when bf16) for the columns n = 8 p + c < N of a
+ * tile's sums o [mb][np * 8] */
+static void packed_store(const float* o, int mb, int np, int64_t m0, int64_t p, const void* bias, void* out,
+                         int64_t N, int bf16) {
+    for (int i = 0; i < mb; i++)
+        for (int c = 0; c < np * 8 && p * 8 + c < N; c++) {
+            float s = o[i * np * 8 + c];
+            if (bias) s += load1(bias, p * 8 + c, bf16);
+            store1(out, (m0 + i) * N + p * 8 + c, s, bf16);
+        }
+}
+
+/* out [M, N] = x @ w^T (+ bias) for the columns of panels [p_lo, p_hi) (8 columns a panel), every row:
+ * xt is x transposed, [K2][M] fp32; w is packed (above), K2 its values a column (K, or K rounded up to
+ * even for bf16); w, bias and out are bf16 when bf16, else fp32. Up to 9 rows go in one pass over the
+ * panels; more rows in passes of up to 9 over each panel while it is in L1. */
+static void linear_range(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
+                         int64_t p_hi, void* out, int64_t N, int64_t bf16) {
 #if HAVE_AVX2_PATH
     if (simd) {
-#if HAVE_DPBF16
-        if (simd == 3 && bf16) dp_linear(dp_cols3, dp_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
-        else
-#endif
-        if (simd >= 2 && bf16) bf16w_linear(bf16w_cols3, bf16w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
-        else if (simd >= 2) f32w_linear(f32w_cols3, f32w_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
-        else if (bf16 && M <= BF16_TILES1_ROWS) bf16_1_linear(bf16_cols1, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
-        else if (bf16) bf16_linear(bf16_cols3, bf16_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
-        else if (M > ROWS_6X2 && M <= F32_TILES1_ROWS) f32_1_linear(f32_cols1, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
-        else if (M <= F32_TILES2_ROWS) f32_2_linear(f32_cols2, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
-        else f32_linear(f32_cols3, f32_cols1, x, M, w, K, bias, n_lo, n_hi, out, N);
+        const ptile_fn *wide = bf16 ? pbf16_wide : pf32_wide, *one = bf16 ? pbf16_one : pf32_one;
+        int64_t panel = K2 * 8 * (bf16 ? 2 : 4); /* bytes */
+        float o[9 * 32];
+        if (M <= 9) {
+            int np = (bf16 ? pbf16_np : pf32_np)[M];
+            for (int64_t p = p_lo; p < p_hi;) {
+                int n = p + np <= p_hi ? np : 1;
+                (n == np ? wide : one)[M](xt, M, (const char*)wp + p * panel, K2, o);
+                packed_store(o, (int)M, n, 0, p, bias, out, N, (int)bf16);
+                p += n;
+            }
+        } else {
+            int64_t passes = (M + 8) / 9;
+            for (int64_t p = p_lo; p < p_hi; p++)
+                for (int64_t q = 0; q < passes; q++) {
+                    int64_t m0 = M * q / passes;
+                    int mb = (int)(M * (q + 1) / passes - m0);
+                    one[mb](xt + m0, M, (const char*)wp + p * panel, K2, o);
+                    packed_store(o, mb, 1, m0, p, bias, out, N, (int)bf16);
+                }
+        }
         return;
     }
 #endif
-    linear_c(x, M, w, K, bias, n_lo, n_hi, out, N, (int)bf16);
+    for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, K2, n, k, (int)bf16), xt[k * M + m], s);
+            if (bias) s += load1(bias, n, (int)bf16);
+            store1(out, m * N + n, s, (int)bf16);
+        }
 }
 
 static void softmax_c(float* s, int64_t L) {
@@ -955,53 +847,57 @@ static void run_parallel(task_fn fn, void* ctx, int64_t parts, int64_t threads) 
 
 /* ------------------------------------------------------------------ entry points (ctypes) */
 
-/* output columns per unit of work: a multiple of the 2- and 3-column tiles. A thread reads a unit's weight
- * rows as one stream; 96 rather than 48 made SmolLM2's linears 5-10% faster at 5 and 9 rows. */
-#define BLOCK_N 96
+/* panels (8 output columns each) per unit of work: a thread reads a unit's panels as one stream; 96
+ * columns rather than 48 made SmolLM2's linears 5-10% faster at 5 and 9 rows with the earlier tiles */
+#define BLOCK_P 12
 #define MAX_LINEARS 3 /* linears of one input run as one job (a layer's q, k and v; its gate and up) */
 
 typedef struct {
-    const void* x;
-    int64_t M, K, bf16, n;
+    const float* xt;
+    int64_t M, K2, bf16, n;
     const void *w[MAX_LINEARS], *bias[MAX_LINEARS];
     void* out[MAX_LINEARS];
     int64_t N[MAX_LINEARS], first[MAX_LINEARS + 1]; /* each linear's first part */
 } linear_job;
 
-/* output columns [BLOCK_N p, BLOCK_N (p + 1)) of linear i, p counted from that linear's first part: the columns
- * a call of that linear alone gives its part p, so each output's arithmetic is that call's */
+/* panels [BLOCK_P p, BLOCK_P (p + 1)) of linear i, p counted from that linear's first part */
 static void linear_part(void* ctx, int64_t part) {
     linear_job* j = (linear_job*)ctx;
     int64_t i = 0;
     while (part >= j->first[i + 1]) i++;
-    int64_t n_lo = (part - j->first[i]) * BLOCK_N, n_hi = n_lo + BLOCK_N < j->N[i] ? n_lo + BLOCK_N : j->N[i];
-    linear_range(j->x, j->M, j->w[i], j->K, j->bias[i], n_lo, n_hi, j->out[i], j->N[i], j->bf16);
+    int64_t panels = (j->N[i] + 7) / 8, p_lo = (part - j->first[i]) * BLOCK_P;
+    int64_t p_hi = p_lo + BLOCK_P < panels ? p_lo + BLOCK_P : panels;
+    linear_range(j->xt, j->M, j->w[i], j->K2, j->bias[i], p_lo, p_hi, j->out[i], j->N[i], j->bf16);
 }
 
-/* out_i [M, N_i] = x [M, K] @ w_i [N_i, K]^T (+ bias_i [N_i]) for the n (<= MAX_LINEARS) linears of
- * one input, in one parallel job; fp32, or bf16 (all of them) when bf16; a bias may be NULL. Returns 0,
- * or -1 when scratch memory could not be had. */
+/* out_i [M, N_i] = x [M, K] @ w_i^T (+ bias_i [N_i]) for the n (<= MAX_LINEARS) linears of one input, w_i
+ * packed (above), in one parallel job; fp32, or bf16 (all of them) when bf16; a bias may be NULL.
+ * Returns 0, or -1 when scratch memory could not be had. */
 static int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w,
                        const void* const* bias, void* const* out, const int64_t* N, int64_t bf16, int64_t threads) {
-    float* xf = NULL; /* bf16 x widened to float32 once (exact), not once per tile */
-    if (bf16 && simd != 3) {
-        xf = (float*)malloc((size_t)(M * K) * sizeof(float));
-        if (!xf) return -1;
-        for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(((const uint16_t*)x)[i]);
+    int64_t K2 = bf16 ? K + (K & 1) : K;
+    float* xt = NULL; /* x transposed, widened and padded once for every tile (fp32 1-row x is its own) */
+    if (M > 1 || bf16) {
+        xt = (float*)malloc((size_t)(M * K2) * sizeof(float));
+        if (!xt) return -1;
+        for (int64_t m = 0; m < M; m++) {
+            for (int64_t k = 0; k < K; k++) xt[k * M + m] = load1(x, m * K + k, (int)bf16);
+            for (int64_t k = K; k < K2; k++) xt[k * M + m] = 0.0f;
+        }
     }
-    linear_job j = {xf ? xf : x, M, K, bf16, n};
+    linear_job j = {xt ? xt : (const float*)x, M, K2, bf16, n};
     j.first[0] = 0;
     for (int64_t i = 0; i < n; i++) {
         j.w[i] = w[i], j.bias[i] = bias[i], j.out[i] = out[i], j.N[i] = N[i];
-        j.first[i + 1] = j.first[i] + (N[i] + BLOCK_N - 1) / BLOCK_N;
+        j.first[i + 1] = j.first[i] + ((N[i] + 7) / 8 + BLOCK_P - 1) / BLOCK_P;
     }
     run_parallel(linear_part, &j, j.first[n], threads);
-    free(xf);
+    free(xt);
     return 0;
 }
 
-/* out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]); fp32, or bf16 (all four) when bf16; bias may be NULL.
- * Returns 0, or -1 when scratch memory could not be had. */
+/* out [M, N] = x @ w^T (+ bias [N]), w packed (above); fp32, or bf16 (x, w, bias, out) when bf16; bias
+ * may be NULL. Returns 0, or -1 when scratch memory could not be had. */
 int64_t linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t N, void* out,
                int64_t bf16, int64_t threads) {
     return linears(x, M, K, 1, &w, &bias, &out, &N, bf16, threads);
@@ -1063,7 +959,8 @@ int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const
 }
 
 /* RMS normalization of M rows of K values, x and out fp32 (or bf16 when bf16), w [K] the same:
- *   r = 1 / sqrt(sum(x^2) / K + eps), the sum in 8 lanes over K added in the fixed tree of dot8_c;
+ *   r = 1 / sqrt(sum(x^2) / K + eps), the sum in 8 lanes over K (lane l: k = l, l + 8, ...)
+ *   added in hsum8's fixed tree;
  *   form 0 (Llama's): out = w * round(x * r)  (round: to the dtype, a no-op in fp32)
  *   form 1 (Gemma's): out = round(x * r * (1 + w)).
  * Each row alone, in one fixed order whatever M; prompt chunks of many rows are cut into blocks of

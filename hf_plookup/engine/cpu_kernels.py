@@ -6,22 +6,23 @@ not behave so for few rows (it picks a kernel by the row count and splits rows b
 threads, so each row also rounds differently in a 1-row and a 5-row call). The C kernels in
 `hf_plookup/csrc/cpu_kernels.c` (built at install as `hf_plookup._cpu_kernels`) do:
 
-- `linear(x, weight, bias)`: each weight row is streamed once per call for all rows, and each
-  output is one dot product in a fixed order (8 fp32 lanes over K, the lanes added in one fixed
-  tree), so row i of an M-row call is bitwise that row alone, at any M and thread count.
-  float32 and bfloat16 (widened in registers, fp32 accumulation, rounded once at the output).
-  On a CPU with AVX-512 BF16, bfloat16 weights take the dot-product instruction instead: lane l
-  adds the exact products of values k+2l+1, then k+2l, of each 16, values and sums below
-  FLT_MIN flushed to 0. That order is fixed too (rows stay invariant), but its bits differ from
-  the widened kernel's: bf16 results depend on whether the CPU has the instruction.
+- `linear(x, weight, bias)`: each weight is streamed once per call for all rows, and each output
+  is one FMA chain over k = 0 .. K-1 in order, so row i of an M-row call is bitwise that row
+  alone, at any M and thread count. float32 and bfloat16 (widened exactly, fp32 accumulation,
+  rounded once at the output). The kernel reads a packed copy of the weight (`pack`: panels of 8
+  output columns, their values for one k side by side), made once and kept while the weight lives
+  and is unchanged (`packed`): a second copy of every linear weight it runs, for tiles that need
+  no horizontal sums and read each panel as one stream (docs/results.md, eighteenth session).
 - `rms_norm(x, weight, eps, form)`: RMS normalization of each row alone, its sum of squares in
   the same fixed lane order (the two forms HF's RMSNorm modules take, `RMS_FORMS`); a prompt
   chunk's rows go over the threads in blocks of 64.
 - `attend(...)`: one query head over exactly its visible keys, read in place from the pages in
   position order, with one fixed order of arithmetic per query: chains, tree nodes (the
   context, then the node's ancestors), GQA, sliding windows (the caller trims the keys) and
-  tanh soft-capping. With AVX-512 BF16, bf16 scores q.k take the dot-product instruction in
-  the linears' order of pairs (the query is bf16 already); the rest of attention is unchanged.
+  tanh soft-capping. With AVX-512 BF16, bf16 scores q.k take the dot-product instruction (lane l
+  adds the exact products of values d+2l+1, then d+2l, of each 16, values and sums below FLT_MIN
+  flushed to 0): a fixed order too, but bf16 attention's bits then depend on whether the CPU has
+  the instruction; the rest of attention is unchanged.
 
 `engine.cpu_layers` runs whole decoder layers of decode steps from these kernels (`layer_attention`,
 `layer_mlp` in the same C file).
@@ -43,10 +44,13 @@ import contextlib
 import ctypes
 import functools
 import inspect
+import mmap
 import threading
+import weakref
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 try:
     from .. import _cpu_kernels as _ext
@@ -120,10 +124,9 @@ def uses_avx2() -> bool:
 
 
 def simd_level() -> int:
-    """The vector code the kernels run: 0 portable C, 1 AVX2 + FMA, 2 the same arithmetic with
-    AVX-512's 32 registers (linear tiles of up to 9 rows x 3 outputs instead of AVX2's 4 x 3, 6 x 2
-    and 1-column tiles of up to 9 rows; bitwise the AVX2 results), 3 as 2 but bf16 linears and bf16
-    attention scores by AVX-512 BF16 dot products (their own order, see the module text)."""
+    """The vector code the kernels run: 0 portable C, 1 AVX2 + FMA, 2 a CPU with AVX-512 (which runs
+    level 1's code), 3 as 2 but bf16 attention scores by AVX-512 BF16 dot products (their own order,
+    see the module text). Every level gives the same linears, bit for bit."""
     return int(_LIB.simd_level()) if available() else 0
 
 
@@ -157,22 +160,117 @@ def supported(weight: torch.Tensor) -> bool:
     return _plain(weight) and weight.dtype in DTYPES and weight.dim() == 2 and available()
 
 
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight [N, K] in the layout `linear` reads: panels of 8 output columns, P = ceil(N / 8) of them,
+    zeros past N. float32: [P, K, 8], element [p, k, c] = weight[8p + c, k]. bfloat16: [P, K2 / 2, 8, 2]
+    (K2: K rounded up to even, zeros past K), element [p, j, c, h] = weight[8p + c, 2j + h], so that
+    one 32-bit lane holds values k and k + 1 of a column. `out`: a tensor of that shape to write to.
+
+    Example (float32): weight [[1, 2], [3, 4]] (N = 2, K = 2) packs to [1, 2] shaped [1, 2, 8] with
+    [[1, 3, 0, 0, 0, 0, 0, 0], [2, 4, 0, 0, 0, 0, 0, 0]]: for each k, the 8 columns side by side."""
+    n, k = weight.shape
+    p = -(-n // 8)
+    with torch.no_grad():
+        if weight.dtype == torch.bfloat16:
+            k2 = k + (k & 1)
+            src = F.pad(weight, (0, k2 - k, 0, 8 * p - n)).view(p, 8, k2 // 2, 2).permute(0, 2, 1, 3)
+        else:
+            src = F.pad(weight, (0, 0, 0, 8 * p - n)).view(p, 8, k).permute(0, 2, 1)
+        if out is None:
+            return src.contiguous()
+        return out.copy_(src)
+
+
+def _packed_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    n, k = weight.shape
+    p = -(-n // 8)
+    return (p, (k + 1) // 2, 8, 2) if weight.dtype == torch.bfloat16 else (p, k, 8)
+
+
+# id(weight) -> (a weak reference to it, its address and version counter when packed, the packed copy)
+_PACKED: dict[int, tuple] = {}
+_PACK_LOCK = threading.Lock()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version counter (nor in-place changes outside inference)
+        return None
+
+
+def _current(weight: torch.Tensor) -> torch.Tensor | None:
+    entry = _PACKED.get(id(weight))
+    if entry is not None and entry[0]() is weight and entry[1] == weight.data_ptr() and entry[2] == _version(weight):
+        return entry[3]
+    return None
+
+
+def _keep(weight: torch.Tensor, copy: torch.Tensor) -> None:
+    key = id(weight)
+    _PACKED[key] = (weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None)), weight.data_ptr(), _version(weight), copy)
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """`pack(weight)`, made once and kept while `weight` lives, at the same address and with the
+    same version counter (an in-place change, such as `load_state_dict` or merging an adapter, bumps
+    it; a new `.data` moves it): then packed again."""
+    got = _current(weight)
+    if got is None:
+        with _PACK_LOCK:
+            got = _current(weight)
+            if got is None:
+                got = pack(weight)
+                _keep(weight, got)
+    return got
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Pack every weight of `model`'s plain `nn.Linear` layers that `linear` takes, at once, into one
+    mapping on 2 MB pages (engine.huge_pages: the kernels stream them faster from there), ahead of the
+    first step; returns how many it packed. Weights packed already stay as they are."""
+    from .huge_pages import ALIGN, available as huge_available
+
+    weights, seen = [], set()
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if type(m) is torch.nn.Linear and supported(w) and id(w) not in seen and _current(w) is None:
+            seen.add(id(w))
+            weights.append(w)
+    if not weights or not huge_available():
+        return 0
+    sizes = [-(-int(np.prod(_packed_shape(w))) * w.element_size() // ALIGN) * ALIGN for w in weights]
+    try:
+        buf = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so the pages come huge
+    except OSError:  # no room for it here: each weight is packed on its first call instead
+        return 0
+    with _PACK_LOCK:
+        off = 0
+        for w, size in zip(weights, sizes):
+            shape = _packed_shape(w)
+            out = torch.frombuffer(buf, dtype=w.dtype, count=int(np.prod(shape)), offset=off).view(shape)
+            _keep(w, pack(w, out))
+            off += size
+    return len(weights)
+
+
 def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x2d, weight, bias)` for x2d [M, K] in weight's dtype (float32 or bfloat16), each
-    row computed as it would be alone. `supported(weight)` must hold."""
+    row computed as it would be alone, from `packed(weight)`. `supported(weight)` must hold."""
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
     if x2d.dtype != weight.dtype:
         raise TypeError(f"x is {x2d.dtype}, weight is {weight.dtype}: cpu_kernels.linear needs one dtype")
-    w = weight.contiguous()
-    b = None if bias is None else bias.to(w.dtype).contiguous()
+    w = packed(weight)
+    b = None if bias is None else bias.to(weight.dtype).contiguous()
     m, k = x2d.shape
-    n = w.shape[0]
-    out = torch.empty(m, n, dtype=w.dtype)
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=weight.dtype)
     if m:  # (the kernel reads and writes raw memory: autograd never sees it, as in inference)
         if _LIB.linear(x2d.data_ptr(), m, w.data_ptr(), k, None if b is None else b.data_ptr(), n, out.data_ptr(),
-                       w.dtype == torch.bfloat16, threads()):
-            raise MemoryError("cpu_kernels.linear: no memory to widen the bf16 input")
+                       weight.dtype == torch.bfloat16, threads()):
+            raise MemoryError("cpu_kernels.linear: no memory for the transposed input")
     return out
 
 

@@ -212,7 +212,8 @@ class CpuLayers:
         parameter replaced or its `.data` swapped since the last step); None (and the C path off
         from then on) where a weight is no longer a contiguous tensor of the model's dtype."""
         tensors = self._tensors(cache)
-        key = [t.data_ptr() for t in tensors]
+        # addresses, and the weights' version counters: an in-place change repacks a weight (cpu_kernels.packed)
+        key = [t.data_ptr() for t in tensors] + [cpu_kernels._version(d[n]) for d, n in self._refs]
         if key == self._plan_key:
             return self._structs, self._windows
         if not all(t.dtype == self.dtype and t.is_contiguous() for t in tensors):  # a weight swapped for another kind
@@ -235,12 +236,15 @@ class CpuLayers:
                        form1=cpu_kernels.RMS_FORMS[f1], form2=cpu_kernels.RMS_FORMS[f2],
                        form_qk=cpu_kernels.RMS_FORMS[fqk] if fqk else 0)
             for n, m in lin.items():
-                setattr(s, "w" + n, m.weight.data_ptr())
+                w = cpu_kernels.packed(m.weight)
+                tensors.append(w)
+                setattr(s, "w" + n, w.data_ptr())
                 setattr(s, "b" + n, _ptr(m.bias))
             structs.append(s)
             windows.append(rec["window"])
-        # the structs point into these tensors: held, their memory outlives a parameter's `.data` being
-        # swapped by another thread (engine.huge_pages) until the next step rebuilds the structs
+        # the structs point into these tensors (and the packed weights): held, their memory outlives a
+        # parameter's `.data` being swapped by another thread (engine.huge_pages), or a weight repacked,
+        # until the next step rebuilds the structs
         self._plan_key, self._structs, self._windows, self._held = key, structs, windows, tensors
         return structs, windows
 

@@ -21,6 +21,7 @@ from ..drafting.sampling import history_free
 from ..drafting.tree import TreeProposer
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
+from . import cpu_kernels
 from .cpu_head import head_chooser
 from .distributed import agree_min, agree_seed, tensor_parallel
 from .graphs import GraphRunner
@@ -188,6 +189,7 @@ class Engine:
                                       hooked=hooked, distributed=self.tensor_parallel)
         if invariant and devices[0].type == "cpu" and len(devices) == 1 and not hooked:
             to_huge_pages(model)  # the C kernels read weights faster from 2 MB pages (engine.huge_pages)
+            cpu_kernels.pack_linears(model)  # ... and their packed copies, made here once (engine.cpu_kernels)
         self.prefill_unit = min(PREFILL_UNIT, options.max_batch_tokens) if invariant else None
         self.invariant = InvariantLinears(model, self.prefill_unit) if invariant else None
         if invariant and backend not in CAPTURED_INVARIANT_BACKENDS:

@@ -62,20 +62,17 @@ def test_linear_rows_are_invariant(m, k, n, dtype, bias, threads, seed):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_linear_simd_levels_agree_bitwise(dtype):
-    """The portable C code, the AVX2 tiles (fp32: 6 x 2 up to 12 rows, but 1-column tiles for 7 to
-    9; bf16: 1-column tiles up to 6 rows; 4 x 3 above) and the 9-row AVX-512 tiles run one
-    arithmetic per output: every level this CPU has gives the same bits (a machine without AVX2 or
-    AVX-512 compares the levels it has). Level 3 runs fp32 as level 2; its bf16 order is its own
-    (test_bf16_dot_products_follow_their_order)."""
+    """The portable C loop and the AVX2 tiles (up to 9 rows in one pass, 1-9 rows x 1-4 panels; more
+    rows in passes of up to 9 over each panel) run one arithmetic per output: every level this CPU
+    has gives the same bits (levels 2 and 3 run level 1's linears)."""
     dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(3)
     top = ck.simd_level()
-    levels = range(top + 1) if dt == torch.float32 else range(min(top, 2) + 1)
     try:
         for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 17, 64):
             x, w, b = torch.randn(m, 203, generator=g).to(dt), torch.randn(61, 203, generator=g).to(dt), torch.randn(61).to(dt)
             outs = []
-            for level in levels:
+            for level in range(top + 1):
                 ck.set_simd_level(level)
                 outs.append(ck.linear(x, w, b))
             assert all(torch.equal(o, outs[0]) for o in outs), m
@@ -84,42 +81,63 @@ def test_linear_simd_levels_agree_bitwise(dtype):
     assert ck.simd_level() == top
 
 
-def _dot_pairs_reference(x, w, b):
-    """Level 3's documented arithmetic in numpy float32: lane l adds the exact products of values
-    k+2l+1, then k+2l, of each 16 (zeros past K), each addition rounded, and values and sums below
-    FLT_MIN flushed to 0; then hsum8's tree, the bias, one rounding to bf16."""
-    xf, wf = x.float().numpy(), w.float().numpy()
-    (m, k), n = xf.shape, wf.shape[0]
-    k16 = -(-k // 16) * 16
-    tiny = np.finfo(np.float32).tiny
-    ftz = lambda a: np.where(np.abs(a) < tiny, np.float32(0), a).astype(np.float32)  # noqa: E731
-    xp, wp = np.zeros((m, k16), np.float32), np.zeros((n, k16), np.float32)
-    xp[:, :k], wp[:, :k] = ftz(xf), ftz(wf)
-    acc = np.zeros((m, n, 8), np.float32)
-    for i in range(0, k16, 16):
-        for odd in (1, 0):
-            ks = i + 2 * np.arange(8) + odd
-            acc = ftz(acc + xp[:, None, ks] * wp[None, :, ks])  # a bf16 x bf16 product is exact in fp32
-    a = acc
-    s = ((a[..., 0] + a[..., 4]) + (a[..., 2] + a[..., 6])) + ((a[..., 1] + a[..., 5]) + (a[..., 3] + a[..., 7]))
-    if b is not None:
-        s = s + b.float().numpy()
-    return torch.from_numpy(s.astype(np.float32)).bfloat16()
+def test_linear_is_one_chain_over_k():
+    """Each output is one FMA chain over k in order: 1e8, then + 1 (rounded away: fp32 spacing at
+    1e8 is 8), then - 1e8 gives 0, where a sum in 8 lanes and a tree would keep the 1. The same at
+    every SIMD level and as any row of a longer call."""
+    x = torch.tensor([[1e8, 1.0, -1e8]])
+    w = torch.ones(1, 3)
+    top = ck.simd_level()
+    try:
+        for level in range(top + 1):
+            ck.set_simd_level(level)
+            assert ck.linear(x, w, None).tolist() == [[0.0]]
+            assert ck.linear(torch.cat([torch.randn(4, 3), x]), w, None)[4].tolist() == [0.0]
+    finally:
+        ck.set_simd_level(top)
 
 
-@pytest.mark.skipif(ck.simd_level() < 3, reason="this CPU has no AVX-512 BF16 (level 3)")
-@pytest.mark.parametrize("m,k,n,scale", [(1, 203, 61, 1.0), (5, 576, 100, 1.0), (9, 1536, 30, 1.0), (3, 17, 7, 1.0),
-                                         (4, 64, 9, 1e-19)])
-def test_bf16_dot_products_follow_their_order(m, k, n, scale):
-    """Level 3's bf16 linear is bitwise its documented order (scale 1e-19: products below FLT_MIN,
-    flushed), and within a bf16 ulp or so of float64."""
-    g = torch.Generator().manual_seed(m * k + n)
-    x = (torch.randn(m, k, generator=g) * scale).bfloat16()
-    w, b = (torch.randn(n, k, generator=g) * scale).bfloat16(), torch.randn(n, generator=g).bfloat16()
-    out = ck.linear(x, w, b)
-    assert torch.equal(out, _dot_pairs_reference(x, w, b))
-    ref = x.double() @ w.double().T + b.double()
-    torch.testing.assert_close(out.double(), ref, rtol=2**-7, atol=1e-4 * k**0.5)
+def test_pack_literal():
+    """The docstring's examples: for each k, 8 columns side by side (zeros past N); bf16 pairs k and
+    k + 1 of a column side by side (a zero past an odd K)."""
+    assert ck.pack(torch.tensor([[1.0, 2.0], [3.0, 4.0]])).tolist() == [[[1, 3, 0, 0, 0, 0, 0, 0], [2, 4, 0, 0, 0, 0, 0, 0]]]
+    w = torch.tensor([[1.0, 2.0, 3.0]]).bfloat16()
+    got = ck.pack(w)
+    assert got.shape == (1, 2, 8, 2)
+    assert got[0, :, 0].tolist() == [[1, 2], [3, 0]] and not got[0, :, 1:].any()
+
+
+def test_packed_copy_follows_the_weight():
+    """`linear` reads a packed copy made once per weight; an in-place change of the weight, a new
+    `.data` and a new tensor each give the new weight's result."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 40, generator=g)
+    w = torch.nn.Parameter(torch.randn(20, 40, generator=g))
+    first = ck.linear(x, w, None)
+    assert ck.packed(w) is ck.packed(w)
+    with torch.no_grad():
+        w.mul_(2)
+    assert torch.equal(ck.linear(x, w, None), ck.linear(x, w.detach().clone(), None))
+    torch.testing.assert_close(ck.linear(x, w, None), 2 * first)
+    w.data = torch.randn(20, 40, generator=g)
+    assert torch.equal(ck.linear(x, w, None), ck.linear(x, w.detach().clone(), None))
+
+
+def test_pack_linears_packs_each_weight_once():
+    """`pack_linears` packs a model's linear weights ahead (one mapping on 2 MB pages where the
+    kernel offers them), tied weights once, and `linear` then reads those copies."""
+    from hf_plookup.engine import huge_pages
+
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.ReLU(), torch.nn.Linear(24, 40, bias=False))
+    model.append(torch.nn.Linear(24, 40, bias=False))
+    model[3].weight = model[2].weight  # tied
+    n = ck.pack_linears(model)
+    assert n == (2 if huge_pages.available() else 0)
+    assert ck.pack_linears(model) == 0  # packed already
+    for m in (model[0], model[2]):
+        assert torch.equal(ck.packed(m.weight), ck.pack(m.weight))
+    x = torch.randn(5, 40)
+    assert torch.equal(ck.linear(x, model[0].weight, model[0].bias), ck.linear(x, model[0].weight.detach().clone(), model[0].bias))
 
 
 def test_linear_rejects_mixed_dtypes():
@@ -209,7 +227,7 @@ def test_attend_literal_chain():
 
 @pytest.mark.skipif(ck.simd_level() < 3, reason="this CPU has no AVX-512 BF16 (level 3)")
 def test_bf16_scores_follow_the_dot_product_order():
-    """Level 3 sums a bf16 score q.k as its bf16 linears do: lane l adds the products of values
+    """Level 3 sums a bf16 score q.k by dot products of pairs: lane l adds the products of values
     2l+1, then 2l, of each 16, then hsum8. Key 0's products are 1, 2^24, 0, -2^24: lane 0 rounds
     2^24 + 1 to 2^24, so the score is 0, where the 8-lane order of levels 0-2 (and of fp32 pages)
     keeps the 1. Key 1 scores 0 and the values are one-hot, so the output shows the score."""
