@@ -52,6 +52,7 @@ from hf_plookup.attention.metadata import StepLayout
 from hf_plookup.attention.ops import COMPILABLE_BACKENDS
 from hf_plookup.attention.registry import register
 from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket
+from hf_plookup.engine import cpu_kernels
 from hf_plookup.engine.huge_pages import to_huge_pages
 from hf_plookup.engine.kv_cache import PagedKVCache, layer_specs
 from hf_plookup.engine.runner import ModelRunner
@@ -402,6 +403,8 @@ def main(argv=None) -> int:
     for name in args.models:
         model = random_model(name, DTYPES[args.dtype], device, args.seed)
         huge = device.type == "cpu" and to_huge_pages(model)  # as the engine does for its CPU steps
+        if huge:
+            cpu_kernels.pack_linears(model)  # (the engine packs the linear weights there too)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bound = weight_bytes / copy_bandwidth(device)
         read_bound = weight_bytes / read_bandwidth(device)
