@@ -146,13 +146,15 @@ AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
 #define PACK_AHEAD_BF16 16384
 #define UNROLL _Pragma("GCC unroll 16")
 /* (gcc 12 at -O3 kept a tile's sums in memory, a store per FMA, unless every loop over them unrolls) */
-typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K, float* o);
+/* a tile: sums over values [0, kn) of panels K values long (wp and xt at the first of them), into o
+ * [MB][NP * 8], from 0 or (init) from o's sums: a chain cut at a block of K goes on bitwise */
+typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init);
 #define PTILE_F32(MB, NP)                                                                               \
-    AVX2 static void pf32_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, float* o) { \
+    AVX2 static void pf32_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init) { \
         const float* w = (const float*)wp;                                                              \
         __m256 acc[MB][NP];                                                                             \
-        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_setzero_ps(); \
-        for (int64_t k = 0; k < K; k++) {                                                               \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = init ? _mm256_loadu_ps(o + (i * NP + j) * 8) : _mm256_setzero_ps(); \
+        for (int64_t k = 0; k < kn; k++) {                                                              \
             __m256 wv[NP];                                                                              \
             UNROLL for (int j = 0; j < NP; j++) {                                                       \
                 const float* p = w + (j * K + k) * 8;                                                   \
@@ -168,12 +170,12 @@ typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K
     }
 /* K here is K2 (even); values k and k + 1 of 8 columns are one 32-byte load */
 #define PTILE_BF16(MB, NP)                                                                              \
-    AVX2 static void pbf16_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, float* o) { \
+    AVX2 static void pbf16_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init) { \
         const uint16_t* w = (const uint16_t*)wp;                                                        \
         const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);                                         \
         __m256 acc[MB][NP];                                                                             \
-        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_setzero_ps(); \
-        for (int64_t k = 0; k < K; k += 2) {                                                            \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = init ? _mm256_loadu_ps(o + (i * NP + j) * 8) : _mm256_setzero_ps(); \
+        for (int64_t k = 0; k < kn; k += 2) {                                                           \
             __m256 wv[NP]; /* value k of each column, then value k + 1 (read again: fewer registers held) */ \
             UNROLL for (int j = 0; j < NP; j++) {                                                       \
                 const uint16_t* p = w + (j * K + k) * 8;                                                \
@@ -196,6 +198,7 @@ typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K
 #define PTILES_X1(T) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1) T(7, 1) T(8, 1) T(9, 1)
 PTILES_X1(PTILE_F32) PTILE_F32(1, 4) PTILE_F32(2, 4) PTILE_F32(3, 3) PTILE_F32(4, 3) PTILE_F32(5, 2) PTILE_F32(6, 2)
 PTILES_X1(PTILE_BF16) PTILE_BF16(1, 4) PTILE_BF16(2, 3) PTILE_BF16(3, 3) PTILE_BF16(4, 2) PTILE_BF16(5, 2)
+PTILE_F32(1, 3) PTILE_F32(2, 3)
 /* by rows (1-9): the tile of one pass over the panels, and its panels; the 1-panel tile of as many rows */
 static const ptile_fn pf32_wide[] = {0, pf32_1x4, pf32_2x4, pf32_3x3, pf32_4x3, pf32_5x2, pf32_6x2, pf32_7x1, pf32_8x1, pf32_9x1};
 static const int pf32_np[] = {0, 4, 4, 3, 3, 2, 2, 1, 1, 1};
@@ -203,6 +206,19 @@ static const ptile_fn pf32_one[] = {0, pf32_1x1, pf32_2x1, pf32_3x1, pf32_4x1, p
 static const ptile_fn pbf16_wide[] = {0, pbf16_1x4, pbf16_2x3, pbf16_3x3, pbf16_4x2, pbf16_5x2, pbf16_6x1, pbf16_7x1, pbf16_8x1, pbf16_9x1};
 static const int pbf16_np[] = {0, 4, 3, 3, 2, 2, 1, 1, 1, 1};
 static const ptile_fn pbf16_one[] = {0, pbf16_1x1, pbf16_2x1, pbf16_3x1, pbf16_4x1, pbf16_5x1, pbf16_6x1, pbf16_7x1, pbf16_8x1, pbf16_9x1};
+/* Calls of more than 9 rows (a batch's verify step, a prompt chunk) go in blocks of rows. fp32: blocks
+ * of MANY_ROWS rows, each over MANY_PANELS panels at a time (the 4 x 3 tile has the fewest broadcasts
+ * per FMA) and MANY_KBLOCK values at a time, so that the panels' block stays in L1 while every row
+ * block passes over it (a chain cut there goes on from its stored sums, bitwise). bf16: blocks of 9
+ * rows over one panel, which a bf16 pass widens again: 3 x 3 passes ran 1.3x slower than 9 x 1 ones at
+ * 16 to 40 rows. With x in blocks of rows too (x_block), SmolLM2's fp32 linears took 43-45 and 95-101
+ * ms at 16 and 40 rows on a 2-core EPYC, against 54-60 and 125-131 with x as one [K][M] block (with and
+ * without blocks of K), and 54 and 98-107 with the row-along-K kernels before (eighteenth session). */
+#define MANY_PANELS 3
+#define MANY_ROWS 4
+#define MANY_KBLOCK 128
+#define MANY_BLOCK_ROWS 64 /* rows whose sums one pass over the panels keeps (a multiple of 4) */
+static const ptile_fn pf32_many[] = {0, pf32_1x3, pf32_2x3, pf32_3x3, pf32_4x3};
 /* AVX-512 BF16 (level 3): VDPBF16PS multiplies bf16 pairs and adds both products to an fp32 lane, with
  * the instruction's fixed DAZ / FTZ rounding; level 3 uses it for bf16 attention scores (SCORES_DP,
  * below), whose order is then its own. */
@@ -468,6 +484,11 @@ static int simd = 0, simd_max = 0;
 
 /* ------------------------------------------------------------------ entry points */
 
+/* x goes to the tiles transposed in blocks of this many rows, [blocks][K2][B] (the last block fewer
+ * rows), so that a pass over one block reads its x values as one stream: all M rows as one block
+ * up to 9 rows, else the rows of a fp32 pass (MANY_ROWS) or of a bf16 one (9) */
+static inline int64_t x_block(int64_t M, int64_t bf16) { return M <= 9 ? M : bf16 ? 9 : MANY_ROWS; }
+
 /* the weight of output column n at value k of a packed linear (the portable path's read) */
 static inline float packed_w(const void* wp, int64_t K2, int64_t n, int64_t k, int bf16) {
     if (!bf16) return ((const float*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
@@ -489,7 +510,7 @@ static void packed_store(const float* o, int mb, int np, int64_t m0, int64_t p, 
 /* out [M, N] = x @ w^T (+ bias) for the columns of panels [p_lo, p_hi) (8 columns a panel), every row:
  * xt is x transposed, [K2][M] fp32; w is packed (above), K2 its values a column (K, or K rounded up to
  * even for bf16); w, bias and out are bf16 when bf16, else fp32. Up to 9 rows go in one pass over the
- * panels; more rows in passes of up to 9 over each panel while it is in L1. */
+ * panels; more rows in blocks (MANY_ROWS, below the tiles). */
 static void linear_range(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
                          int64_t p_hi, void* out, int64_t N, int64_t bf16) {
 #if HAVE_AVX2_PATH
@@ -501,27 +522,41 @@ static void linear_range(const float* xt, int64_t M, const void* wp, int64_t K2,
             int np = (bf16 ? pbf16_np : pf32_np)[M];
             for (int64_t p = p_lo; p < p_hi;) {
                 int n = p + np <= p_hi ? np : 1;
-                (n == np ? wide : one)[M](xt, M, (const char*)wp + p * panel, K2, o);
+                (n == np ? wide : one)[M](xt, M, (const char*)wp + p * panel, K2, K2, o, 0);
                 packed_store(o, (int)M, n, 0, p, bias, out, N, (int)bf16);
                 p += n;
             }
-        } else {
-            int64_t passes = (M + 8) / 9;
-            for (int64_t p = p_lo; p < p_hi; p++)
-                for (int64_t q = 0; q < passes; q++) {
-                    int64_t m0 = M * q / passes;
-                    int mb = (int)(M * (q + 1) / passes - m0);
-                    one[mb](xt + m0, M, (const char*)wp + p * panel, K2, o);
-                    packed_store(o, mb, 1, m0, p, bias, out, N, (int)bf16);
+        } else { /* blocks of rows (MANY_ROWS above) */
+            int64_t B = x_block(M, bf16), blocks = (M + B - 1) / B;
+            float acc[MANY_BLOCK_ROWS * MANY_PANELS * 8];
+            for (int64_t p = p_lo; p < p_hi;) {
+                int n = !bf16 && p + MANY_PANELS <= p_hi ? MANY_PANELS : 1;
+                int64_t kb = n == MANY_PANELS ? MANY_KBLOCK : K2;
+                for (int64_t b0 = 0; b0 < blocks; b0 += MANY_BLOCK_ROWS / B) {
+                    int64_t b1 = b0 + MANY_BLOCK_ROWS / B < blocks ? b0 + MANY_BLOCK_ROWS / B : blocks;
+                    for (int64_t k0 = 0; k0 < K2; k0 += kb)
+                        for (int64_t b = b0; b < b1; b++) {
+                            int64_t m0 = b * B, mb = M - m0 < B ? M - m0 : B;
+                            (n == MANY_PANELS ? pf32_many : one)[mb](xt + m0 * K2 + k0 * mb, mb,
+                                (const char*)wp + p * panel + k0 * 8 * (bf16 ? 2 : 4), K2,
+                                K2 - k0 < kb ? K2 - k0 : kb, acc + (m0 - b0 * B) * n * 8, k0 > 0);
+                        }
+                    int64_t r1 = b1 * B < M ? b1 * B : M;
+                    packed_store(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)bf16);
                 }
+                p += n;
+            }
         }
         return;
     }
 #endif
+    int64_t B = x_block(M, bf16);
     for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N; n++)
         for (int64_t m = 0; m < M; m++) {
+            int64_t m0 = m / B * B, mb = M - m0 < B ? M - m0 : B;
+            const float* xb = xt + m0 * K2 + (m - m0);
             float s = 0.0f;
-            for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, K2, n, k, (int)bf16), xt[k * M + m], s);
+            for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, K2, n, k, (int)bf16), xb[k * mb], s);
             if (bias) s += load1(bias, n, (int)bf16);
             store1(out, m * N + n, s, (int)bf16);
         }
@@ -876,13 +911,16 @@ static void linear_part(void* ctx, int64_t part) {
 static int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w,
                        const void* const* bias, void* const* out, const int64_t* N, int64_t bf16, int64_t threads) {
     int64_t K2 = bf16 ? K + (K & 1) : K;
-    float* xt = NULL; /* x transposed, widened and padded once for every tile (fp32 1-row x is its own) */
+    float* xt = NULL; /* x transposed (in blocks: x_block), widened and padded once for every tile (fp32 1-row x is its own) */
     if (M > 1 || bf16) {
         xt = (float*)malloc((size_t)(M * K2) * sizeof(float));
         if (!xt) return -1;
+        int64_t B = x_block(M, bf16);
         for (int64_t m = 0; m < M; m++) {
-            for (int64_t k = 0; k < K; k++) xt[k * M + m] = load1(x, m * K + k, (int)bf16);
-            for (int64_t k = K; k < K2; k++) xt[k * M + m] = 0.0f;
+            int64_t m0 = m / B * B, mb = M - m0 < B ? M - m0 : B;
+            float* xb = xt + m0 * K2 + (m - m0);
+            for (int64_t k = 0; k < K; k++) xb[k * mb] = load1(x, m * K + k, (int)bf16);
+            for (int64_t k = K; k < K2; k++) xb[k * mb] = 0.0f;
         }
     }
     linear_job j = {xt ? xt : (const float*)x, M, K2, bf16, n};
