@@ -166,7 +166,7 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     (K2: K rounded up to even, zeros past K), element [p, j, c, h] = weight[8p + c, 2j + h], so that
     one 32-bit lane holds values k and k + 1 of a column. `out`: a tensor of that shape to write to.
 
-    Example (float32): weight [[1, 2], [3, 4]] (N = 2, K = 2) packs to [1, 2] shaped [1, 2, 8] with
+    Example (float32): weight [[1, 2], [3, 4]] (N = 2, K = 2) packs to shape [1, 2, 8], the one panel
     [[1, 3, 0, 0, 0, 0, 0, 0], [2, 4, 0, 0, 0, 0, 0, 0]]: for each k, the 8 columns side by side."""
     n, k = weight.shape
     p = -(-n // 8)
