@@ -44,7 +44,6 @@ import contextlib
 import ctypes
 import functools
 import inspect
-import mmap
 import threading
 import weakref
 
@@ -229,7 +228,7 @@ def pack_linears(model: torch.nn.Module) -> int:
     """Pack every weight of `model`'s plain `nn.Linear` layers that `linear` takes, at once, into one
     mapping on 2 MB pages (engine.huge_pages: the kernels stream them faster from there), ahead of the
     first step; returns how many it packed. Weights packed already stay as they are."""
-    from .huge_pages import ALIGN, available as huge_available
+    from .huge_pages import aligned, huge_buffer
 
     weights, seen = [], set()
     for m in model.modules():
@@ -237,13 +236,9 @@ def pack_linears(model: torch.nn.Module) -> int:
         if type(m) is torch.nn.Linear and supported(w) and id(w) not in seen and _current(w) is None:
             seen.add(id(w))
             weights.append(w)
-    if not weights or not huge_available():
-        return 0
-    sizes = [-(-int(np.prod(_packed_shape(w))) * w.element_size() // ALIGN) * ALIGN for w in weights]
-    try:
-        buf = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so the pages come huge
-    except OSError:  # no room for it here: each weight is packed on its first call instead
+    sizes = [aligned(int(np.prod(_packed_shape(w))) * w.element_size()) for w in weights]
+    buf = huge_buffer(sum(sizes)) if weights else None
+    if buf is None:  # no 2 MB pages or no room for them here: each weight is packed on its first call instead
         return 0
     with _PACK_LOCK:
         off = 0

@@ -43,6 +43,24 @@ def available() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
+def aligned(nbytes: int) -> int:
+    """nbytes rounded up to a whole number of ALIGN-byte cache lines (where the next storage starts)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def huge_buffer(nbytes: int) -> mmap.mmap | None:
+    """An anonymous private mapping of nbytes, advised for 2 MB pages before its first touch (so the
+    pages come huge); None where the kernel offers no such pages or the memory cannot be had."""
+    if not available():
+        return None
+    try:
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        return None
+    return buf
+
+
 def _moved(model: torch.nn.Module) -> bool:
     mapping = getattr(model, "_hf_plookup_huge_pages", None)
     return mapping is not None and all(_within(p, mapping) for p in model.parameters())
@@ -68,11 +86,9 @@ def to_huge_pages(model: torch.nn.Module) -> bool:
     for ps in storages.values():
         n = ps[0].untyped_storage().nbytes()
         places.append((ps, n, total))
-        total += -(-n // ALIGN) * ALIGN
-    try:
-        buf = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so the pages come huge
-    except OSError:  # no memory for a second copy, or the advice refused: the weights stay where they are
+        total += aligned(n)
+    buf = huge_buffer(total)
+    if buf is None:  # no memory for a second copy, or the advice refused: the weights stay where they are
         return False
     with torch.no_grad():
         for ps, n, off in places:
