@@ -406,8 +406,8 @@ WSUM(wsum3, 3)
 
 #if HAVE_DPBF16
 /* Level 3, bf16 pages: q.k as VDPBF16PS dot products of bf16 pairs (lane l adds the exact products of
- * values d + 2l + 1, then d + 2l, of each 16 from d, with the instruction's DAZ / FTZ; then hsum8). A query is bf16 already (the projection's output),
- * so neither it nor the key is widened, and a score takes half the instructions of 8-lane FMAs. The
+ * values d + 2l + 1, then d + 2l, of each 16 from d, with the instruction's DAZ / FTZ; then hsum8). A
+ * query is bf16 already (the projection's output), so neither it nor the key is widened, and a score takes half the instructions of 8-lane FMAs. The
  * order is fixed per score whatever the key blocks, heads or threads: invariant as the other levels,
  * with bits of its own. */
 #define DP_LD(P, OFF, REM) ((REM) ? ld_pairs_part(P, OFF, REM) : ld_pairs(P, OFF))
@@ -489,6 +489,14 @@ static int simd = 0, simd_max = 0;
  * up to 9 rows, else the rows of a fp32 pass (MANY_ROWS) or of a bf16 one (9) */
 static inline int64_t x_block(int64_t M, int64_t bf16) { return M <= 9 ? M : bf16 ? 9 : MANY_ROWS; }
 
+/* where row m's value 0 lies in the transposed x (blocks of B rows, K2 values), *ld the step between its
+ * values (the rows of m's block) */
+static inline int64_t x_at(int64_t M, int64_t B, int64_t K2, int64_t m, int64_t* ld) {
+    int64_t m0 = m / B * B;
+    *ld = M - m0 < B ? M - m0 : B;
+    return m0 * K2 + (m - m0);
+}
+
 /* the weight of output column n at value k of a packed linear (the portable path's read) */
 static inline float packed_w(const void* wp, int64_t K2, int64_t n, int64_t k, int bf16) {
     if (!bf16) return ((const float*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
@@ -508,8 +516,8 @@ static void packed_store(const float* o, int mb, int np, int64_t m0, int64_t p, 
 }
 
 /* out [M, N] = x @ w^T (+ bias) for the columns of panels [p_lo, p_hi) (8 columns a panel), every row:
- * xt is x transposed, [K2][M] fp32; w is packed (above), K2 its values a column (K, or K rounded up to
- * even for bf16); w, bias and out are bf16 when bf16, else fp32. Up to 9 rows go in one pass over the
+ * xt is x transposed in blocks of rows (x_block), fp32; w is packed (above), K2 its values a column (K,
+ * or K rounded up to even for bf16); w, bias and out are bf16 when bf16, else fp32. Up to 9 rows go in one pass over the
  * panels; more rows in blocks (MANY_ROWS, below the tiles). */
 static void linear_range(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
                          int64_t p_hi, void* out, int64_t N, int64_t bf16) {
@@ -536,8 +544,8 @@ static void linear_range(const float* xt, int64_t M, const void* wp, int64_t K2,
                     int64_t b1 = b0 + MANY_BLOCK_ROWS / B < blocks ? b0 + MANY_BLOCK_ROWS / B : blocks;
                     for (int64_t k0 = 0; k0 < K2; k0 += kb)
                         for (int64_t b = b0; b < b1; b++) {
-                            int64_t m0 = b * B, mb = M - m0 < B ? M - m0 : B;
-                            (n == MANY_PANELS ? pf32_many : one)[mb](xt + m0 * K2 + k0 * mb, mb,
+                            int64_t mb, at = x_at(M, B, K2, b * B, &mb), m0 = b * B;
+                            (n == MANY_PANELS ? pf32_many : one)[mb](xt + at + k0 * mb, mb,
                                 (const char*)wp + p * panel + k0 * 8 * (bf16 ? 2 : 4), K2,
                                 K2 - k0 < kb ? K2 - k0 : kb, acc + (m0 - b0 * B) * n * 8, k0 > 0);
                         }
@@ -553,10 +561,10 @@ static void linear_range(const float* xt, int64_t M, const void* wp, int64_t K2,
     int64_t B = x_block(M, bf16);
     for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N; n++)
         for (int64_t m = 0; m < M; m++) {
-            int64_t m0 = m / B * B, mb = M - m0 < B ? M - m0 : B;
-            const float* xb = xt + m0 * K2 + (m - m0);
+            int64_t ld;
+            const float* xm = xt + x_at(M, B, K2, m, &ld);
             float s = 0.0f;
-            for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, K2, n, k, (int)bf16), xb[k * mb], s);
+            for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, K2, n, k, (int)bf16), xm[k * ld], s);
             if (bias) s += load1(bias, n, (int)bf16);
             store1(out, m * N + n, s, (int)bf16);
         }
@@ -911,16 +919,16 @@ static void linear_part(void* ctx, int64_t part) {
 static int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w,
                        const void* const* bias, void* const* out, const int64_t* N, int64_t bf16, int64_t threads) {
     int64_t K2 = bf16 ? K + (K & 1) : K;
-    float* xt = NULL; /* x transposed (in blocks: x_block), widened and padded once for every tile (fp32 1-row x is its own) */
+    float* xt = NULL; /* x transposed in blocks (x_block), widened and padded once for every tile (fp32 1-row x is its own) */
     if (M > 1 || bf16) {
         xt = (float*)malloc((size_t)(M * K2) * sizeof(float));
         if (!xt) return -1;
         int64_t B = x_block(M, bf16);
         for (int64_t m = 0; m < M; m++) {
-            int64_t m0 = m / B * B, mb = M - m0 < B ? M - m0 : B;
-            float* xb = xt + m0 * K2 + (m - m0);
-            for (int64_t k = 0; k < K; k++) xb[k * mb] = load1(x, m * K + k, (int)bf16);
-            for (int64_t k = K; k < K2; k++) xb[k * mb] = 0.0f;
+            int64_t ld;
+            float* xm = xt + x_at(M, B, K2, m, &ld);
+            for (int64_t k = 0; k < K; k++) xm[k * ld] = load1(x, m * K + k, (int)bf16);
+            for (int64_t k = K; k < K2; k++) xm[k * ld] = 0.0f;
         }
     }
     linear_job j = {xt ? xt : (const float*)x, M, K2, bf16, n};
