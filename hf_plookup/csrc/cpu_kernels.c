@@ -18,7 +18,10 @@
  *   ([slots, H_kv, D], flat), in position order: scores (8-lane dot, fixed hsum), optional
  *   tanh soft-capping, softmax with one max and one sum in fixed order, then the weighted sum
  *   of values, each output element accumulated key by key. The keys a sequence's tokens all
- *   see (a chain's or a tree's cached prefix) are read once for all of them, block by block.
+ *   see (a chain's or a tree's cached prefix) are read once for all of them, block by block: with
+ *   TILE_QUERIES or more queries to a KV head, a block as fp32 rows (bf16 widened once) against
+ *   tiles of 4 queries x 3 keys and of 3 queries x 32 values; fewer queries take it by groups of
+ *   a token's heads. Either way a query's arithmetic is the same.
  *
  * layer_attention, layer_mlp: a Llama-form decoder layer of a decode step in two calls, from the
  *   kernels above and torch's elementwise arithmetic written out (engine.cpu_layers).
@@ -101,7 +104,7 @@ AVX2 static inline float hsum8(__m256 v) { /* ((0+4)+(2+6)) + ((1+5)+(3+7)) */
 
 /* out[u] = hsum8(v[u]) for u < 8, bitwise (the same tree: lane i + lane i+4, then (0+2) + (1+3)),
  * eight sums at once by transposing as they are added */
-AVX2 static inline void hsum8x8(const __m256* v, float* out) {
+AVX2 static inline __attribute__((always_inline)) __m256 hsum8x8_v(const __m256* v) {
     __m256 b[4], c[2];
     for (int i = 0; i < 4; i++) /* [v_2i: p0..p3 | v_2i+1: p0..p3], p_l = lane l + lane l+4 */
         b[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
@@ -110,8 +113,9 @@ AVX2 static inline void hsum8x8(const __m256* v, float* out) {
         c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
     __m256 d = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xDD));
     /* d = sums of v0 v2 v4 v6 | v1 v3 v5 v7 */
-    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
+AVX2 static inline void hsum8x8(const __m256* v, float* out) { _mm256_storeu_ps(out, hsum8x8_v(v)); }
 
 AVX2 static inline __m256 ld_f32(const void* p, int64_t i) { return _mm256_loadu_ps((const float*)p + i); }
 AVX2 static inline __m256 widen8(__m128i h) { /* 8 bf16 -> fp32, exact */
@@ -311,7 +315,7 @@ AVX2 static inline __attribute__((always_inline)) void store_scores(const __m256
 }
 #define SCORES(NAME, NH, KB)                                                                            \
     AVX2 static void NAME(const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D,     \
-                          int bf16, float* s, int64_t ld, int64_t npf) {                                \
+                          int64_t qs, int bf16, float* s, int64_t ld, int64_t npf) {                    \
         int64_t j = 0, esz = bf16 ? 2 : 4;                                                              \
         for (; j + KB <= L; j += KB) {                                                                  \
             for (int u = 0; u < KB && j + KEY_AHEAD + u < npf; u++)                                     \
@@ -324,7 +328,7 @@ AVX2 static inline __attribute__((always_inline)) void store_scores(const __m256
                 __m256 kv[KB];                                                                          \
                 for (int u = 0; u < KB; u++) kv[u] = LDX(kb, rows[j + u] + d, 0);                       \
                 for (int h = 0; h < NH; h++) {                                                          \
-                    __m256 qv = _mm256_loadu_ps(q + h * D + d);                                         \
+                    __m256 qv = _mm256_loadu_ps(q + h * qs + d);                                         \
                     for (int u = 0; u < KB; u++) a[h][u] = _mm256_fmadd_ps(qv, kv[u], a[h][u]);         \
                 }                                                                                       \
             }                                                                                           \
@@ -333,7 +337,7 @@ AVX2 static inline __attribute__((always_inline)) void store_scores(const __m256
                 for (int u = 0; u < KB; u++) {                                                          \
                     __m256 kv = LDX(kb, rows[j + u] + d, rem);                                          \
                     for (int h = 0; h < NH; h++)                                                        \
-                        a[h][u] = _mm256_fmadd_ps(ld_part(q + h * D, d, rem, 0), kv, a[h][u]);          \
+                        a[h][u] = _mm256_fmadd_ps(ld_part(q + h * qs, d, rem, 0), kv, a[h][u]);          \
                 }                                                                                       \
             }                                                                                           \
             store_scores(&a[0][0], NH, KB, s, ld, j);                                                   \
@@ -344,12 +348,12 @@ AVX2 static inline __attribute__((always_inline)) void store_scores(const __m256
             int64_t d = 0;                                                                              \
             for (; d + 8 <= D; d += 8) {                                                                \
                 __m256 k0 = LDX(kb, rows[j] + d, 0);                                                    \
-                for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), k0, a[h]); \
+                for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * qs + d), k0, a[h]); \
             }                                                                                           \
             if (d < D) {                                                                                \
                 int rem = (int)(D - d);                                                                 \
                 __m256 k0 = LDX(kb, rows[j] + d, rem);                                                  \
-                for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(ld_part(q + h * D, d, rem, 0), k0, a[h]); \
+                for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(ld_part(q + h * qs, d, rem, 0), k0, a[h]); \
             }                                                                                           \
             for (int h = 0; h < NH; h++) s[h * ld + j] = hsum8(a[h]);                                    \
         }                                                                                               \
@@ -404,6 +408,139 @@ WSUM(wsum2, 2)
 WSUM(wsum3, 3)
 #undef LDX
 
+/* ---- The keys all of a pass's queries share (attend_pass): a block of them for one KV head as fp32
+ * rows (bf16 pages widened once per block, fp32 pages read in place), against every query of the pass
+ * that reads that KV head, in tiles. A score is scores_avx2's arithmetic (8 lanes over D, then hsum8)
+ * and an output element wsum_avx2's (one FMA per key, in order, on what o holds), whatever tile or
+ * block it falls in: the tiles only share loads between queries and keys. */
+#define UNROLL _Pragma("GCC unroll 16")
+/* the NQ x NK sums of q[h] . k[u] over D (a multiple of 8: rows padded with zeros), 8 lanes each */
+#define QK_SUMS(NQ, NK)                                                                                 \
+    __m256 a[NQ * NK];                                                                                  \
+    UNROLL for (int i = 0; i < NQ * NK; i++) a[i] = _mm256_setzero_ps();                                \
+    for (int64_t d = 0; d < D; d += 8) {                                                                \
+        __m256 kv[NK];                                                                                  \
+        UNROLL for (int u = 0; u < NK; u++) {                                                           \
+            kv[u] = _mm256_loadu_ps(k[u] + d);                                                          \
+            __asm__("" : "+x"(kv[u])); /* one load each, not one per FMA (gcc would fold it in) */     \
+        }                                                                                               \
+        UNROLL for (int h = 0; h < NQ; h++) {                                                           \
+            __m256 qv = _mm256_loadu_ps(q[h] + d);                                                      \
+            UNROLL for (int u = 0; u < NK; u++) a[h * NK + u] = _mm256_fmadd_ps(qv, kv[u], a[h * NK + u]); \
+        }                                                                                               \
+    }
+/* s[h][j + u] = q[h] . k[u]: 4 queries x 3 keys, 2 x 4, 1 x 8 (eight sums reduced at once), or N x 1 */
+AVX2 static inline __attribute__((always_inline)) void qk4x3(const float* const* q, const float* const* k, int64_t D,
+                                                             float* const* s, int64_t j) {
+    QK_SUMS(4, 3)
+    float r[12];
+    _mm256_storeu_ps(r, hsum8x8_v(a));
+    for (int i = 8; i < 12; i++) r[i] = hsum8(a[i]);
+    for (int h = 0; h < 4; h++)
+        for (int u = 0; u < 3; u++) s[h][j + u] = r[h * 3 + u];
+}
+AVX2 static inline __attribute__((always_inline)) void qk2x4(const float* const* q, const float* const* k, int64_t D,
+                                                             float* const* s, int64_t j) {
+    QK_SUMS(2, 4)
+    __m256 r = hsum8x8_v(a); /* q0's four scores, then q1's */
+    _mm_storeu_ps(s[0] + j, _mm256_castps256_ps128(r));
+    _mm_storeu_ps(s[1] + j, _mm256_extractf128_ps(r, 1));
+}
+AVX2 static inline __attribute__((always_inline)) void qk1x8(const float* const* q, const float* const* k, int64_t D,
+                                                             float* const* s, int64_t j) {
+    QK_SUMS(1, 8)
+    _mm256_storeu_ps(s[0] + j, hsum8x8_v(a));
+}
+#define QK_COLUMN(NAME, NQ)                                                                             \
+    AVX2 static inline __attribute__((always_inline)) void NAME(const float* const* q, const float* const* k, \
+                                                                int64_t D, float* const* s, int64_t j) { \
+        QK_SUMS(NQ, 1)                                                                                  \
+        UNROLL for (int h = 0; h < NQ; h++) s[h][j] = hsum8(a[h]);                                      \
+    }
+QK_COLUMN(qk4x1, 4)
+QK_COLUMN(qk2x1, 2)
+QK_COLUMN(qk1x1, 1)
+
+/* s[h][j0 + u] = q[h] . k[u], h < nq, u < nb: fours of queries x 3 keys, then a pair x 4, the last one x 8 */
+AVX2 static void span_scores(int64_t nq, const float* const* q, const float* const* k, int64_t nb, int64_t D,
+                             float* const* s, int64_t j0) {
+    int64_t h = 0, u;
+    for (; h + 4 <= nq; h += 4) {
+        for (u = 0; u + 3 <= nb; u += 3) qk4x3(q + h, k + u, D, s + h, j0 + u);
+        for (; u < nb; u++) qk4x1(q + h, k + u, D, s + h, j0 + u);
+    }
+    for (; h + 2 <= nq; h += 2) {
+        for (u = 0; u + 4 <= nb; u += 4) qk2x4(q + h, k + u, D, s + h, j0 + u);
+        for (; u < nb; u++) qk2x1(q + h, k + u, D, s + h, j0 + u);
+    }
+    if (h < nq) {
+        for (u = 0; u + 8 <= nb; u += 8) qk1x8(q + h, k + u, D, s + h, j0 + u);
+        for (; u < nb; u++) qk1x1(q + h, k + u, D, s + h, j0 + u);
+    }
+}
+
+/* o[h][d0 .. d0 + 8C) += p[h][j0 + u] * v[u][...] for u = 0 .. nb-1 in order, NQ queries */
+#define PV_TILE(NAME, NQ, C)                                                                            \
+    AVX2 static inline __attribute__((always_inline)) void NAME(const float* const* p, int64_t j0,      \
+                                                                const float* const* v, int64_t nb,      \
+                                                                float* const* o, int64_t d0) {          \
+        __m256 acc[NQ * C];                                                                             \
+        UNROLL for (int h = 0; h < NQ; h++)                                                             \
+            UNROLL for (int c = 0; c < C; c++) acc[h * C + c] = _mm256_loadu_ps(o[h] + d0 + 8 * c);     \
+        for (int64_t u = 0; u < nb; u++) {                                                              \
+            __m256 pb[NQ];                                                                              \
+            UNROLL for (int h = 0; h < NQ; h++) pb[h] = _mm256_broadcast_ss(p[h] + j0 + u);             \
+            UNROLL for (int c = 0; c < C; c++) {                                                        \
+                __m256 vv = _mm256_loadu_ps(v[u] + d0 + 8 * c);                                         \
+                UNROLL for (int h = 0; h < NQ; h++) acc[h * C + c] = _mm256_fmadd_ps(pb[h], vv, acc[h * C + c]); \
+            }                                                                                           \
+        }                                                                                               \
+        UNROLL for (int h = 0; h < NQ; h++)                                                             \
+            UNROLL for (int c = 0; c < C; c++) _mm256_storeu_ps(o[h] + d0 + 8 * c, acc[h * C + c]);     \
+    }
+PV_TILE(pv3x4, 3, 4)
+PV_TILE(pv3x1, 3, 1)
+PV_TILE(pv2x4, 2, 4)
+PV_TILE(pv2x1, 2, 1)
+PV_TILE(pv1x4, 1, 4)
+PV_TILE(pv1x1, 1, 1)
+#undef UNROLL
+
+/* o[h][d] += p[h][j0 + u] * v[u][d] for u = 0 .. nb-1 in order, h < nq, d < Dv: tiles of 3 queries x
+ * 32 values (the last Dv % 8 one FMA at a time, the same rounding) */
+AVX2 static void span_wsum(int64_t nq, const float* const* p, int64_t j0, const float* const* v, int64_t nb,
+                           int64_t Dv, float* const* o) {
+    int64_t full = Dv / 8 * 8;
+    for (int64_t h = 0; h < nq; h += 3) {
+        int64_t n = nq - h < 3 ? nq - h : 3, d0 = 0;
+        for (; d0 + 32 <= full; d0 += 32)
+            n == 3 ? pv3x4(p + h, j0, v, nb, o + h, d0) : n == 2 ? pv2x4(p + h, j0, v, nb, o + h, d0) : pv1x4(p + h, j0, v, nb, o + h, d0);
+        for (; d0 < full; d0 += 8)
+            n == 3 ? pv3x1(p + h, j0, v, nb, o + h, d0) : n == 2 ? pv2x1(p + h, j0, v, nb, o + h, d0) : pv1x1(p + h, j0, v, nb, o + h, d0);
+        for (int64_t x = h; x < h + n; x++)
+            for (int64_t d = full; d < Dv; d++)
+                for (int64_t u = 0; u < nb; u++) o[x][d] = fmaf(p[x][j0 + u], v[u][d], o[x][d]);
+    }
+}
+
+/* rows[u] (element offsets into base, u < nb) as fp32 rows of D values: fp32 ones in place where
+ * ld == D, else copied (bf16 widened) into w, ld apart, zeros after D */
+AVX2 static void f32_rows(const void* base, const int64_t* rows, int64_t nb, int64_t D, int64_t ld, int bf16,
+                          float* w, const float** out) {
+    for (int64_t u = 0; u < nb; u++) {
+        if (!bf16 && ld == D) {
+            out[u] = (const float*)base + rows[u];
+            continue;
+        }
+        float* f = w + u * ld;
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(f + d, bf16 ? ld_bf16(base, rows[u] + d) : ld_f32(base, rows[u] + d));
+        for (; d < D; d++) f[d] = load1(base, rows[u] + d, bf16);
+        for (; d < ld; d++) f[d] = 0.0f;
+        out[u] = f;
+    }
+}
+
 #if HAVE_DPBF16
 /* Level 3, bf16 pages: q.k as VDPBF16PS dot products of bf16 pairs (lane l adds the exact products of
  * values d + 2l + 1, then d + 2l, of each 16 from d, with the instruction's DAZ / FTZ; then hsum8). A
@@ -451,7 +588,7 @@ typedef void (*scores_dp_fn)(const uint16_t*, const void*, const int64_t*, int64
 static const scores_dp_fn scores_dp[4] = {0, scores_dp1, scores_dp2, scores_dp3};
 #endif
 
-typedef void (*scores_fn)(const float*, const void*, const int64_t*, int64_t, int64_t, int, float*, int64_t, int64_t);
+typedef void (*scores_fn)(const float*, const void*, const int64_t*, int64_t, int64_t, int64_t, int, float*, int64_t, int64_t);
 typedef void (*wsum_fn)(const float*, int64_t, const void*, const int64_t*, int64_t, int64_t, int, float*, int64_t);
 static const scores_fn scores_avx2[4] = {0, scores1, scores2, scores3};
 static const wsum_fn wsum_avx2[4] = {0, wsum1, wsum2, wsum3};
@@ -588,10 +725,10 @@ static float qk_c(const float* q, const void* k, int64_t D, int bf16) {
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
-/* n (<= MAX_NH) query vectors D apart against L keys at element offsets rows[j] of kb:
- * s[h * ld + j] = dot(q[h], key j); qb: the same vectors' bf16 bits where level 3 runs bf16 pages */
+/* n (<= MAX_NH) query vectors qs apart against L keys at element offsets rows[j] of kb:
+ * s[h * ld + j] = dot(q[h], key j); qb: the same vectors' bf16 bits (D apart) where level 3 runs bf16 pages */
 static void scores_n(int64_t n, const float* q, const uint16_t* qb, const void* kb, const int64_t* rows, int64_t L,
-                     int64_t D, int bf16, float* s, int64_t ld, int64_t npf) {
+                     int64_t D, int64_t qs, int bf16, float* s, int64_t ld, int64_t npf) {
     if (L <= 0) return;
 #if HAVE_DPBF16
     if (qb) { /* level 3, bf16: q's bf16 bits, and the dot products' own order */
@@ -603,13 +740,13 @@ static void scores_n(int64_t n, const float* q, const uint16_t* qb, const void* 
 #endif
 #if HAVE_AVX2_PATH
     if (simd) {
-        scores_avx2[n](q, kb, rows, L, D, bf16, s, ld, npf);
+        scores_avx2[n](q, kb, rows, L, D, qs, bf16, s, ld, npf);
         return;
     }
 #endif
     for (int64_t h = 0; h < n; h++)
         for (int64_t j = 0; j < L; j++)
-            s[h * ld + j] = qk_c(q + h * D, (const char*)kb + rows[j] * (bf16 ? 2 : 4), D, bf16);
+            s[h * ld + j] = qk_c(q + h * qs, (const char*)kb + rows[j] * (bf16 ? 2 : 4), D, bf16);
 }
 
 /* o[h][d] += p[h * ld + j] * v_j[d] for j = 0 .. L-1 in order, one FMA each, for n heads Dv apart */
@@ -659,123 +796,215 @@ typedef struct {
     atomic_long failed;
 } attend_job;
 
-#define PASS_TOKENS 16 /* tokens of one sequence that share a pass over its keys */
-#define KEY_BLOCK 24   /* keys of the shared span read by all of a pass's queries while in L1 (3 and 8 divide it) */
+#define PASS_TOKENS 16  /* tokens of one sequence that share a pass over its keys */
+#define KEY_BLOCK 24    /* keys of the shared span read by all of a pass's queries while in L1 (3 and 8 divide it) */
+#define TILE_QUERIES 12  /* queries of a KV head from which the span goes by tiles (fewer: by head groups) */
 
-/* Tokens t_lo .. t_hi-1 of one sequence, each with query heads kvh * G + [g_lo, g_hi) of the KV heads
- * kvh in [kv_lo, kv_hi) (G = H / H_kv). A token t sees cache positions run_lo[t] .. run_hi[t]-1,
- * then extra[extra_off[t] .. extra_off[t+1]-1]: its key j, in that order, is its j-th score and the
- * j-th term of each output element's sum.
+/* A pass: tokens t_lo .. t_lo+nt-1 of one sequence, each with query heads kvh * G + g_lo .. g_lo+ng-1
+ * of the KV heads kvh = kv_lo .. kv_lo+nkv-1 (G = H / H_kv). A token t sees cache positions run_lo[t] ..
+ * run_hi[t]-1, then extra[extra_off[t] .. extra_off[t+1]-1]: its key j, in that order, is its j-th
+ * score and the j-th term of each output element's sum.
  *
  * The positions all the tokens see, [max run_lo, min run_hi) (the cached prefix of a chain or a tree),
- * are read once for all of them, KEY_BLOCK keys at a time, every KV head of the part for each key (one
- * sequence's pages are then read front to back). Each query's own keys before and after that span are
- * read for it alone. Which queries share a pass changes only what is in cache, never a query's
- * arithmetic: its scores are independent dot products, and its values are summed key by key in its own
- * key order, the running sums kept in o between calls. Returns 0, or -1 when scratch memory could not be had. */
-static int64_t attend_pass(const attend_job* J, int64_t t_lo, int64_t t_hi, int64_t kv_lo, int64_t kv_hi,
-                           int64_t g_lo, int64_t g_hi) {
-    int64_t nt = t_hi - t_lo, ng = g_hi - g_lo, HP = (kv_hi - kv_lo) * ng, D = J->D, Dv = J->Dv, H = J->H;
-    int64_t G = H / J->H_kv;
-    int b16 = (int)J->bf16;
-    int64_t esz = b16 ? 2 : 4;
+ * are the span: read once for all the pass's queries of a KV head, KEY_BLOCK keys at a time (with
+ * TILE_QUERIES or more of them, as fp32 rows against tiles of queries; otherwise by groups of a
+ * token's heads). Each query's own keys before and after the span are read for its token alone. Which
+ * queries share a block changes only what is in cache, never a query's arithmetic: its scores are
+ * independent dot products, and each output element is summed key by key in the query's key order,
+ * the running sums kept in o. */
+typedef struct {
+    const attend_job* J;
+    int64_t t_lo, nt, kv_lo, nkv, g_lo, ng, HP, nS, D8, wmax;
     int64_t Ls[PASS_TOKENS], sbase[PASS_TOKENS], own_at[PASS_TOKENS + 1], pre[PASS_TOKENS];
-    int64_t a = J->run_lo[t_lo], b = J->run_hi[t_lo], total = 0;
+    int64_t *krow, *kown, *vrow, *vown; /* element offsets of the span's and the own keys (all KV heads) */
+    float *s, *qf, *o, *wide;           /* scores, fp32 queries, outputs, a block of fp32 rows */
+    uint16_t* qb;                       /* level 3, bf16: the queries' bf16 bits (scores_dp) */
+    const float** span_q;               /* per KV head nt * ng queries (token-major): vectors D8 long, */
+    float **span_s, **span_o;           /* their score rows from the span's first key, output rows */
+    int tiles;                          /* the span by tiles */
+} pass_t;
+
+/* the pass's index arrays, queries and scratch */
+static int64_t pass_begin(pass_t* P, const attend_job* J, int64_t t_lo, int64_t t_hi, int64_t kv_lo, int64_t kv_hi,
+                          int64_t g_lo, int64_t g_hi) {
+    int64_t nt = t_hi - t_lo, ng = g_hi - g_lo, HP = (kv_hi - kv_lo) * ng, D = J->D, Dv = J->Dv, H = J->H;
+    int64_t G = H / J->H_kv, total = 0;
+    int b16 = (int)J->bf16;
+    *P = (pass_t){.J = J, .t_lo = t_lo, .nt = nt, .kv_lo = kv_lo, .nkv = kv_hi - kv_lo, .g_lo = g_lo, .ng = ng, .HP = HP};
+    int64_t a = J->run_lo[t_lo], b = J->run_hi[t_lo];
     for (int64_t i = 0; i < nt; i++) {
         int64_t t = t_lo + i;
         a = J->run_lo[t] > a ? J->run_lo[t] : a;
         b = J->run_hi[t] < b ? J->run_hi[t] : b;
     }
-    int64_t nS = b > a ? b - a : 0;
-    own_at[0] = 0;
+    int64_t nS = P->nS = b > a ? b - a : 0;
+    P->own_at[0] = 0;
     for (int64_t i = 0; i < nt; i++) {
         int64_t t = t_lo + i;
-        Ls[i] = J->run_hi[t] - J->run_lo[t] + J->extra_off[t + 1] - J->extra_off[t];
-        sbase[i] = total;
-        total += HP * Ls[i];
-        pre[i] = nS ? a - J->run_lo[t] : 0; /* own keys before the span */
-        own_at[i + 1] = own_at[i] + Ls[i] - nS;
+        P->Ls[i] = J->run_hi[t] - J->run_lo[t] + J->extra_off[t + 1] - J->extra_off[t];
+        P->sbase[i] = total;
+        total += HP * P->Ls[i];
+        P->pre[i] = nS ? a - J->run_lo[t] : 0; /* own keys before the span */
+        P->own_at[i + 1] = P->own_at[i] + P->Ls[i] - nS;
     }
-    int64_t nown = own_at[nt], vsep = Dv != D; /* values narrower than keys (MLA): their own offsets */
-    int64_t nrows = (nS + nown) * (1 + vsep);
-    int dp = HAVE_DPBF16 && simd >= 3 && b16; /* level 3's bf16 dot products read q's bf16 bits (qb) */
-    int64_t* krow = (int64_t*)malloc((size_t)nrows * sizeof(int64_t) +
-                                     (size_t)(total + nt * HP * (D + Dv)) * sizeof(float) +
-                                     (size_t)(dp ? nt * HP * D : 0) * sizeof(uint16_t));
-    if (!krow) return -1;
-    int64_t *kown = krow + nS, *vrow = vsep ? kown + nown : krow, *vown = vrow + nS;
-    float *s = (float*)(krow + nrows), *qf = s + total, *o = qf + nt * HP * D;
-    uint16_t* qb = dp ? (uint16_t*)(o + nt * HP * Dv) : NULL;
+    int64_t nown = P->own_at[nt], vsep = Dv != D; /* values narrower than keys (MLA): their own offsets */
+    int64_t nrows = (nS + nown) * (1 + vsep), nq = nt * HP, D8 = P->D8 = (D + 7) / 8 * 8;
+    int64_t wmax = P->wmax = D8 > Dv ? D8 : Dv;
+    int dp = HAVE_DPBF16 && simd >= 3 && b16;
+    P->tiles = simd && !dp && nt * ng >= TILE_QUERIES;
+    int64_t* mem = (int64_t*)malloc((size_t)nrows * sizeof(int64_t) + (size_t)nq * 3 * sizeof(float*) +
+                                    (size_t)(total + nq * (D8 + Dv) + KEY_BLOCK * wmax) * sizeof(float) +
+                                    (size_t)(dp ? nq * D : 0) * sizeof(uint16_t));
+    if (!mem) return -1;
+    P->krow = mem, P->kown = mem + nS, P->vrow = vsep ? P->kown + nown : mem, P->vown = P->vrow + nS;
+    P->span_q = (const float**)(mem + nrows), P->span_s = (float**)(P->span_q + nq), P->span_o = P->span_s + nq;
+    P->s = (float*)(P->span_o + nq), P->qf = P->s + total, P->o = P->qf + nq * D8, P->wide = P->o + nq * Dv;
+    P->qb = dp ? (uint16_t*)(P->wide + KEY_BLOCK * wmax) : NULL;
     const int64_t* slots = J->kv_slots + J->seq[t_lo] * J->Lk;
-    /* element offset of a position's keys (all KV heads) and values */
-#define KROW(c) (slots[c] * J->H_kv * D)
-#define VROW(c) (slots[c] * J->H_kv * Dv)
-    for (int64_t j = 0; j < nS; j++) krow[j] = KROW(a + j), vrow[j] = VROW(a + j);
+    for (int64_t j = 0; j < nS; j++) P->krow[j] = slots[a + j] * J->H_kv * D, P->vrow[j] = slots[a + j] * J->H_kv * Dv;
     for (int64_t i = 0; i < nt; i++) {
-        int64_t t = t_lo + i, n_run = J->run_hi[t] - J->run_lo[t], m = own_at[i];
-        for (int64_t j = 0; j < Ls[i]; j++) {
-            if (j >= pre[i] && j < pre[i] + nS) continue;
+        int64_t t = t_lo + i, n_run = J->run_hi[t] - J->run_lo[t], m = P->own_at[i];
+        for (int64_t j = 0; j < P->Ls[i]; j++) {
+            if (j >= P->pre[i] && j < P->pre[i] + nS) continue;
             int64_t c = j < n_run ? J->run_lo[t] + j : J->extra[J->extra_off[t] + j - n_run];
-            kown[m] = KROW(c), vown[m++] = VROW(c);
+            P->kown[m] = slots[c] * J->H_kv * D, P->vown[m++] = slots[c] * J->H_kv * Dv;
         }
         for (int64_t hh = 0; hh < HP; hh++) {
-            int64_t h = (kv_lo + hh / ng) * G + g_lo + hh % ng;
-            for (int64_t d = 0; d < D; d++) qf[(i * HP + hh) * D + d] = load1(J->q, (t * H + h) * D + d, b16);
-            if (qb) memcpy(qb + (i * HP + hh) * D, (const uint16_t*)J->q + (t * H + h) * D, (size_t)D * sizeof(uint16_t));
+            int64_t h = (kv_lo + hh / ng) * G + g_lo + hh % ng, k = hh / ng * nt * ng + i * ng + hh % ng;
+            float* qv = P->qf + (i * HP + hh) * D8;
+            for (int64_t d = 0; d < D8; d++) qv[d] = d < D ? load1(J->q, (t * H + h) * D + d, b16) : 0.0f;
+            if (P->qb) memcpy(P->qb + (i * HP + hh) * D, (const uint16_t*)J->q + (t * H + h) * D, (size_t)D * sizeof(uint16_t));
+            P->span_q[k] = qv;
+            P->span_s[k] = P->s + P->sbase[i] + hh * P->Ls[i] + P->pre[i];
+            P->span_o[k] = P->o + (i * HP + hh) * Dv;
         }
     }
-#undef KROW
-#undef VROW
-    memset(o, 0, (size_t)(nt * HP * Dv) * sizeof(float));
-#define QV(i, hh) qf + ((i) * HP + (hh)) * D, qb ? qb + ((i) * HP + (hh)) * D : NULL /* scores_n's q, qb */
-    /* for every query vector group (token i, KV head kv, heads g0 .. g0+n-1 of it): BODY */
+    memset(P->o, 0, (size_t)(nq * Dv) * sizeof(float));
+    return 0;
+}
+
+/* for every query group (token i, KV head kv of the pass, heads g0 .. g0+n-1 of it; hh the first's
+ * index in the pass): BODY, with sq its score rows (Ls[i] apart), q its fp32 vectors (D8 apart), qb
+ * their bf16 bits (level 3), kb and vb its KV head's keys and values */
 #define EACH_GROUP(BODY)                                                                                \
-    for (int64_t i = 0; i < nt; i++)                                                                   \
-        for (int64_t kv = kv_lo; kv < kv_hi; kv++)                                                     \
-            for (int64_t g0 = 0; g0 < ng; g0 += MAX_NH) {                                              \
-                int64_t n = ng - g0 < MAX_NH ? ng - g0 : MAX_NH, hh = (kv - kv_lo) * ng + g0;         \
-                float* sq = s + sbase[i] + hh * Ls[i]; /* the group's scores, Ls[i] apart */            \
-                const char* kb = (const char*)J->k_cache + kv * D * esz;                                \
-                const char* vb = (const char*)J->v_cache + kv * Dv * esz;                               \
-                const int64_t *ko = kown + own_at[i], *vo = vown + own_at[i];                           \
-                int64_t post = Ls[i] - nS - pre[i];                                                      \
-                (void)kb, (void)vb, (void)ko, (void)vo, (void)post;                                     \
+    for (int64_t i = 0; i < P->nt; i++)                                                                \
+        for (int64_t kv = 0; kv < P->nkv; kv++)                                                        \
+            for (int64_t g0 = 0; g0 < P->ng; g0 += MAX_NH) {                                           \
+                int64_t n = P->ng - g0 < MAX_NH ? P->ng - g0 : MAX_NH, hh = kv * P->ng + g0;          \
+                float* sq = P->s + P->sbase[i] + hh * P->Ls[i];                                         \
+                const float* q = P->qf + (i * P->HP + hh) * P->D8;                                      \
+                const uint16_t* qb = P->qb ? P->qb + (i * P->HP + hh) * D : NULL;                       \
+                const char* kb = (const char*)J->k_cache + (P->kv_lo + kv) * D * esz;                   \
+                const char* vb = (const char*)J->v_cache + (P->kv_lo + kv) * Dv * esz;                  \
+                (void)q, (void)qb, (void)kb, (void)vb;                                                  \
                 BODY                                                                                    \
             }
-    /* One token of a part of several KV heads (a decode step of many sequences): each key's rows
-     * for every KV head in turn, so the pages are read in address order, which the hardware
-     * prefetchers stream (fp32: 8 sequences x 700 keys x 30 layers 16.7 -> 13.8 ms on a 2-core
-     * EPYC; bf16's half-size rows gained nothing, and several tokens are better served by the
-     * blocks, whose tiles share each key between tokens) */
-    if (simd && !b16 && nt == 1 && kv_hi - kv_lo > 1) {
+#define PASS_LOCALS                                                                                     \
+    const attend_job* J = P->J;                                                                         \
+    int b16 = (int)J->bf16;                                                                             \
+    int64_t D = J->D, Dv = J->Dv, esz = b16 ? 2 : 4, per_kv = P->nt * P->ng, nS = P->nS;               \
+    (void)Dv, (void)per_kv, (void)nS;
+
+/* every score of the pass */
+static void pass_scores(const pass_t* P) {
+    PASS_LOCALS
+#if HAVE_AVX2_PATH
+    if (P->tiles) { /* a block of span keys, KV head by KV head, against all its queries */
+        const float* rows[KEY_BLOCK];
+        for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
+            int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
+            for (int64_t j = j0 + KEY_BLOCK; j < nS && j < j0 + 2 * KEY_BLOCK; j++) /* the next block */
+                prefetch_row((const char*)J->k_cache + (P->krow[j] + P->kv_lo * D) * esz, P->nkv * D * esz);
+            for (int64_t kv = 0; kv < P->nkv; kv++) {
+                f32_rows((const char*)J->k_cache + (P->kv_lo + kv) * D * esz, P->krow + j0, nb, D, P->D8, b16, P->wide, rows);
+                span_scores(per_kv, P->span_q + kv * per_kv, rows, nb, P->D8, P->span_s + kv * per_kv, j0);
+            }
+        }
+    } else
+#endif
+    /* One token of several KV heads, fp32 (a decode step of many sequences): each key's rows for
+     * every KV head in turn, so the pages are read in address order, which the hardware prefetchers
+     * stream (fp32: 8 sequences x 700 keys x 30 layers 16.7 -> 13.8 ms on a 2-core EPYC; bf16's
+     * half-size rows gained nothing, and several tokens are better served by the blocks, whose tiles
+     * share each key between tokens) */
+    if (simd && !b16 && P->nt == 1 && P->nkv > 1) {
         for (int64_t j0 = 0; j0 < nS; j0++)
-            EACH_GROUP(scores_n(n, QV(i, hh), kb, krow + j0, 1, D, b16, sq + pre[i] + j0, Ls[i], 0);)
+            EACH_GROUP(scores_n(n, q, qb, kb, P->krow + j0, 1, D, P->D8, b16, sq + P->pre[i] + j0, P->Ls[i], 0);)
     } else {
         for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
             int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
-            EACH_GROUP(scores_n(n, QV(i, hh), kb, krow + j0, nb, D, b16, sq + pre[i] + j0, Ls[i],
+            EACH_GROUP(scores_n(n, q, qb, kb, P->krow + j0, nb, D, P->D8, b16, sq + P->pre[i] + j0, P->Ls[i],
                                 i || g0 ? 0 : nS - j0);)
         }
     }
-    EACH_GROUP(scores_n(n, QV(i, hh), kb, ko, pre[i], D, b16, sq, Ls[i], g0 ? 0 : pre[i]);
-               scores_n(n, QV(i, hh), kb, ko + pre[i], post, D, b16, sq + pre[i] + nS, Ls[i], g0 ? 0 : post);)
-    for (int64_t i = 0; i < nt; i++)
-        for (int64_t hh = 0; hh < HP; hh++) normalize_scores(s + sbase[i] + hh * Ls[i], Ls[i], J->scale, J->softcap);
-    EACH_GROUP(wsum_n(n, sq, Ls[i], vb, vo, pre[i], Dv, b16, o + (i * HP + hh) * Dv, g0 ? 0 : pre[i]);)
-    for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
-        int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
-        EACH_GROUP(wsum_n(n, sq + pre[i] + j0, Ls[i], vb, vrow + j0, nb, Dv, b16, o + (i * HP + hh) * Dv,
-                          i || g0 ? 0 : nS - j0);)
-    }
-    EACH_GROUP(wsum_n(n, sq + pre[i] + nS, Ls[i], vb, vo + pre[i], post, Dv, b16, o + (i * HP + hh) * Dv, g0 ? 0 : post);)
-#undef EACH_GROUP
-#undef QV
-    for (int64_t i = 0; i < nt; i++)
-        for (int64_t hh = 0; hh < HP; hh++) {
-            int64_t h = (kv_lo + hh / ng) * G + g_lo + hh % ng;
-            for (int64_t d = 0; d < Dv; d++) store1(J->out, ((t_lo + i) * H + h) * Dv + d, o[(i * HP + hh) * Dv + d], b16);
+    EACH_GROUP(const int64_t* ko = P->kown + P->own_at[i];
+               int64_t post = P->Ls[i] - nS - P->pre[i];
+               scores_n(n, q, qb, kb, ko, P->pre[i], D, P->D8, b16, sq, P->Ls[i], g0 ? 0 : P->pre[i]);
+               scores_n(n, q, qb, kb, ko + P->pre[i], post, D, P->D8, b16, sq + P->pre[i] + nS, P->Ls[i], g0 ? 0 : post);)
+}
+
+/* scale, soft-capping and softmax of every query row */
+static void pass_softmax(const pass_t* P) {
+    for (int64_t i = 0; i < P->nt; i++)
+        for (int64_t hh = 0; hh < P->HP; hh++)
+            normalize_scores(P->s + P->sbase[i] + hh * P->Ls[i], P->Ls[i], P->J->scale, P->J->softcap);
+}
+
+/* every output: each query's own keys before the span, the span, its own keys after it, one FMA per
+ * key in that order, the running sums in o */
+static void pass_values(const pass_t* P) {
+    PASS_LOCALS
+#define OUT(i, hh) (P->o + ((i) * P->HP + (hh)) * Dv)
+    EACH_GROUP(wsum_n(n, sq, P->Ls[i], vb, P->vown + P->own_at[i], P->pre[i], Dv, b16, OUT(i, hh), g0 ? 0 : P->pre[i]);)
+#if HAVE_AVX2_PATH
+    if (P->tiles) {
+        const float* rows[KEY_BLOCK];
+        for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
+            int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
+            for (int64_t j = j0 + KEY_BLOCK; j < nS && j < j0 + 2 * KEY_BLOCK; j++)
+                prefetch_row((const char*)J->v_cache + (P->vrow[j] + P->kv_lo * Dv) * esz, P->nkv * Dv * esz);
+            for (int64_t kv = 0; kv < P->nkv; kv++) {
+                f32_rows((const char*)J->v_cache + (P->kv_lo + kv) * Dv * esz, P->vrow + j0, nb, Dv, Dv, b16, P->wide, rows);
+                span_wsum(per_kv, (const float* const*)P->span_s + kv * per_kv, j0, rows, nb, Dv, P->span_o + kv * per_kv);
+            }
         }
-    free(krow);
+    } else
+#endif
+        for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
+            int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
+            EACH_GROUP(wsum_n(n, sq + P->pre[i] + j0, P->Ls[i], vb, P->vrow + j0, nb, Dv, b16, OUT(i, hh),
+                              i || g0 ? 0 : nS - j0);)
+        }
+    EACH_GROUP(int64_t post = P->Ls[i] - nS - P->pre[i];
+               wsum_n(n, sq + P->pre[i] + nS, P->Ls[i], vb, P->vown + P->own_at[i] + P->pre[i], post, Dv, b16,
+                      OUT(i, hh), g0 ? 0 : post);)
+#undef OUT
+}
+#undef PASS_LOCALS
+#undef EACH_GROUP
+
+/* the outputs in the cache's dtype; frees the pass */
+static void pass_end(pass_t* P) {
+    const attend_job* J = P->J;
+    int64_t G = J->H / J->H_kv;
+    for (int64_t i = 0; i < P->nt; i++)
+        for (int64_t hh = 0; hh < P->HP; hh++) {
+            int64_t h = (P->kv_lo + hh / P->ng) * G + P->g_lo + hh % P->ng;
+            for (int64_t d = 0; d < J->Dv; d++)
+                store1(J->out, ((P->t_lo + i) * J->H + h) * J->Dv + d, P->o[(i * P->HP + hh) * J->Dv + d], (int)J->bf16);
+        }
+    free(P->krow);
+}
+
+/* a pass; returns 0, or -1 when scratch memory could not be had */
+static int64_t attend_pass(const attend_job* J, int64_t t_lo, int64_t t_hi, int64_t kv_lo, int64_t kv_hi,
+                           int64_t g_lo, int64_t g_hi) {
+    pass_t P;
+    if (pass_begin(&P, J, t_lo, t_hi, kv_lo, kv_hi, g_lo, g_hi)) return -1;
+    pass_scores(&P);
+    pass_softmax(&P);
+    pass_values(&P);
+    pass_end(&P);
     return 0;
 }
 

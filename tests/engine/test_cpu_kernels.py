@@ -261,9 +261,46 @@ def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, t
     bitwise itself when computed alone or under another thread count."""
     dt = DTYPES[dtype]
     g, kc, vc, kv_slots = _paged(seed, dt, dv=dv)
+    arrays = _chains_or_trees(g, [(start, 1 + int(torch.randint(5, (1,), generator=g))) for start in (60, 33, 5)],
+                              tree, window)
+    t = len(arrays[0])
+    q = torch.randn(t, 6, 40, generator=g).to(dt)
+    with _threads(threads):
+        out = ck.attend(q, kc, vc, kv_slots, *arrays, 0.17, softcap)
+    ref = _dense_reference(q, kc, vc, kv_slots, *arrays, 0.17, softcap)
+    tol = 1e-5 if dt == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    i = int(torch.randint(t, (1,), generator=g))
+    assert torch.equal(_attend_alone(q, kc, vc, kv_slots, arrays, i, 0.17, softcap), out[i])
+
+
+@settings(max_examples=12, deadline=None)
+@given(dtype=st.sampled_from(["fp32", "bf16"]), d=st.sampled_from([13, 64]), dv=st.sampled_from([None, 7]),
+       window=st.sampled_from([None, 20]), softcap=st.sampled_from([None, 5.0]), tree=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_attend_tiles_equal_head_groups_bitwise(dtype, d, dv, window, softcap, tree, seed):
+    """16 tokens of one sequence with 4 query heads per KV head: 64 queries share each KV head's
+    cached keys, which they read as fp32 rows in tiles of queries (D of 13 padded with zeros); a token
+    alone has 4 queries and reads them by groups of heads. Every query gets the same bits both ways,
+    and the float64 reference's values."""
+    dt = DTYPES[dtype]
+    g, kc, vc, kv_slots = _paged(seed, dt, num_seqs=1, h=8, h_kv=2, d=d, ctx=110, dv=dv)
+    arrays = _chains_or_trees(g, [(70, 16)], tree, window)
+    q = torch.randn(16, 8, d, generator=g).to(dt)
+    with _threads(1):  # one pass of all 16 tokens
+        out = ck.attend(q, kc, vc, kv_slots, *arrays, 0.3, softcap)
+    ref = _dense_reference(q, kc, vc, kv_slots, *arrays, 0.3, softcap)
+    tol = 1e-5 if dt == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    for i in range(16):
+        assert torch.equal(_attend_alone(q, kc, vc, kv_slots, arrays, i, 0.3, softcap), out[i]), i
+
+
+def _chains_or_trees(g, seqs, tree, window):
+    """attend's per-token arrays for sequences (start, n): n tokens after `start` cached positions, a
+    chain or a random tree, optionally under a sliding window"""
     seq, lo, hi, xoff, extra = [], [], [], [0], []
-    for b, start in enumerate((60, 33, 5)):
-        n = 1 + int(torch.randint(5, (1,), generator=g))
+    for b, (start, n) in enumerate(seqs):
         parents = [-1] + [int(torch.randint(j, (1,), generator=g)) for j in range(1, n)] if tree else list(range(-1, n - 1))
         for j in range(n):
             anc, a = [], j
@@ -281,19 +318,14 @@ def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, t
                 run_hi = max(run_hi, run_lo)
                 ext = [c for c, a in zip(ext, anc) if start + sum(1 for x in anc if x <= a) - 1 > pos - window]
             seq.append(b), lo.append(run_lo), hi.append(run_hi), extra.extend(ext), xoff.append(xoff[-1] + len(ext))
-    arrays = [np.array(a, dtype=np.int64) for a in (seq, lo, hi, xoff, extra)]
-    t = len(seq)
-    q = torch.randn(t, 6, 40, generator=g).to(dt)
-    with _threads(threads):
-        out = ck.attend(q, kc, vc, kv_slots, *arrays, 0.17, softcap)
-    ref = _dense_reference(q, kc, vc, kv_slots, *arrays, 0.17, softcap)
-    tol = 1e-5 if dt == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
-    i = int(torch.randint(t, (1,), generator=g))
-    seq_a, lo_a, hi_a, xoff_a, extra_a = arrays
-    alone = ck.attend(q[i : i + 1], kc, vc, kv_slots, seq_a[i : i + 1], lo_a[i : i + 1], hi_a[i : i + 1],
-                      np.array([0, xoff_a[i + 1] - xoff_a[i]]), extra_a[xoff_a[i] : xoff_a[i + 1]], 0.17, softcap)
-    assert torch.equal(alone[0], out[i])
+    return [np.array(a, dtype=np.int64) for a in (seq, lo, hi, xoff, extra)]
+
+
+def _attend_alone(q, kc, vc, kv_slots, arrays, i, scale, softcap):
+    """token i's attention computed by itself"""
+    seq, lo, hi, xoff, extra = arrays
+    return ck.attend(q[i : i + 1], kc, vc, kv_slots, seq[i : i + 1], lo[i : i + 1], hi[i : i + 1],
+                     np.array([0, xoff[i + 1] - xoff[i]]), extra[xoff[i] : xoff[i + 1]], scale, softcap)[0]
 
 
 @settings(max_examples=10, deadline=None)
