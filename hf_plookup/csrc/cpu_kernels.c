@@ -18,10 +18,10 @@
  *   ([slots, H_kv, D], flat), in position order: scores (8-lane dot, fixed hsum), optional
  *   tanh soft-capping, softmax with one max and one sum in fixed order, then the weighted sum
  *   of values, each output element accumulated key by key. The keys a sequence's tokens all
- *   see (a chain's or a tree's cached prefix) are read once for all of them, block by block: with
- *   TILE_QUERIES or more queries to a KV head, a block as fp32 rows (bf16 widened once) against
- *   tiles of 4 queries x 3 keys and of 3 queries x 32 values; fewer queries take it by groups of
- *   a token's heads. Either way a query's arithmetic is the same.
+ *   see (a chain's or a tree's cached prefix) are read once for all of them, block by block: in
+ *   bf16 with TILE_QUERIES or more queries to a KV head, a block widened once to fp32 rows against
+ *   tiles of 4 queries x 3 keys and of 3 queries x 32 values; otherwise by groups of a token's
+ *   heads. Either way a query's arithmetic is the same.
  *
  * layer_attention, layer_mlp: a Llama-form decoder layer of a decode step in two calls, from the
  *   kernels above and torch's elementwise arithmetic written out (engine.cpu_layers).
@@ -408,11 +408,11 @@ WSUM(wsum2, 2)
 WSUM(wsum3, 3)
 #undef LDX
 
-/* ---- The keys all of a pass's queries share (attend_pass): a block of them for one KV head as fp32
- * rows (bf16 pages widened once per block, fp32 pages read in place), against every query of the pass
- * that reads that KV head, in tiles. A score is scores_avx2's arithmetic (8 lanes over D, then hsum8)
- * and an output element wsum_avx2's (one FMA per key, in order, on what o holds), whatever tile or
- * block it falls in: the tiles only share loads between queries and keys. */
+/* ---- The keys all of a pass's queries share (attend_pass), bf16 pages: a block of them for one KV
+ * head widened once to fp32 rows, against every query of the pass that reads that KV head, in
+ * tiles. A score is scores_avx2's arithmetic (8 lanes over D, then hsum8) and an output element
+ * wsum_avx2's (one FMA per key, in order, on what o holds), whatever tile or block it falls in: the
+ * tiles only share loads between queries and keys. */
 #define UNROLL _Pragma("GCC unroll 16")
 /* the NQ x NK sums of q[h] . k[u] over D (a multiple of 8: rows padded with zeros), 8 lanes each */
 #define QK_SUMS(NQ, NK)                                                                                 \
@@ -523,19 +523,15 @@ AVX2 static void span_wsum(int64_t nq, const float* const* p, int64_t j0, const 
     }
 }
 
-/* rows[u] (element offsets into base, u < nb) as fp32 rows of D values: fp32 ones in place where
- * ld == D, else copied (bf16 widened) into w, ld apart, zeros after D */
-AVX2 static void f32_rows(const void* base, const int64_t* rows, int64_t nb, int64_t D, int64_t ld, int bf16,
-                          float* w, const float** out) {
+/* bf16 rows rows[u] (element offsets into base, u < nb) of D values widened into w, ld apart, zeros
+ * after D; out[u]: row u there */
+AVX2 static void widen_rows(const void* base, const int64_t* rows, int64_t nb, int64_t D, int64_t ld, float* w,
+                            const float** out) {
     for (int64_t u = 0; u < nb; u++) {
-        if (!bf16 && ld == D) {
-            out[u] = (const float*)base + rows[u];
-            continue;
-        }
         float* f = w + u * ld;
         int64_t d = 0;
-        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(f + d, bf16 ? ld_bf16(base, rows[u] + d) : ld_f32(base, rows[u] + d));
-        for (; d < D; d++) f[d] = load1(base, rows[u] + d, bf16);
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(f + d, ld_bf16(base, rows[u] + d));
+        for (; d < D; d++) f[d] = load1(base, rows[u] + d, 1);
         for (; d < ld; d++) f[d] = 0.0f;
         out[u] = f;
     }
@@ -798,7 +794,7 @@ typedef struct {
 
 #define PASS_TOKENS 16  /* tokens of one sequence that share a pass over its keys */
 #define KEY_BLOCK 24    /* keys of the shared span read by all of a pass's queries while in L1 (3 and 8 divide it) */
-#define TILE_QUERIES 12  /* queries of a KV head from which the span goes by tiles (fewer: by head groups) */
+#define TILE_QUERIES 12  /* bf16 queries of a KV head from which the span goes by tiles (fewer: by head groups) */
 
 /* A pass: tokens t_lo .. t_lo+nt-1 of one sequence, each with query heads kvh * G + g_lo .. g_lo+ng-1
  * of the KV heads kvh = kv_lo .. kv_lo+nkv-1 (G = H / H_kv). A token t sees cache positions run_lo[t] ..
@@ -806,9 +802,9 @@ typedef struct {
  * score and the j-th term of each output element's sum.
  *
  * The positions all the tokens see, [max run_lo, min run_hi) (the cached prefix of a chain or a tree),
- * are the span: read once for all the pass's queries of a KV head, KEY_BLOCK keys at a time (with
- * TILE_QUERIES or more of them, as fp32 rows against tiles of queries; otherwise by groups of a
- * token's heads). Each query's own keys before and after the span are read for its token alone. Which
+ * are the span: read once for all the pass's queries of a KV head, KEY_BLOCK keys at a time (bf16
+ * with TILE_QUERIES or more of them: widened once to fp32 rows, against tiles of queries; otherwise
+ * by groups of a token's heads). Each query's own keys before and after the span are read for its token alone. Which
  * queries share a block changes only what is in cache, never a query's arithmetic: its scores are
  * independent dot products, and each output element is summed key by key in the query's key order,
  * the running sums kept in o. */
@@ -851,7 +847,7 @@ static int64_t pass_begin(pass_t* P, const attend_job* J, int64_t t_lo, int64_t 
     int64_t nrows = (nS + nown) * (1 + vsep), nq = nt * HP, D8 = P->D8 = (D + 7) / 8 * 8;
     int64_t wmax = P->wmax = D8 > Dv ? D8 : Dv;
     int dp = HAVE_DPBF16 && simd >= 3 && b16;
-    P->tiles = simd && !dp && nt * ng >= TILE_QUERIES;
+    P->tiles = simd && !dp && b16 && nt * ng >= TILE_QUERIES; /* fp32 gained nothing (docs/results.md) */
     int64_t* mem = (int64_t*)malloc((size_t)nrows * sizeof(int64_t) + (size_t)nq * 3 * sizeof(float*) +
                                     (size_t)(total + nq * (D8 + Dv) + KEY_BLOCK * wmax) * sizeof(float) +
                                     (size_t)(dp ? nq * D : 0) * sizeof(uint16_t));
@@ -916,7 +912,7 @@ static void pass_scores(const pass_t* P) {
             for (int64_t j = j0 + KEY_BLOCK; j < nS && j < j0 + 2 * KEY_BLOCK; j++) /* the next block */
                 prefetch_row((const char*)J->k_cache + (P->krow[j] + P->kv_lo * D) * esz, P->nkv * D * esz);
             for (int64_t kv = 0; kv < P->nkv; kv++) {
-                f32_rows((const char*)J->k_cache + (P->kv_lo + kv) * D * esz, P->krow + j0, nb, D, P->D8, b16, P->wide, rows);
+                widen_rows((const char*)J->k_cache + (P->kv_lo + kv) * D * esz, P->krow + j0, nb, D, P->D8, P->wide, rows);
                 span_scores(per_kv, P->span_q + kv * per_kv, rows, nb, P->D8, P->span_s + kv * per_kv, j0);
             }
         }
@@ -964,7 +960,7 @@ static void pass_values(const pass_t* P) {
             for (int64_t j = j0 + KEY_BLOCK; j < nS && j < j0 + 2 * KEY_BLOCK; j++)
                 prefetch_row((const char*)J->v_cache + (P->vrow[j] + P->kv_lo * Dv) * esz, P->nkv * Dv * esz);
             for (int64_t kv = 0; kv < P->nkv; kv++) {
-                f32_rows((const char*)J->v_cache + (P->kv_lo + kv) * Dv * esz, P->vrow + j0, nb, Dv, Dv, b16, P->wide, rows);
+                widen_rows((const char*)J->v_cache + (P->kv_lo + kv) * Dv * esz, P->vrow + j0, nb, Dv, Dv, P->wide, rows);
                 span_wsum(per_kv, (const float* const*)P->span_s + kv * per_kv, j0, rows, nb, Dv, P->span_o + kv * per_kv);
             }
         }

@@ -280,9 +280,9 @@ def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, t
        seed=st.integers(0, 2**16))
 def test_attend_tiles_equal_head_groups_bitwise(dtype, d, dv, window, softcap, tree, seed):
     """16 tokens of one sequence with 4 query heads per KV head: 64 queries share each KV head's
-    cached keys, which they read as fp32 rows in tiles of queries (D of 13 padded with zeros); a token
-    alone has 4 queries and reads them by groups of heads. Every query gets the same bits both ways,
-    and the float64 reference's values."""
+    cached keys, which in bf16 they read widened to fp32 rows, in tiles of queries (D of 13 padded
+    with zeros); a token alone has 4 queries and reads them by groups of heads (fp32: both ways).
+    Every query gets the same bits both ways, and the float64 reference's values."""
     dt = DTYPES[dtype]
     g, kc, vc, kv_slots = _paged(seed, dt, num_seqs=1, h=8, h_kv=2, d=d, ctx=110, dv=dv)
     arrays = _chains_or_trees(g, [(70, 16)], tree, window)
