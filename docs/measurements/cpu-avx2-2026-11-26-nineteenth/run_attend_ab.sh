@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Side by side, in one process per line: attend() of the nineteenth session's kernels (A, the working
+# tree) and of the session's start (B, commit 3a9bf04), SmolLM2's attention shape, 2 threads; first with
+# the pages left in cache between layers (EVICT=0), then with 9 MB read between layers, as a step's
+# weights pass through the caches (EVICT=9: what a step sees).
+# Run from the repository root with its venv active: bash docs/measurements/cpu-avx2-2026-11-26-nineteenth/run_attend_ab.sh
+set -euo pipefail
+here=$(dirname "$0"); tmp=$(mktemp -d)
+inc=$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+libdir=$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
+git show 3a9bf04:hf_plookup/csrc/cpu_kernels.c > "$tmp/start.c"
+for v in new start; do
+  src=hf_plookup/csrc/cpu_kernels.c; [ $v = start ] && src="$tmp/start.c"
+  gcc -O3 -std=c11 -ffp-contract=off -DNDEBUG -fwrapv -shared -fPIC -I"$inc" "$src" -o "$tmp/$v.so" -lpthread
+done
+gcc -O2 -I"$inc" "$here/attend_ab.c" -o "$tmp/ab" -ldl -L"$libdir" -lpython3.11 -Wl,-rpath,"$libdir"
+python "$here/attend_bits.py" "$tmp/start.so" 61 400   # the same bits as the start's build first
+for evict in 0 9; do
+  echo "EVICT=$evict"
+  for cfg in "1 1 1" "5 1 1" "9 1 1" "1 1 8" "5 1 4" "5 1 8" "1 0 1" "5 0 1" "9 0 1" "1 0 8" "5 0 4" "5 0 8"; do
+    set -- $cfg
+    EVICT=$evict "$tmp/ab" "$tmp/new.so" "$tmp/start.so" "$1" "$2" "$3" 2 21
+  done
+done
+rm -rf "$tmp"
