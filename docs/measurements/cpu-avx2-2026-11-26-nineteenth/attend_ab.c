@@ -3,9 +3,12 @@
  * feeding T chain tokens, 30 layers of pages (NL in the environment), TH threads; sweeps of the
  * 30 layers alternate between the builds, R rounds after 2 warm-up rounds. Before each layer's call
  * the harness reads EVICT MB (environment; default 9, a SmolLM2 layer's bf16 weights) of another
- * buffer, as a step's linears stream their weights between two layers' attention; only the calls are timed.
+ * buffer, as a step's linears stream their weights between two layers' attention; only the calls are timed
+ * (TOTAL=1: the reading too). PREKV=1 (2): while A's reading passes, ask for the layer's pages with
+ * prefetcht0 (prefetcht1), spread evenly over it, as a linear kernel could for the next layer.
  * usage: attend_ab A.so B.so T bf16 B TH [R] */
 #include <Python.h>
+#include <immintrin.h>
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,17 +55,30 @@ int main(int argc, char** argv) {
     int64_t ev = (int64_t)(getenv("EVICT") ? atof(getenv("EVICT")) : 9.0) * 1048576;
     volatile char* evict = malloc(ev > 0 ? ev : 1);
     for (int64_t i = 0; i < ev; i++) evict[i] = (char)i;
-    int64_t sink = 0;
+    int64_t sink = 0, pre = getenv("PREKV") ? atoi(getenv("PREKV")) : 0;
     double* ts[2] = {malloc(R * sizeof(double)), malloc(R * sizeof(double))};
     for (int r = -2; r < R; r++)
         for (int l = 0; l < 2; l++) {
-            int64_t spent = 0; /* the calls' time, not the reading between them */
+            int64_t spent = 0, tall = now(); /* the calls' time, not the reading between them */
             for (int64_t L = 0; L < NL; L++) {
-                for (int64_t i = 0; i < ev; i += 64) sink += evict[i];
+                if (pre && l == 0) { /* A: the layer's pages asked for while the reading passes */
+                    const char* kk = kc + L * NS * HKV * D * esz; const char* vv = vc + L * NS * HKV * D * esz;
+                    int64_t kvb = NS * HKV * D * esz, step = ev / (2 * kvb / 64 + 1), o = 0;
+                    for (int64_t i = 0; i < ev; i += 64) {
+                        sink += evict[i];
+                        if (i % step < 64 && o < 2 * kvb) {
+                            const char* a = o < kvb ? kk + o : vv + (o - kvb);
+                            if (pre == 1) _mm_prefetch(a, _MM_HINT_T0); else _mm_prefetch(a, _MM_HINT_T1);
+                            o += 64;
+                        }
+                    }
+                } else
+                    for (int64_t i = 0; i < ev; i += 64) sink += evict[i];
                 int64_t t0 = now();
                 f[l](q, B * T, H, D, D, kc + L * NS * HKV * D * esz, vc + L * NS * HKV * D * esz, HKV, slots, per, seq, lo, hi, xo, ex, 0.125f, 0.0f, out, bf, TH);
                 spent += now() - t0;
             }
+            if (getenv("TOTAL") && atoi(getenv("TOTAL"))) spent = now() - tall;
             if (r >= 0) ts[l][r] = spent / 1e6;
         }
     qsort(ts[0], R, sizeof(double), cmp); qsort(ts[1], R, sizeof(double), cmp);
