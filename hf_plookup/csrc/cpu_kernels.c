@@ -514,9 +514,11 @@ AVX2 static void span_wsum(int64_t nq, const float* const* p, int64_t j0, const 
     for (int64_t h = 0; h < nq; h += 3) {
         int64_t n = nq - h < 3 ? nq - h : 3, d0 = 0;
         for (; d0 + 32 <= full; d0 += 32)
-            n == 3 ? pv3x4(p + h, j0, v, nb, o + h, d0) : n == 2 ? pv2x4(p + h, j0, v, nb, o + h, d0) : pv1x4(p + h, j0, v, nb, o + h, d0);
+            n == 3 ? pv3x4(p + h, j0, v, nb, o + h, d0)
+                   : n == 2 ? pv2x4(p + h, j0, v, nb, o + h, d0) : pv1x4(p + h, j0, v, nb, o + h, d0);
         for (; d0 < full; d0 += 8)
-            n == 3 ? pv3x1(p + h, j0, v, nb, o + h, d0) : n == 2 ? pv2x1(p + h, j0, v, nb, o + h, d0) : pv1x1(p + h, j0, v, nb, o + h, d0);
+            n == 3 ? pv3x1(p + h, j0, v, nb, o + h, d0)
+                   : n == 2 ? pv2x1(p + h, j0, v, nb, o + h, d0) : pv1x1(p + h, j0, v, nb, o + h, d0);
         for (int64_t x = h; x < h + n; x++)
             for (int64_t d = full; d < Dv; d++)
                 for (int64_t u = 0; u < nb; u++) o[x][d] = fmaf(p[x][j0 + u], v[u][d], o[x][d]);
@@ -540,9 +542,9 @@ AVX2 static void widen_rows(const void* base, const int64_t* rows, int64_t nb, i
 #if HAVE_DPBF16
 /* Level 3, bf16 pages: q.k as VDPBF16PS dot products of bf16 pairs (lane l adds the exact products of
  * values d + 2l + 1, then d + 2l, of each 16 from d, with the instruction's DAZ / FTZ; then hsum8). A
- * query is bf16 already (the projection's output), so neither it nor the key is widened, and a score takes half the instructions of 8-lane FMAs. The
- * order is fixed per score whatever the key blocks, heads or threads: invariant as the other levels,
- * with bits of its own. */
+ * query is bf16 already (the projection's output), so neither it nor the key is widened, and a score
+ * takes half the instructions of 8-lane FMAs. The order is fixed per score whatever the key blocks,
+ * heads or threads: invariant as the other levels, with bits of its own. */
 #define DP_LD(P, OFF, REM) ((REM) ? ld_pairs_part(P, OFF, REM) : ld_pairs(P, OFF))
 #define SCORES_DP(NAME, NH, KB)                                                                         \
     AVX512BF16 static void NAME(const uint16_t* q, const void* kb, const int64_t* rows, int64_t L,       \
@@ -810,7 +812,7 @@ typedef struct {
  * the running sums kept in o. */
 typedef struct {
     const attend_job* J;
-    int64_t t_lo, nt, kv_lo, nkv, g_lo, ng, HP, nS, D8, wmax;
+    int64_t t_lo, nt, kv_lo, nkv, g_lo, ng, HP, nS, D8;
     int64_t Ls[PASS_TOKENS], sbase[PASS_TOKENS], own_at[PASS_TOKENS + 1], pre[PASS_TOKENS];
     int64_t *krow, *kown, *vrow, *vown; /* element offsets of the span's and the own keys (all KV heads) */
     float *s, *qf, *o, *wide;           /* scores, fp32 queries, outputs, a block of fp32 rows */
@@ -845,7 +847,7 @@ static int64_t pass_begin(pass_t* P, const attend_job* J, int64_t t_lo, int64_t 
     }
     int64_t nown = P->own_at[nt], vsep = Dv != D; /* values narrower than keys (MLA): their own offsets */
     int64_t nrows = (nS + nown) * (1 + vsep), nq = nt * HP, D8 = P->D8 = (D + 7) / 8 * 8;
-    int64_t wmax = P->wmax = D8 > Dv ? D8 : Dv;
+    int64_t wmax = D8 > Dv ? D8 : Dv; /* the widest row of a block */
     int dp = HAVE_DPBF16 && simd >= 3 && b16;
     P->tiles = simd && !dp && b16 && nt * ng >= TILE_QUERIES; /* fp32 gained nothing (docs/results.md) */
     int64_t* mem = (int64_t*)malloc((size_t)nrows * sizeof(int64_t) + (size_t)nq * 3 * sizeof(float*) +
@@ -901,6 +903,15 @@ static int64_t pass_begin(pass_t* P, const attend_job* J, int64_t t_lo, int64_t 
     int64_t D = J->D, Dv = J->Dv, esz = b16 ? 2 : 4, per_kv = P->nt * P->ng, nS = P->nS;               \
     (void)Dv, (void)per_kv, (void)nS;
 
+#if HAVE_AVX2_PATH
+/* the span block after the one at j0, every KV head of the pass: rows offs[j] of width values, esz bytes each */
+static void prefetch_next_block(const pass_t* P, const char* cache, const int64_t* offs, int64_t width, int64_t esz,
+                                int64_t j0) {
+    for (int64_t j = j0 + KEY_BLOCK; j < P->nS && j < j0 + 2 * KEY_BLOCK; j++)
+        prefetch_row(cache + (offs[j] + P->kv_lo * width) * esz, P->nkv * width * esz);
+}
+#endif
+
 /* every score of the pass */
 static void pass_scores(const pass_t* P) {
     PASS_LOCALS
@@ -909,8 +920,7 @@ static void pass_scores(const pass_t* P) {
         const float* rows[KEY_BLOCK];
         for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
             int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
-            for (int64_t j = j0 + KEY_BLOCK; j < nS && j < j0 + 2 * KEY_BLOCK; j++) /* the next block */
-                prefetch_row((const char*)J->k_cache + (P->krow[j] + P->kv_lo * D) * esz, P->nkv * D * esz);
+            prefetch_next_block(P, (const char*)J->k_cache, P->krow, D, esz, j0);
             for (int64_t kv = 0; kv < P->nkv; kv++) {
                 widen_rows((const char*)J->k_cache + (P->kv_lo + kv) * D * esz, P->krow + j0, nb, D, P->D8, P->wide, rows);
                 span_scores(per_kv, P->span_q + kv * per_kv, rows, nb, P->D8, P->span_s + kv * per_kv, j0);
@@ -957,8 +967,7 @@ static void pass_values(const pass_t* P) {
         const float* rows[KEY_BLOCK];
         for (int64_t j0 = 0; j0 < nS; j0 += KEY_BLOCK) {
             int64_t nb = nS - j0 < KEY_BLOCK ? nS - j0 : KEY_BLOCK;
-            for (int64_t j = j0 + KEY_BLOCK; j < nS && j < j0 + 2 * KEY_BLOCK; j++)
-                prefetch_row((const char*)J->v_cache + (P->vrow[j] + P->kv_lo * Dv) * esz, P->nkv * Dv * esz);
+            prefetch_next_block(P, (const char*)J->v_cache, P->vrow, Dv, esz, j0);
             for (int64_t kv = 0; kv < P->nkv; kv++) {
                 widen_rows((const char*)J->v_cache + (P->kv_lo + kv) * Dv * esz, P->vrow + j0, nb, Dv, Dv, P->wide, rows);
                 span_wsum(per_kv, (const float* const*)P->span_s + kv * per_kv, j0, rows, nb, Dv, P->span_o + kv * per_kv);
