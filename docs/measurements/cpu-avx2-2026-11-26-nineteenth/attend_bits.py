@@ -2,7 +2,7 @@
 bitwise, on random chains and trees: fp32 and bf16, D 2-128, values narrower than keys, windows,
 soft-capping, 1-5 sequences, 1-3 threads. argv[2]: seed, argv[3]: cases; LEVEL in the environment
 sets both builds' SIMD level. run_attend_ab.sh runs it against the session's start."""
-import ctypes, sys, numpy as np, torch
+import ctypes, os, sys, numpy as np, torch
 from hf_plookup.engine import cpu_kernels as ck
 old = ctypes.PyDLL(sys.argv[1])
 old.PyInit__cpu_kernels.restype = ctypes.py_object
@@ -18,8 +18,8 @@ def run(lib, q, kc, vc, slots, arrs, scale, softcap, threads):
                    int(q.dtype == torch.bfloat16), threads)
     assert r == 0
     return out
-import os
-if os.environ.get("LEVEL"): ck.set_simd_level(int(os.environ["LEVEL"])); old.set_simd_level(int(os.environ["LEVEL"]))
+if os.environ.get("LEVEL"):
+    ck.set_simd_level(int(os.environ["LEVEL"])); old.set_simd_level(int(os.environ["LEVEL"]))
 rng = np.random.default_rng(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
 n_cases, bad = 0, 0
 for case in range(int(sys.argv[3]) if len(sys.argv) > 3 else 300):
