@@ -264,13 +264,13 @@ AVX2 static inline __m256 exp_neg(__m256 x) {
  * vector loops round as the scalar ones they replace (a product, a max, then per lane in order) */
 AVX2 static void softmax_avx2(float* s, int64_t L, float scale) {
     int64_t j = 0;
-    if (scale != 1.0f) {
-        __m256 vs = _mm256_set1_ps(scale);
-        for (; j + 8 <= L; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), vs));
-        for (; j < L; j++) s[j] *= scale;
+    __m256 vm = _mm256_set1_ps(-INFINITY), vs = _mm256_set1_ps(scale);
+    for (; j + 8 <= L; j += 8) { /* scaled (one product each; scale 1 leaves s as it is) and the lanes' max */
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), vs);
+        _mm256_storeu_ps(s + j, v);
+        vm = _mm256_max_ps(v, vm); /* (a > b) ? a : b */
     }
-    __m256 vm = _mm256_set1_ps(-INFINITY);
-    for (j = 0; j + 8 <= L; j += 8) vm = _mm256_max_ps(_mm256_loadu_ps(s + j), vm); /* (a > b) ? a : b */
+    for (int64_t i = j; i < L; i++) s[i] *= scale;
     float lanes[8], mx = -INFINITY;
     _mm256_storeu_ps(lanes, vm);
     for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
@@ -531,9 +531,10 @@ AVX2 static void widen_rows(const void* base, const int64_t* rows, int64_t nb, i
                             const float** out) {
     for (int64_t u = 0; u < nb; u++) {
         float* f = w + u * ld;
+        const uint16_t* src = (const uint16_t*)base + rows[u]; /* once: the stores below may alias rows */
         int64_t d = 0;
-        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(f + d, ld_bf16(base, rows[u] + d));
-        for (; d < D; d++) f[d] = load1(base, rows[u] + d, 1);
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(f + d, ld_bf16(src, d));
+        for (; d < D; d++) f[d] = bf16_to_f32(src[d]);
         for (; d < ld; d++) f[d] = 0.0f;
         out[u] = f;
     }
@@ -863,7 +864,8 @@ static int64_t pass_begin(pass_t* P, const attend_job* J, int64_t t_lo, int64_t 
     for (int64_t i = 0; i < nt; i++) {
         int64_t t = t_lo + i, n_run = J->run_hi[t] - J->run_lo[t], m = P->own_at[i];
         for (int64_t j = 0; j < P->Ls[i]; j++) {
-            if (j >= P->pre[i] && j < P->pre[i] + nS) continue;
+            if (j == P->pre[i]) j += nS; /* the span's keys are in krow (a skip, not a test per key) */
+            if (j >= P->Ls[i]) break;
             int64_t c = j < n_run ? J->run_lo[t] + j : J->extra[J->extra_off[t] + j - n_run];
             P->kown[m] = slots[c] * J->H_kv * D, P->vown[m++] = slots[c] * J->H_kv * Dv;
         }
