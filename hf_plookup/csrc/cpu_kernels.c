@@ -218,8 +218,8 @@ static const ptile_fn pbf16_one[] = {0, pbf16_1x1, pbf16_2x1, pbf16_3x1, pbf16_4
 /* Calls of more than 9 rows (a batch's verify step, a prompt chunk) go in blocks of rows. fp32: blocks
  * of MANY_ROWS rows, each over MANY_PANELS panels at a time (the 4 x 3 tile has the fewest broadcasts
  * per FMA) and MANY_KBLOCK values at a time, so that the panels' block stays in L1 while every row
- * block passes over it (a chain cut there goes on from its stored sums, bitwise). bf16: blocks of 9
- * rows over one panel, which a bf16 pass widens again: 3 x 3 passes ran 1.3x slower than 9 x 1 ones at
+ * block passes over it (a chain cut there goes on from its stored sums, bitwise). bf16: blocks of up
+ * to 9 rows (x_block) over one panel, which a bf16 pass widens again: 3 x 3 passes ran 1.3x slower than 9 x 1 ones at
  * 16 to 40 rows. With x in blocks of rows too (x_block), SmolLM2's fp32 linears took 43-45 and 95-101
  * ms at 16 and 40 rows on a 2-core EPYC, against 54-60 and 125-131 with x as one [K][M] block (with and
  * without blocks of K), and 54 and 98-107 with the row-along-K kernels before (eighteenth session). */
@@ -627,8 +627,14 @@ static int simd = 0, simd_max = 0;
 
 /* x goes to the tiles transposed in blocks of this many rows, [blocks][K2][B] (the last block fewer
  * rows), so that a pass over one block reads its x values as one stream: all M rows as one block
- * up to 9 rows, else the rows of a fp32 pass (MANY_ROWS) or of a bf16 one (9) */
-static inline int64_t x_block(int64_t M, int64_t bf16) { return M <= 9 ? M : bf16 ? 9 : MANY_ROWS; }
+ * up to 9 rows, else the rows of a fp32 pass (MANY_ROWS) or of a bf16 one (at most 9, the blocks as even
+ * as they come: 10 rows as 5 + 5 rather than 9 + 1, whose 1-row pass is one FMA chain at a time) */
+static inline int64_t x_block(int64_t M, int64_t bf16) {
+    if (M <= 9) return M;
+    if (!bf16) return MANY_ROWS;
+    int64_t blocks = (M + 8) / 9;
+    return (M + blocks - 1) / blocks;
+}
 
 /* where row m's value 0 lies in the transposed x (blocks of B rows, K2 values), *ld the step between its
  * values (the rows of m's block) */
