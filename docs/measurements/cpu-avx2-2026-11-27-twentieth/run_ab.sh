@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Side by side, in one process per line: the working tree's cpu_kernels.c (A) against the twentieth
+# session's start (B, commit 84e7e41), 2 threads. Linears: lin_ab.c (SmolLM2's 210 layer linears,
+# weights streamed). Attention: the nineteenth session's attend_ab.c, with EVICT=40 (40 MB read before
+# each layer's call, so that the pages come from memory as in a step; EVICT=9 left them in L3).
+# Then bw.c: one KV head's rows of a page (128 of every 384 bytes) against whole rows, from memory.
+# Run from the repository root with its venv active:
+#   bash docs/measurements/cpu-avx2-2026-11-27-twentieth/run_ab.sh
+set -euo pipefail
+here=$(dirname "$0"); tmp=$(mktemp -d)
+inc=$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+libdir=$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
+git show 84e7e41:hf_plookup/csrc/cpu_kernels.c > "$tmp/start.c"
+for v in new start; do
+  src=hf_plookup/csrc/cpu_kernels.c; [ $v = start ] && src="$tmp/start.c"
+  gcc -O3 -std=c11 -ffp-contract=off -DNDEBUG -fwrapv -shared -fPIC -I"$inc" "$src" -o "$tmp/$v.so" -lpthread
+done
+for h in lin_ab; do gcc -O2 -I"$inc" "$here/$h.c" -o "$tmp/$h" -ldl -L"$libdir" -lpython3.11 -Wl,-rpath,"$libdir"; done
+gcc -O2 -I"$inc" "$here/../cpu-avx2-2026-11-26-nineteenth/attend_ab.c" -o "$tmp/attend_ab" -ldl -L"$libdir" -lpython3.11 -Wl,-rpath,"$libdir"
+gcc -O2 -mavx2 "$here/bw.c" -o "$tmp/bw"
+python "$here/../cpu-avx2-2026-11-26-nineteenth/attend_bits.py" "$tmp/start.so" 31 400   # the same bits as the start's build
+for cfg in "1 1" "5 1" "9 1" "10 1" "20 1" "40 1" "5 0" "9 0"; do
+  set -- $cfg
+  "$tmp/lin_ab" "$tmp/new.so" "$tmp/start.so" "$1" "$2" 2 15
+done
+for cfg in "1 1 1" "5 1 1" "9 1 1" "5 1 4" "1 1 8" "9 0 1"; do
+  set -- $cfg
+  EVICT=40 "$tmp/attend_ab" "$tmp/new.so" "$tmp/start.so" "$1" "$2" "$3" 2 21
+done
+"$tmp/bw" 16 384 128 evict; "$tmp/bw" 16 384 384 evict
+rm -rf "$tmp"
