@@ -2,19 +2,14 @@
 # Side by side, in one process per line: attend() of the nineteenth session's kernels (A, the working
 # tree) and of the session's start (B, commit 3a9bf04), SmolLM2's attention shape, 2 threads; first with
 # the pages left in cache between layers (EVICT=0), then with 9 MB read between layers, as a step's
-# weights pass through the caches (EVICT=9: what a step sees). PREFETCH=1: also the prefetch experiment
+# weights pass through the caches (EVICT=9; the twentieth session found the pages still in L3 then,
+# where a step finds them in memory: EVICT=40 for that). PREFETCH=1: also the prefetch experiment
 # (attend_prefetch_epyc_avx2.txt).
 # Run from the repository root with its venv active: bash docs/measurements/cpu-avx2-2026-11-26-nineteenth/run_attend_ab.sh
 set -euo pipefail
-here=$(dirname "$0"); tmp=$(mktemp -d)
-inc=$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-libdir=$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
-git show 3a9bf04:hf_plookup/csrc/cpu_kernels.c > "$tmp/start.c"
-for v in new start; do
-  src=hf_plookup/csrc/cpu_kernels.c; [ $v = start ] && src="$tmp/start.c"
-  gcc -O3 -std=c11 -ffp-contract=off -DNDEBUG -fwrapv -shared -fPIC -I"$inc" "$src" -o "$tmp/$v.so" -lpthread
-done
-gcc -O2 -I"$inc" "$here/attend_ab.c" -o "$tmp/ab" -ldl -L"$libdir" -lpython3.11 -Wl,-rpath,"$libdir"
+here=$(dirname "$0"); tmp=$(mktemp -d); start=3a9bf04
+source "$here/../ab_builds.sh"
+harness "$here/attend_ab.c" "$tmp/ab"
 python "$here/attend_bits.py" "$tmp/start.so" 61 400   # the same bits as the start's build first
 for evict in 0 9; do
   echo "EVICT=$evict"

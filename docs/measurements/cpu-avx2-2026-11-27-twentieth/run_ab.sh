@@ -7,16 +7,10 @@
 # Run from the repository root with its venv active:
 #   bash docs/measurements/cpu-avx2-2026-11-27-twentieth/run_ab.sh
 set -euo pipefail
-here=$(dirname "$0"); tmp=$(mktemp -d)
-inc=$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-libdir=$(python -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
-git show 84e7e41:hf_plookup/csrc/cpu_kernels.c > "$tmp/start.c"
-for v in new start; do
-  src=hf_plookup/csrc/cpu_kernels.c; [ $v = start ] && src="$tmp/start.c"
-  gcc -O3 -std=c11 -ffp-contract=off -DNDEBUG -fwrapv -shared -fPIC -I"$inc" "$src" -o "$tmp/$v.so" -lpthread
-done
-for h in lin_ab; do gcc -O2 -I"$inc" "$here/$h.c" -o "$tmp/$h" -ldl -L"$libdir" -lpython3.11 -Wl,-rpath,"$libdir"; done
-gcc -O2 -I"$inc" "$here/../cpu-avx2-2026-11-26-nineteenth/attend_ab.c" -o "$tmp/attend_ab" -ldl -L"$libdir" -lpython3.11 -Wl,-rpath,"$libdir"
+here=$(dirname "$0"); tmp=$(mktemp -d); start=84e7e41
+source "$here/../ab_builds.sh"
+harness "$here/lin_ab.c" "$tmp/lin_ab"
+harness "$here/../cpu-avx2-2026-11-26-nineteenth/attend_ab.c" "$tmp/attend_ab"
 gcc -O2 -mavx2 "$here/bw.c" -o "$tmp/bw"
 python "$here/../cpu-avx2-2026-11-26-nineteenth/attend_bits.py" "$tmp/start.so" 31 400   # the same bits as the start's build
 for cfg in "1 1" "5 1" "9 1" "10 1" "20 1" "40 1" "5 0" "9 0"; do
