@@ -191,7 +191,7 @@ typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K
                 UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);  \
             }                                                                                           \
             /* 10 sums or more (5 x 2): the address hidden from gcc, whose redundancy elimination     \
-             * otherwise kept a sum in memory, a store and a load on its FMA chain (0.91-0.96x the    \
+             * otherwise kept a sum in memory, a store and a load on its FMA chain (0.93-0.97x the    \
              * time of SmolLM2's 5-row linears); fewer: hiding it cost 1-row calls a few per cent */   \
             const uint16_t* w2 = w;                                                                     \
             if (MB * NP >= 10) __asm__("" : "+r"(w2));                                                  \
