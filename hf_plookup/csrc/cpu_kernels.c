@@ -275,11 +275,13 @@ AVX2 static void softmax_avx2(float* s, int64_t L, float scale) {
         _mm256_storeu_ps(s + j, v);
         vm = _mm256_max_ps(v, vm); /* (a > b) ? a : b */
     }
-    for (int64_t i = j; i < L; i++) s[i] *= scale;
     float lanes[8], mx = -INFINITY;
     _mm256_storeu_ps(lanes, vm);
     for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
-    for (; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+    for (; j < L; j++) { /* the last L % 8 the same way, one at a time */
+        s[j] *= scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
     __m256 vmx = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
     j = 0;
     for (; j + 8 <= L; j += 8) {
