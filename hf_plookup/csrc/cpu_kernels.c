@@ -237,6 +237,45 @@ AVX2 static void packed_store_avx2(const float* o, int mb, int np, int64_t m0, i
         }
     }
 }
+/* x's rows m .. m + R - 1 (R = 8, 4 or 1), values [0, K - K % R) (bf16 widened), into a block of the
+ * transposed x: value k of row m + i at dst[k * ld + i]; by R x R transposes, not one scalar store per
+ * value, which kept a 9-row call's caller a few microseconds a layer while the other threads waited */
+AVX2 static void transpose8(const void* x, int64_t m, int64_t K, int bf16, float* dst, int64_t ld) {
+    for (int64_t k0 = 0; k0 + 8 <= K; k0 += 8) {
+        __m256 r[8], t[8], s[8];
+        for (int i = 0; i < 8; i++) r[i] = bf16 ? ld_bf16(x, (m + i) * K + k0) : ld_f32(x, (m + i) * K + k0);
+        for (int i = 0; i < 8; i += 2) { /* [r_i 0, r_i+1 0, r_i 1, r_i+1 1 | 4, 5], then 2, 3 | 6, 7 */
+            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) { /* values 0, 1, 2, 3 (each | value + 4) of four rows */
+            s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+            s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+            s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+            s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+        }
+        for (int v = 0; v < 4; v++) {
+            _mm256_storeu_ps(dst + (k0 + v) * ld, _mm256_permute2f128_ps(s[v], s[v + 4], 0x20));
+            _mm256_storeu_ps(dst + (k0 + v + 4) * ld, _mm256_permute2f128_ps(s[v], s[v + 4], 0x31));
+        }
+    }
+}
+AVX2 static int64_t transpose1(const void* x, int64_t m, int64_t K, int bf16, float* dst) { /* one row: as it is */
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, bf16 ? ld_bf16(x, m * K + k) : ld_f32(x, m * K + k));
+    return k;
+}
+AVX2 static void transpose4(const void* x, int64_t m, int64_t K, int bf16, float* dst, int64_t ld) {
+    for (int64_t k0 = 0; k0 + 4 <= K; k0 += 4) {
+        __m128 r[4];
+        for (int i = 0; i < 4; i++)
+            r[i] = bf16 ? _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64(
+                              (const __m128i*)((const uint16_t*)x + (m + i) * K + k0))), 16))
+                        : _mm_loadu_ps((const float*)x + (m + i) * K + k0);
+        _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
+        for (int v = 0; v < 4; v++) _mm_storeu_ps(dst + (k0 + v) * ld, r[v]);
+    }
+}
 #define PTILES_X1(T) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1) T(7, 1) T(8, 1) T(9, 1)
 PTILES_X1(PTILE_F32) PTILE_F32(1, 4) PTILE_F32(2, 4) PTILE_F32(3, 3) PTILE_F32(4, 3) PTILE_F32(5, 2) PTILE_F32(6, 2)
 PTILES_X1(PTILE_BF16) PTILE_BF16(1, 4) PTILE_BF16(2, 3) PTILE_BF16(3, 3) PTILE_BF16(4, 2) PTILE_BF16(5, 2)
@@ -1195,10 +1234,22 @@ static int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const voi
         if (!xt) return -1;
         int64_t B = x_block(M, bf16);
         for (int64_t m = 0; m < M; m++) {
-            int64_t ld;
+            int64_t ld, k = 0;
             float* xm = xt + x_at(M, B, K2, m, &ld);
-            for (int64_t k = 0; k < K; k++) xm[k * ld] = load1(x, m * K + k, (int)bf16);
-            for (int64_t k = K; k < K2; k++) xm[k * ld] = 0.0f;
+#if HAVE_AVX2_PATH
+            int64_t i = m % B; /* the row's place in its block: rows go by eights, then fours, then alone */
+            if (simd && ld == 1) /* one row: its values in a line */
+                k = transpose1(x, m, K, (int)bf16, xm);
+            else if (simd && i / 8 * 8 + 8 <= ld) {
+                if (i % 8 == 0) transpose8(x, m, K, (int)bf16, xm, ld);
+                k = K / 8 * 8; /* (this row's values up to there are in) */
+            } else if (simd && i / 4 * 4 + 4 <= ld) {
+                if (i % 4 == 0) transpose4(x, m, K, (int)bf16, xm, ld);
+                k = K / 4 * 4;
+            }
+#endif
+            for (; k < K; k++) xm[k * ld] = load1(x, m * K + k, (int)bf16);
+            for (k = K; k < K2; k++) xm[k * ld] = 0.0f;
         }
     }
     linear_job j = {xt ? xt : (const float*)x, M, K2, bf16, n};
