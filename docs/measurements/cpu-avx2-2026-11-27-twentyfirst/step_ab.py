@@ -1,5 +1,5 @@
-"""The engine's eager invariant CPU step (SmolLM2's shape, random weights, 700 cached tokens, batch 1)
-on two builds of cpu_kernels.c in one process: the installed one (A) and another (B, a .so built as
+"""The engine's eager invariant CPU step (SmolLM2's shape, random weights, 700 cached tokens, batch 1
+or BATCH sequences) on two builds of cpu_kernels.c in one process: the installed one (A) and another (B, a .so built as
 setup.py builds it). Each round runs every q on A, then on B, in turn; the report gives medians per
 build and q, each build's q/1 ratio, and A/B per q (medians of the rounds' ratios).
 Run from the repository root, 2 threads:
