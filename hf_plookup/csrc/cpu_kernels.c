@@ -269,8 +269,7 @@ AVX2 static void transpose4(const void* x, int64_t m, int64_t K, int bf16, float
     for (int64_t k0 = 0; k0 + 4 <= K; k0 += 4) {
         __m128 r[4];
         for (int i = 0; i < 4; i++)
-            r[i] = bf16 ? _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64(
-                              (const __m128i*)((const uint16_t*)x + (m + i) * K + k0))), 16))
+            r[i] = bf16 ? _mm256_castps256_ps128(widen8(_mm_loadl_epi64((const __m128i*)((const uint16_t*)x + (m + i) * K + k0))))
                         : _mm_loadu_ps((const float*)x + (m + i) * K + k0);
         _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
         for (int v = 0; v < 4; v++) _mm_storeu_ps(dst + (k0 + v) * ld, r[v]);
