@@ -20,7 +20,10 @@ keys/values):
   <mode>+invariant (--invariant) each mode again in invariant mode (wrap(invariant=True)); graph
                    modes on attn_backend triton only (sdpa's invariant form is not captured)
   kernels/...      (--kernels, CPU) the C linear and attention kernels alone, each from memory
-                   and from cache in the same rounds: which of them wait on memory, which on the core
+                   and from cache in the same rounds: which of them wait on memory, which on the core,
+                   and their multiply-adds a second against the fp32 GEMM's (the compute bound's rate)
+Above the rows: the bandwidth bound (the weights' bytes at the copy and read bandwidth) and, on CPU,
+the compute bound (the step's multiply-adds, step_macs, at the rate of an fp32 GEMM from cache).
 First calls (compile, capture) are reported apart from the median of --iters timed calls, the q values
 taking turns (one call each per round), and each q's ratio to the smallest q as the median of the rounds'. On
 CUDA also the GPU kernels one un-captured forward launches (torch.profiler).
@@ -47,7 +50,7 @@ import torch
 from eval.lib.cli import DTYPES, add_threads_option, show_defaults
 from eval.lib.models import SHAPES, random_model
 from eval.lib.report import report, write_json
-from eval.lib.timing import copy_bandwidth, count_kernels, interleaved, read_bandwidth, sync, timed
+from eval.lib.timing import copy_bandwidth, count_kernels, gemm_rate, interleaved, read_bandwidth, sync, timed
 from hf_plookup.attention.metadata import StepLayout
 from hf_plookup.attention.ops import COMPILABLE_BACKENDS
 from hf_plookup.attention.registry import register
@@ -114,6 +117,32 @@ def step_plan(num_seqs: int, q: int, context: int, block_size: int, vocab: int =
         kv_slots=kv_slots, context_lens=np.full(num_seqs, ctx), block_tables=tables,
         cu_seqlens_q=np.arange(num_seqs + 1) * q, cu_seqlens_k=np.arange(num_seqs + 1) * ctx,
     )
+
+
+def step_macs(model, batch: int, q: int, context: int) -> dict[str, int]:
+    """Multiply-adds of a step of `batch` sequences of `context` cached tokens feeding q tokens each,
+    by part: the decoder layers' linears, the LM head (every token's logits, as a verify step keeps
+    them) and the attention (token t of q sees context + t + 1 keys, or its layer's sliding window:
+    a query . key and a weight x value row each). SmolLM2 at q = 9 over 700 tokens: 955.5 M, 254.8 M and 219.3 M.
+
+    Example (a Llama of one layer, hidden 8, 2 heads of head_dim 4 on one KV head, intermediate 16,
+    vocab 10; batch 1, q 2, context 3): linears 2 x (2 x 8 x 8 + 2 x 8 x 4 + 3 x 8 x 16) = 1,152; LM head
+    2 x 8 x 10 = 160; attention 2 heads x (4 + 5 keys) x (4 + 4) = 144."""
+    cfg = model.config
+    layers = model.model.layers
+    rows = batch * q
+    lin = rows * sum(m.in_features * m.out_features for la in layers for m in la.modules() if isinstance(m, torch.nn.Linear))
+    head = model.get_output_embeddings()
+    heads = cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers)
+    window = getattr(cfg, "sliding_window", None)
+    attn = 0
+    for kind in kinds:
+        for t in range(q):
+            keys = context + t + 1
+            attn += batch * heads * 2 * d * (min(keys, window) if kind == "sliding_attention" and window else keys)
+    return {"linears": lin, "LM head": rows * head.in_features * head.out_features, "attention": attn}
 
 
 def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache, invariant: bool = False,
@@ -194,14 +223,16 @@ def bench_pages(model, args, device, cache: PagedKVCache) -> list[dict]:
     return rows
 
 
-def bench_kernels(model, args, device, cache: PagedKVCache) -> list[dict]:
+def bench_kernels(model, args, device, cache: PagedKVCache, macs: dict, rate: float) -> list[dict]:
     """The CPU kernels of a step alone, per q (the first batch size): the decoder layers' linears
     (the `linear` kernel on each weight, batch x q rows) and the attention (`cpu_kernels.attend`,
     each layer's pages, batch x q tokens over --context cached ones), each run over every layer's
     own weights and pages ("memory": the weights stream from DRAM, as in a step) and over the first
     layer's, once per layer ("cache": they stay in L2/L3), all in the same rounds. A kernel that
     takes about as long from cache waits on the core's work, not on memory. Rows "kernels/<kind>/
-    <memory|cache>" with each q's ratio to the smallest q's, and "vs_cache", from the same rounds."""
+    <memory|cache>" with each q's ratio to the smallest q's, and "vs_cache", from the same rounds, and
+    "of_gemm": the kernel's multiply-adds a second (`macs`, from step_macs) over `rate`, the fp32
+    GEMM's (what share of the cores' arithmetic it gets)."""
     from hf_plookup.attention.invariant import build_layout
     from hf_plookup.engine import cpu_kernels
 
@@ -239,10 +270,12 @@ def bench_kernels(model, args, device, cache: PagedKVCache) -> list[dict]:
         ts = times[kind, where, q]
         row = {"mode": f"kernels/{kind}/{where}", "batch": b, "q": q, "step_s": statistics.median(ts),
                f"vs_q{q0}": statistics.median(t / t0 for t, t0 in zip(ts, times[kind, where, q0])),
-               "vs_cache": statistics.median(t / c for t, c in zip(ts, times[kind, "cache", q]))}
+               "vs_cache": statistics.median(t / c for t, c in zip(ts, times[kind, "cache", q])),
+               "of_gemm": macs[q][kind] / statistics.median(ts) / rate}
         rows.append(row)
         print(f"  {row['mode']:24s} batch {b:3d} q {q:2d}: {1e3 * row['step_s']:8.2f} ms  "
-              f"{row[f'vs_q{q0}']:5.2f}x q {q0}  {row['vs_cache']:5.2f}x from cache", flush=True)
+              f"{row[f'vs_q{q0}']:5.2f}x q {q0}  {row['vs_cache']:5.2f}x from cache  "
+              f"{macs[q][kind] / row['step_s'] / 1e9:6.1f} GMAC/s ({100 * row['of_gemm']:3.0f}% of the GEMM's)", flush=True)
     return rows
 
 
@@ -411,6 +444,12 @@ def main(argv=None) -> int:
         print(f"== {name} {args.dtype} on {device}: bandwidth bound {1e3 * bound:.2f} ms/step "
               f"(reading the weights alone: {1e3 * read_bound:.2f} ms)" + ("; weights on 2 MB pages" if huge else ""),
               flush=True)
+        macs = {q: step_macs(model, args.batch_sizes[0], q, args.context) for q in args.q}
+        rate = gemm_rate(device) if device.type == "cpu" else None
+        if rate:  # (on a GPU the step's own GEMMs are not fp32, so this rate would bound nothing)
+            print(f"   compute bound at the fp32 GEMM rate ({rate / 1e9:.1f} GMAC/s), batch {args.batch_sizes[0]}: " +
+                  ", ".join(f"q {q} {1e3 * sum(m.values()) / rate:.2f} ms" for q, m in macs.items()) +
+                  " (linears, LM head and attention)", flush=True)
         bb = batch_bucket(max(args.batch_sizes))
         pages = bb * context_bucket(args.context + max(args.q), args.block_size) // args.block_size + 2
         cache = PagedKVCache(layer_specs(model), pages, args.block_size, scratch=True)
@@ -437,9 +476,10 @@ def main(argv=None) -> int:
         if args.breakdown and device.type == "cpu":
             rows += breakdown(model, args, device, cache)
         if args.kernels and device.type == "cpu":
-            rows += bench_kernels(model, args, device, cache)
+            rows += bench_kernels(model, args, device, cache, macs, rate)
         result["models"].append({"model": name, "bandwidth_bound_s": bound, "read_bound_s": read_bound,
-                                 "huge_pages": huge})
+                                 "gemm_macs_per_s": rate, "huge_pages": huge,
+                                 "macs": {str(q): m for q, m in macs.items()}})
         result["results"] += [{"model": name, **r} for r in rows]
         write_json(out, result)
         del model, cache

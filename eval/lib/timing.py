@@ -1,6 +1,7 @@
 """Timers that wait for the device: engine step times during a `generate` call, the median of
-repeated calls, GPU kernels per call, and device copy and read bandwidth (the bound of a decode
-step that reads every weight once: weight bytes / bandwidth)."""
+repeated calls, GPU kernels per call, device copy and read bandwidth (the bound of a decode
+step that reads every weight once: weight bytes / bandwidth), and the multiply-add rate of a
+GEMM (the bound of a step whose arithmetic outweighs its reading: multiply-adds / rate)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,18 @@ def count_kernels(fn, device) -> int | None:
         fn()
         sync(device)
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def gemm_rate(device, n: int = 512) -> float:
+    """Multiply-adds per second of an fp32 n x n by n x n matmul (default 2 MB of operands, in
+    cache): the fastest of 10, at torch's current thread count. What the vendor's GEMM (MKL on CPU)
+    gets from the cores: a shared 2-core AMD EPYC (Zen 3, AVX2) made 70-78 G a second, 85-88% of
+    what a loop of nothing but independent 8-lane FMAs makes there (5.5-5.9 G of them a ns per core),
+    so it is the rate a step's own kernels can hope to approach."""
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device)
+    b, c = torch.randn(n, n, device=device), torch.empty(n, n, device=device)
+    return n**3 / _fastest(lambda: torch.mm(a, b, out=c), device)
 
 
 def _fastest(fn, device) -> float:
