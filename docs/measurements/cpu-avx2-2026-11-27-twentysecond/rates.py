@@ -4,13 +4,10 @@ SmolLM2-135M's 210 layer linears (random weights streamed from memory, fp32 and 
 the median of 5 sweeps), against which the C kernels' rates in `step_bench.py --kernels` read.
     python docs/measurements/cpu-avx2-2026-11-27-twentysecond/rates.py"""
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
-from eval.lib.timing import gemm_rate
+from eval.lib.timing import gemm_rate, timed
 
 torch.set_num_threads(2)
 for n in (256, 512, 1024):
@@ -29,10 +26,5 @@ for dt in (torch.float32, torch.bfloat16):
                     F.linear(xs[w.shape[1]], w)
 
         sweep()
-        ts = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            sweep()
-            ts.append(time.perf_counter() - t0)
-        t = statistics.median(ts)
+        t = timed(sweep, "cpu", 5)
         print(f"torch F.linear {str(dt)[6:]}, {m} row(s), 210 linears: {1e3 * t:.2f} ms, {m * per_row / t / 1e9:.1f} GMAC/s")
