@@ -119,6 +119,11 @@ def step_plan(num_seqs: int, q: int, context: int, block_size: int, vocab: int =
     )
 
 
+def layer_linears(model) -> list[list[torch.nn.Linear]]:
+    """Each decoder layer's linears (a step's `linear` kernel calls, the LM head aside)."""
+    return [[m for m in la.modules() if isinstance(m, torch.nn.Linear)] for la in model.model.layers]
+
+
 def step_macs(model, batch: int, q: int, context: int) -> dict[str, int]:
     """Multiply-adds of a step of `batch` sequences of `context` cached tokens feeding q tokens each,
     by part: the decoder layers' linears, the LM head (every token's logits, as a verify step keeps
@@ -131,7 +136,7 @@ def step_macs(model, batch: int, q: int, context: int) -> dict[str, int]:
     cfg = model.config
     layers = model.model.layers
     rows = batch * q
-    lin = rows * sum(m.in_features * m.out_features for la in layers for m in la.modules() if isinstance(m, torch.nn.Linear))
+    lin = rows * sum(m.in_features * m.out_features for ms in layer_linears(model) for m in ms)
     head = model.get_output_embeddings()
     heads = cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -237,7 +242,7 @@ def bench_kernels(model, args, device, cache: PagedKVCache, macs: dict, rate: fl
     from hf_plookup.engine import cpu_kernels
 
     layers = model.model.layers
-    weights = [[m.weight for m in la.modules() if isinstance(m, torch.nn.Linear)] for la in layers]
+    weights = [[m.weight for m in ms] for ms in layer_linears(model)]
     pages = [cache.layer(la.self_attn.layer_idx) for la in layers]
     cfg = model.config
     heads, head_dim = cfg.num_attention_heads, pages[0][0].shape[-1]  # (the pages' [blocks, block, H_kv, D])
