@@ -103,7 +103,7 @@ def count_kernels(fn, device) -> int | None:
 def gemm_rate(device, n: int = 512) -> float:
     """Multiply-adds per second of an fp32 n x n by n x n matmul (default 2 MB of operands, in
     cache): the fastest of 10, at torch's current thread count. What the vendor's GEMM (MKL on CPU)
-    gets from the cores: a shared 2-core AMD EPYC (Zen 3, AVX2) made 66-79 G a second, 80-85% of
+    gets from the cores: a shared 2-core AMD EPYC (Zen 3, AVX2) made 66-83 G a second, 72-90% of
     the best a loop of nothing but independent 8-lane FMAs made there (11.5 G of them a ns on both
     cores), so it is the rate a step's own kernels can hope to approach."""
     device = torch.device(device)
