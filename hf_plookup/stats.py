@@ -32,7 +32,16 @@ class SpecStats:
     propose_time: float = 0.0  # seconds in the proposer
     propose_calls: int = 0  # proposer calls (one per decode step)
     wall_time: float = 0.0  # seconds, whole call
-    compile_time: float = 0.0  # seconds of wall_time spent compiling (and capturing) new step buckets
+    compile_time: float = 0.0  # seconds of wall_time spent compiling new step buckets (their first run)
+    capture_time: float = 0.0  # seconds of wall_time spent capturing new step buckets in CUDA graphs
+    # how the forwards that carried this call's decoding rows ran: "graph" (its bucket's CUDA graph
+    # replayed), "compiled" (its bucket's compiled forward, uncaptured), "static" (its bucket's static
+    # buffers run eagerly: a test and benchmark mode) or "eager" (the model's own forward: a step no
+    # bucket holds, or an engine with neither CUDA graphs nor compiled steps). Prompt chunks always
+    # run eagerly and are counted in prefill_forwards.
+    decode_steps_by_path: dict[str, int] = field(default_factory=dict)
+    # where graphs or compiled steps are on: why decode steps ran eagerly (reason -> steps)
+    eager_reasons: dict[str, int] = field(default_factory=dict)
     delegated: bool = False  # True when the call went to HF's own generate
     delegated_reason: str = ""
     attn_backend: str = ""
@@ -51,10 +60,27 @@ class SpecStats:
         self.accepted_per_position = [0] * k
         self.accepted_hist = [0] * (k + 1)
 
-    def count_forward(self, prefill: bool) -> None:
-        """One model forward that carried a row of this call (`prefill`: a prompt chunk among them)."""
+    def count_forward(self, prefill: bool, path: str | None = None, reason: str | None = None) -> None:
+        """One model forward that carried a row of this call (`prefill`: a prompt chunk among them).
+        `path`: how it ran (see decode_steps_by_path), where it carried a decoding row of this call
+        (None: only prompt chunks of it); `reason`: why it ran eagerly where graphs or compiled
+        steps are on (GraphRunner.unsupported).
+
+        Example: a call's prompt chunk, then 3 replayed decode steps and one step beside another
+        call's prompt chunk: forwards 5, prefill_forwards 2, decode_steps_by_path {"graph": 3,
+        "eager": 1}, eager_reasons {"a prompt chunk": 1}."""
         self.forwards += 1
         self.prefill_forwards += prefill
+        if path is not None:
+            self.decode_steps_by_path[path] = self.decode_steps_by_path.get(path, 0) + 1
+            if reason is not None:
+                self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+
+    @property
+    def decode_steps(self) -> int:
+        """Forwards that carried a decoding row of this call (decode and verify steps)."""
+        return sum(self.decode_steps_by_path.values())
+
 
     def count_propose(self, seconds: float) -> None:
         """One proposer call of `seconds` that drafted for a row of this call."""
@@ -132,6 +158,9 @@ class SpecStats:
             "propose_ms_per_step": self.propose_ms_per_step,
             "wall_time": self.wall_time,
             "compile_time": self.compile_time,
+            "capture_time": self.capture_time,
+            "decode_steps_by_path": dict(self.decode_steps_by_path),
+            "eager_reasons": dict(self.eager_reasons),
             "tokens_per_second": self.tokens_per_second,
             "delegated": self.delegated,
             "delegated_reason": self.delegated_reason,

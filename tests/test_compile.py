@@ -10,9 +10,9 @@ import torch
 
 import hf_plookup
 from hf_plookup.attention.ops import compiled_paged_attention, paged_attention
-from hf_plookup.attention.pages import store_kv
 from hf_plookup.attention.sdpa import sdpa_paged_attention
 from hf_plookup.engine import graphs
+from hf_plookup.engine.engine import resolve_compile
 from tests.conftest import ARCHS, EAGER_ONLY, left_padded, tiny_model, wrap_copy
 from tests.gpu.test_gpu import _paged_step
 
@@ -27,49 +27,51 @@ def _fresh_dynamo():
     torch._dynamo.reset()  # drop compiled graphs (they hold the test's model)
 
 
-def _op_args(meta, query, backend, window, softcap):
+def _op_args(meta, query, key, value, backend, window, softcap):
     k_cache, v_cache = meta.kv_cache.layer(0)
-    return (query, k_cache, v_cache, meta.kv_slots, meta.query_pos, meta.context_lens, meta.block_tables,
-            meta.cache_seqlens, meta.cu_seqlens_q, meta.q_gather, meta.q_scatter, None, backend, 0.3, window or 0,
-            softcap or 0.0, False)
+    return (query, key, value, k_cache, v_cache, meta.slot_mapping, meta.kv_slots, meta.query_pos, meta.context_lens,
+            meta.block_tables, meta.cache_seqlens, meta.cu_seqlens_q, meta.q_gather, meta.q_scatter, None, backend, 0.3,
+            window or 0, softcap or 0.0, False)
 
 
 @pytest.mark.parametrize("uniform", [True, False])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_ops_match_eager_backend(uniform, window, softcap):
-    """store_kv + the paged_attention op (sdpa inside) give what the eager sdpa backend gives."""
+    """The paged_attention op (its KV write, then sdpa inside) writes the pages and gives what the
+    eager sdpa backend gives."""
     meta, query, key, value, *_ = _paged_step(torch.float32, 16, uniform, device="cpu")
     meta.static_shapes = True  # what compiled steps run on (explicit masks, as the ops use)
     k_cache, v_cache = meta.kv_cache.layer(0)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     ref = sdpa_paged_attention(_Layer(), query, key, value, meta, scaling=0.3, sliding_window=window, softcap=softcap)
     written_k, written_v = k_cache.clone(), v_cache.clone()
+    assert not torch.equal(written_k, ref_k)  # the step wrote keys
     k_cache.copy_(ref_k)
     v_cache.copy_(ref_v)
-    store_kv(k_cache, v_cache, meta.slot_mapping, key, value)
-    assert torch.equal(k_cache, written_k) and torch.equal(v_cache, written_v)
-    out = paged_attention(*_op_args(meta, query, "sdpa", window, softcap))
+    out = paged_attention(*_op_args(meta, query, key, value, "sdpa", window, softcap))
     assert torch.equal(out, ref)
+    assert torch.equal(k_cache, written_k) and torch.equal(v_cache, written_v)  # written in place
+    k_cache.copy_(ref_k)
+    v_cache.copy_(ref_v)
     meta.backend = "sdpa"
     both = compiled_paged_attention(_Layer(), query, key, value, meta, scaling=0.3, sliding_window=window, softcap=softcap)
-    assert torch.equal(both, ref)
+    assert torch.equal(both, ref) and torch.equal(k_cache, written_k) and torch.equal(v_cache, written_v)
 
 
 def test_triton_op_matches_sdpa_op():
     """The op's Triton branch (interpreter on CPU) against its sdpa branch."""
     pytest.importorskip("triton")
     meta, query, key, value, *_ = _paged_step(torch.float32, 16, False, device="cuda" if torch.cuda.is_available() else "cpu")
-    store_kv(*meta.kv_cache.layer(0), meta.slot_mapping, key, value)
-    a = paged_attention(*_op_args(meta, query, "sdpa", 5, None))
-    b = paged_attention(*_op_args(meta, query, "triton", 5, None))
+    a = paged_attention(*_op_args(meta, query, key, value, "sdpa", 5, None))
+    b = paged_attention(*_op_args(meta, query, key, value, "triton", 5, None))
     torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
 
 
 def test_opcheck():
     """torch.library's checks: schema, fake (meta) implementation, AOT dispatch."""
     meta, query, key, value, *_ = _paged_step(torch.float32, 16, True, device="cpu")
-    torch.library.opcheck(paged_attention, _op_args(meta, query, "sdpa", None, None),
+    torch.library.opcheck(paged_attention, _op_args(meta, query, key, value, "sdpa", None, None),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
@@ -127,7 +129,10 @@ def test_inductor_compiled_identical_to_hf_and_eager(arch, regional):
     kw = dict(attention_mask=mask, max_new_tokens=10, prompt_lookup_num_tokens=4)
     counters.clear()
     out = w.generate(ids, **kw)
-    assert w.last_stats.compile_time > 0
+    s = w.last_stats
+    assert s.compile_time > 0 and s.capture_time == 0.0  # compiled, not captured (CPU)
+    # every decode step ran its bucket's compiled forward (prompt chunks run eagerly)
+    assert s.decode_steps_by_path == {"compiled": s.forwards - s.prefill_forwards}
     gr = w._engine._graphs
     assert (gr._regional is not None) == regional
     kinds = len(set(getattr(model.config, "layer_types", None) or ["full"])) if regional else 1
@@ -142,4 +147,7 @@ def test_compile_option_checks(llama):
     with pytest.raises(ValueError, match="compile must be True, False or 'auto'"):
         wrap_copy(llama, compile="yes")
     assert wrap_copy(llama)._engine.use_compile is False  # auto: off on CPU (measured slower)
+    # and on CUDA: CUDA graphs of the eager step, without compiling a bucket on first use
+    cuda = [torch.device("cuda")]
+    assert resolve_compile("auto", cuda, "sdpa") is False and resolve_compile(True, cuda, "sdpa") is True
     assert wrap_copy(llama, compile=True)._engine.use_compile is True

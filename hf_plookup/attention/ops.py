@@ -1,18 +1,22 @@
 """Paged attention as a PyTorch custom op, and the attention function's work in compiled steps.
 
 `torch.compile(fullgraph=True)` traces the HF model's own code (engine.graphs; one decoder layer
-at a time, engine.regional); when its attention modules call the hf_plookup attention function:
+at a time, engine.regional); when its attention modules call the hf_plookup attention function,
+`hf_plookup::paged_attention(query, key, value, k_cache, v_cache, slot_mapping, <step tensors>,
+backend, scale, window, softcap, invariant) -> out` does the layer's attention work as one opaque
+op (the compiler cannot trace into a Triton launch, nor into sdpa's per-query invariant calls):
+it writes the step's keys and values into the layer's pages (`pages.store_kv`, in place), then
+runs the sdpa backend (gather + SDPA or soft-capped attention) or the Triton kernel, with the
+step's layout passed as tensors and plain ints; with `invariant`, the backend's invariant form
+(engine.invariant). Its fake (meta) implementation only states the output shape.
 
-- the KV write stays traced code (`pages.store_kv`: an `index_copy_` into the layer's pages, a
-  graph input). Inductor writes the pages in place and fuses the write into the kernel that
-  computes the key from its projection (RoPE, cast): no separate write kernel, no copy of the
-  cache. The attention op below takes the pages as inputs, so it is ordered after the write.
-- `hf_plookup::paged_attention(query, k_cache, v_cache, <step tensors>, backend, scale,
-  window, softcap, invariant) -> out` is opaque (the compiler cannot trace into a Triton
-  launch, nor into sdpa's per-query invariant calls): the sdpa backend (gather + SDPA or
-  soft-capped attention) or the Triton kernel, with the step's layout passed as tensors and
-  plain ints; with `invariant`, the backend's invariant form (engine.invariant). Its fake (meta)
-  implementation only states the output shape.
+The op declares the pages as mutated (`mutates_args`), so the compiler hands it the pages
+themselves and the write happens in place. The write used to be traced code (an `index_copy_`
+into a view of the pages, a graph input); inductor then wrote it in place in some torch
+versions, but others (2.11) functionalized it into a new copy of the layer's whole pages plus a
+copy back, two full passes over the cache per layer and step, however few tokens were written:
+with a KV cache sized as wrap sizes it on a GPU, most of a step's time (docs/results.md, "GPU end
+to end").
 
 Eager steps call the backends directly (a custom op's dispatch costs microseconds per layer);
 compiled steps go through `compiled_paged_attention`, with identical results (tests/test_compile.py).
@@ -28,11 +32,14 @@ from .pages import store_kv
 from .sdpa import sdpa_attend
 
 
-@torch.library.custom_op("hf_plookup::paged_attention", mutates_args=())
+@torch.library.custom_op("hf_plookup::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention(
     query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, H_kv, T, D]: this step's keys, written into k_cache at slot_mapping
+    value: torch.Tensor,  # [1, H_kv, T, Dv]
     k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
     v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
     kv_slots: torch.Tensor,  # [B, Lk] int64
     query_pos: torch.Tensor,  # [B, Tq] int64
     context_lens: torch.Tensor,  # [B] int64
@@ -49,9 +56,11 @@ def paged_attention(
     softcap: float,
     invariant: bool,
 ) -> torch.Tensor:
-    """Attention of the packed queries over the pages; `[1, T, H, D]` in the query's dtype.
-    `invariant` (engine invariant mode): the Triton kernel's invariant form, or sdpa's per-query
-    calls over the layout the engine made current for this step (read when the op runs)."""
+    """Write the step's keys/values into the pages, then attention of the packed queries over the
+    pages; `[1, T, H, D]` in the query's dtype. `invariant` (engine invariant mode): the Triton
+    kernel's invariant form, or sdpa's per-query calls over the layout the engine made current for
+    this step (read when the op runs)."""
+    store_kv(k_cache, v_cache, slot_mapping, key, value)
     tq = query_pos.shape[1]
     if invariant and backend == "sdpa":
         return invariant_attend(current_layout(), query, k_cache, v_cache, scale, sliding_window or None, softcap or None)
@@ -64,7 +73,7 @@ def paged_attention(
                      sliding_window or None, softcap or None, tree_mask=mask,
                      query_pos=None if mask is None else query_pos, invariant=invariant)
         return out[None].to(query.dtype)
-    # the step's K/V were written before the op (traced code), so no slot_mapping here
+    # the step's K/V are written above, so no slot_mapping here
     meta = AttentionMetadata.of(dict(slot_mapping=kv_slots.new_empty(0), query_pos=query_pos, kv_slots=kv_slots,
                                      context_lens=context_lens, q_gather=q_gather, q_scatter=q_scatter),
                                 static_shapes=True)
@@ -74,8 +83,8 @@ def paged_attention(
 
 
 @paged_attention.register_fake
-def _(query, k_cache, v_cache, kv_slots, query_pos, context_lens, block_tables, cache_seqlens, cu_seqlens_q,
-      q_gather, q_scatter, mask, backend, scale, sliding_window, softcap, invariant):
+def _(query, key, value, k_cache, v_cache, slot_mapping, kv_slots, query_pos, context_lens, block_tables,
+      cache_seqlens, cu_seqlens_q, q_gather, q_scatter, mask, backend, scale, sliding_window, softcap, invariant):
     _, h, t, _ = query.shape
     return query.new_empty((1, t, h, v_cache.shape[-1]))  # values may be narrower than keys (MLA)
 
@@ -101,19 +110,18 @@ def compiled_paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """The attention function's work in a compiled step: the traced KV write into the layer's
-    pages (in a regionally compiled layer, the pages it was given), then the op above. Returns
-    `[1, T, H, D]`. The sdpa mask is built here, in traced code: the compiler fuses it into a
-    kernel and, in a whole-forward graph where every layer builds the same one, keeps a single
-    copy (common subexpressions are merged)."""
+    """The attention function's work in a compiled step: the op above on the layer's pages (in a
+    regionally compiled layer, the pages it was given), which writes the step's keys and values
+    into them and attends. Returns `[1, T, H, D]`. The sdpa mask is built here, in traced code:
+    the compiler fuses it into a kernel and, in a whole-forward graph where every layer builds the
+    same one, keeps a single copy (common subexpressions are merged)."""
     k_cache, v_cache = compiled_layer_kv() or meta.kv_cache.layer(module.layer_idx)
-    store_kv(k_cache, v_cache, meta.slot_mapping, key, value)  # traced: fused with the RoPE and cast that make key
     mask = meta.tree_mask  # triton: the kernel applies the tree itself
     if meta.backend == "sdpa" and not meta.invariant:
         mask = step_mask(meta.query_pos, meta.context_lens, meta.max_context_len, sliding_window, meta.tree_mask)
     return torch.ops.hf_plookup.paged_attention(
-        query, k_cache, v_cache, meta.kv_slots, meta.query_pos, meta.context_lens, meta.block_tables,
-        meta.cache_seqlens, meta.cu_seqlens_q, meta.q_gather, meta.q_scatter, mask, meta.backend,
+        query, key, value, k_cache, v_cache, meta.slot_mapping, meta.kv_slots, meta.query_pos, meta.context_lens,
+        meta.block_tables, meta.cache_seqlens, meta.cu_seqlens_q, meta.q_gather, meta.q_scatter, mask, meta.backend,
         float(scaling if scaling is not None else query.shape[-1] ** -0.5), int(sliding_window or 0),
         float(softcap or 0.0), meta.invariant,
     )

@@ -233,7 +233,8 @@ class Batch:
 
     # ---- after a forward: the one place a step's outcome changes sequence state ----
 
-    def postprocess(self, chunks: list[ScheduledChunk], layout: StepLayout, logits: torch.Tensor) -> list[Call]:
+    def postprocess(self, chunks: list[ScheduledChunk], layout: StepLayout, logits: torch.Tensor,
+                    path: str = "eager", reason: str | None = None) -> list[Call]:
         """Everything one forward changes, in order: prompt chunks advance (and enter the prefix
         pool); every row that got logits (`logits` [N, V], kept rows in chunk order) takes its
         tokens (accepted drafts, then the next token, up to EOS or its length limit); accepted
@@ -241,13 +242,15 @@ class Batch:
         rows save their keys/values (past_key_values), give back their blocks, and the others
         drop the blocks of rejected drafts. `layout`: the step as the runner laid it out (its
         kept rows and their depths). Returns the calls whose rows are now all done (their
-        results set).
+        results set). `path` and `reason`: how the forward ran and why not captured, counted in
+        each call's stats (SpecStats.count_forward).
 
         Example: a chain row with 3 drafts and 200 cached tokens whose first two drafts are
         accepted appends 3 tokens and ends the step with 203 cached tokens (its last token's
         keys/values come with the next step); its blocks past 203 tokens are freed."""
+        decoding = {id(self.call_of_row[c.seq.row]) for c in chunks if not c.is_prefill}  # calls with a decode row here
         for call in {id(self.call_of_row[c.seq.row]): self.call_of_row[c.seq.row] for c in chunks}.values():
-            call.stats.count_forward(chunks[0].is_prefill)
+            call.stats.count_forward(chunks[0].is_prefill, path if id(call) in decoding else None, reason)
         for c in chunks:
             if c.is_prefill:
                 c.seq.num_cached += c.num_tokens

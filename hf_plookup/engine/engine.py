@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 from dataclasses import dataclass, replace
 
@@ -31,6 +32,8 @@ from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_spec
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import DecodeConfig, Sequence
+
+logger = logging.getLogger("hf_plookup")
 
 
 @dataclass(slots=True)
@@ -92,8 +95,12 @@ class EngineOptions:
             raise ValueError(f"attn_backend must be one of {BACKEND_CHOICES}, got {self.attn_backend!r}")
 
 
-# Where compile="auto" turns compiled steps on, by device type (measured: docs/results.md, "GPU: compiled steps").
-COMPILE_AUTO = {"cuda": True, "cpu": False}
+# a call with at least this many decode steps, most of them eager with graphs or compile on, logs a line (warn_eager)
+EAGER_WARN_MIN_STEPS = 8
+# Where compile="auto" turns compiled steps on, by device type: where whole generate calls ran faster
+# with them than without (docs/results.md, "GPU end to end"). On CUDA, CUDA graphs of the eager
+# step won end to end; compiled steps stay opt-in (compile=True) until they win there too.
+COMPILE_AUTO = {"cuda": False, "cpu": False}
 # tree_min_score by device type. A node is worth feeding when its score beats the share of a step
 # one more token costs times the tokens a step yields. On the CPU a verify step of N fed tokens
 # costs about c (F + N), F the step's fixed cost in tokens (docs/results.md, "A step's cost on
@@ -156,6 +163,22 @@ def resolve_compile(requested: bool | str, devices: list[torch.device], backend:
     if requested == "auto":
         return reason is None and COMPILE_AUTO.get(devices[0].type, False)
     return bool(requested)
+
+
+def warn_eager(stats: SpecStats, min_steps: int = EAGER_WARN_MIN_STEPS) -> bool:
+    """Log one line when most of a call's decode steps (at least `min_steps` of them) ran eagerly
+    although CUDA graphs or compiled steps are on: the call then ran at eager speed. True if it did.
+
+    Example: decode_steps_by_path {"eager": 30, "graph": 2}, eager_reasons {"more rows than the
+    largest batch bucket (256)": 30} logs "hf_plookup: 30 of 32 decode steps of this call ran
+    eagerly, off the captured or compiled steps (more rows than the largest batch bucket (256): 30)"."""
+    eager = stats.decode_steps_by_path.get("eager", 0)
+    if eager < min_steps or 2 * eager <= stats.decode_steps:
+        return False
+    why = ", ".join(f"{r}: {n}" for r, n in sorted(stats.eager_reasons.items(), key=lambda x: -x[1]))
+    logger.warning(f"hf_plookup: {eager} of {stats.decode_steps} decode steps of this call ran eagerly, off the "
+                   "captured or compiled steps" + (f" ({why})" if why else ""))
+    return True
 
 
 class Engine:
@@ -443,6 +466,7 @@ class Engine:
         blocks = self.blocks
         graphs = self.graph_runner()
         compile_before = graphs.compile_seconds if graphs is not None else 0.0
+        capture_before = graphs.capture_seconds if graphs is not None else 0.0
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
                           aligned_prefill=self.prefill_unit, units_per_chunk=1 if self.mixers else None)
         batch = Batch(cfg, self.proposer(cfg), sched, self._ids, cache, self.tree_min_score, self.step_fixed_tokens)
@@ -467,7 +491,7 @@ class Engine:
                 chunks = sched.schedule(batch.propose)
                 layout = runner.layout(chunks, batch.history, batch.parents if batch.tree else None, batch.pads)
                 logits = runner.run(layout)  # [N, V] at layout.keep
-                for call in batch.postprocess(chunks, layout, logits):
+                for call in batch.postprocess(chunks, layout, logits, runner.last_path, runner.last_reason):
                     if call is not own:
                         call.done.set()  # a joiner returns as soon as its rows are done
         except BaseException as e:
@@ -483,6 +507,9 @@ class Engine:
             self.mixers.states.clear()
             if graphs is not None:
                 own.stats.compile_time += graphs.compile_seconds - compile_before
+                own.stats.capture_time += graphs.capture_seconds - capture_before
             if cfg.streamer is not None:
                 cfg.streamer.end()
+        if graphs is not None:
+            warn_eager(own.stats)
         return own.result if own.result is not None else batch.result(own)

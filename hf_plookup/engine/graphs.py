@@ -22,8 +22,9 @@ every layer through it (engine.regional); uncaptured ones compile the whole forw
 as they would otherwise run dynamo's guard checks once per layer and step and lose frozen
 weights (docs/results.md, "Compile time"). On CUDA the compiled forward is then captured like
 the eager one (compile first, in the warm-up, then capture its kernels), so a replay launches
-inductor's fused kernels from one graph. The seconds spent in first calls of new buckets
-(compile plus warm-up) add up in `compile_seconds`.
+inductor's fused kernels from one graph. The seconds spent in first calls of new buckets add
+up in `compile_seconds` (compile plus warm-up) and `capture_seconds` (the capture; with an eager
+forward, its warm-up too).
 
 `invariant` (an engine.invariant.InvariantLinears): every step runs in invariant mode on its
 padded layout; the mode's linears and attention are custom ops, opaque to the compiler. Which
@@ -161,6 +162,7 @@ class GraphRunner:
         self.num_replays = 0
         self.compiled = compiled
         self.compile_seconds = 0.0  # first calls of new buckets (compile + warm-up) when compiled
+        self.capture_seconds = 0.0  # graph captures of new buckets (with the eager warm-up when not compiled)
         # what is compiled: one decoder layer serving all layers (engine.regional) where steps are
         # captured (`regional=None`: iff `capture`), as a replay never runs the 30-odd compiled calls'
         # guards again; else the whole forward, one compiled call per step (and, on CPU, frozen weights)
@@ -186,9 +188,29 @@ class GraphRunner:
             else:
                 self._compiled_forward = compile_fn(self._logits)
 
+    @property
+    def path(self) -> str:
+        """How the steps this runner takes run (SpecStats.decode_steps_by_path): "graph" (a captured
+        graph replayed), "compiled" (the bucket's compiled forward, uncaptured) or "static" (the
+        bucket's static buffers, run eagerly)."""
+        return "graph" if self.capture else "compiled" if self.compiled else "static"
+
+    def unsupported(self, layout: StepLayout) -> str | None:
+        """Why this runner cannot take the step (it then runs eagerly), or None when it can."""
+        if not layout.is_decode:
+            return "a prompt chunk"
+        if not layout.uniform:
+            return "rows feed different numbers of tokens"
+        if layout.num_seqs > self.max_batch:
+            return f"more rows than the largest batch bucket ({self.max_batch})"
+        if layout.max_query_len > self.block_size:
+            return f"more tokens per row than a page holds ({self.block_size})"
+        if not len(layout.keep):
+            return "no row keeps logits"
+        return None
+
     def supports(self, layout: StepLayout) -> bool:
-        return (layout.is_decode and layout.uniform and layout.num_seqs <= self.max_batch
-                and layout.max_query_len <= self.block_size and len(layout.keep) > 0)
+        return self.unsupported(layout) is None
 
     def _static(self, padded: StepLayout) -> _Graph:
         inputs = step_tensors(padded, self.device)
@@ -222,16 +244,24 @@ class GraphRunner:
             return self._logits(g.inputs["input_ids"], g.inputs["positions"])
 
     def _capture(self, g: _Graph) -> None:
+        t0 = time.perf_counter()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(g)  # warm-up: lazy inits, cuBLAS handles, flash-attn's first call
+            self._forward(g)  # warm-up: lazy inits, cuBLAS handles, flash-attn's first call; compiles
         torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self.pool):
             g.logits = self._forward(g)
         if self.pool is None:
             self.pool = g.graph.pool()
+        if self.compiled:
+            self.compile_seconds += t1 - t0
+            self.capture_seconds += time.perf_counter() - t1
+        else:
+            self.capture_seconds += time.perf_counter() - t0
 
     @torch.inference_mode()
     def run(self, layout: StepLayout) -> torch.Tensor:
@@ -248,9 +278,8 @@ class GraphRunner:
                 self._capture(g)
             elif self.compiled:
                 self._forward(g)  # compile now, so compile_seconds holds it
-            self.graphs[key] = g
-            if self.compiled:
                 self.compile_seconds += time.perf_counter() - t0
+            self.graphs[key] = g
         else:
             for name, a in padded.device_arrays().items():
                 g.inputs[name].copy_(torch.from_numpy(a), non_blocking=True)

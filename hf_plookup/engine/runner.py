@@ -45,6 +45,10 @@ class ModelRunner:
         self.embedders = embedders or []
         self.mixers = mixers
         self.device = input_device(model)
+        # how the last `run` ran (SpecStats.decode_steps_by_path) and, for a decode step that ran
+        # eagerly although `graphs` is given, why (GraphRunner.unsupported)
+        self.last_path = "eager"
+        self.last_reason: str | None = None
 
     def layout(self, chunks: list[ScheduledChunk], history: np.ndarray,
                parents: np.ndarray | None = None, pads: np.ndarray | None = None) -> StepLayout:
@@ -122,8 +126,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, layout: StepLayout) -> torch.Tensor:
         """One forward. Returns the logits at `layout.keep`, `[N, V]`."""
-        if self.graphs is not None and self.graphs.supports(layout):
-            return self.graphs.run(layout)
+        self.last_path, self.last_reason = "eager", None
+        if self.graphs is not None:
+            reason = self.graphs.unsupported(layout)
+            if reason is None:
+                self.last_path = self.graphs.path
+                return self.graphs.run(layout)
+            if not layout.prefill.all():  # a decoding row runs eagerly
+                self.last_reason = reason
         tensors = step_tensors(layout, self.device)
         keep = layout.keep
         # no kept row (a prompt chunk that does not end its prompt): the LM head on one row, unused

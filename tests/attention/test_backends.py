@@ -350,6 +350,54 @@ def test_graph_runner_static_buffers_identical_to_hf(arch):
         assert gr._forward(g).shape == (bb * q, model.config.vocab_size)
 
 
+def _layout(n_tokens, prefill, q=None):
+    """A StepLayout of len(n_tokens) rows feeding these many tokens (only its shape matters here)."""
+    from hf_plookup.attention.metadata import StepLayout
+
+    b, tq = len(n_tokens), max(n_tokens)
+    t = sum(n_tokens)
+    cu = np.concatenate([[0], np.cumsum(n_tokens)])
+    gather = None if len(set(n_tokens)) == 1 else (np.zeros(b * tq, np.int64), np.zeros(t, np.int64))
+    return StepLayout(input_ids=np.zeros(t, np.int64), positions=np.zeros(t, np.int64), depth=np.zeros(t, np.int64),
+                      slot_mapping=np.zeros(t, np.int64), keep=np.arange(t), prefill=np.array(prefill),
+                      query_pos=np.zeros((b, tq), np.int64), kv_slots=np.zeros((b, 32), np.int64),
+                      context_lens=np.full(b, 32), block_tables=np.zeros((b, 2), np.int64), cu_seqlens_q=cu,
+                      cu_seqlens_k=np.arange(b + 1) * 32, q_gather=gather and gather[0], q_scatter=gather and gather[1])
+
+
+def test_graph_runner_says_which_steps_it_takes(llama):
+    """GraphRunner.unsupported on literal layouts: why a step runs eagerly instead."""
+    w = wrap_copy(llama, max_cache_tokens=512, block_size=16, max_num_seqs=3)
+    gr = GraphRunner(w, w._engine.cache(), "sdpa", 3, capture=False)
+    assert gr.max_batch == 4 and gr.path == "static"
+    assert gr.unsupported(_layout([5, 5, 5], [False] * 3)) is None and gr.supports(_layout([1], [False]))
+    assert gr.unsupported(_layout([5, 3], [False, True])) == "a prompt chunk"
+    assert gr.unsupported(_layout([5, 3], [False, False])) == "rows feed different numbers of tokens"
+    assert gr.unsupported(_layout([1] * 5, [False] * 5)) == "more rows than the largest batch bucket (4)"
+    assert gr.unsupported(_layout([17], [False])) == "more tokens per row than a page holds (16)"
+
+
+def test_step_paths_counted_and_eager_calls_logged(llama, caplog):
+    """Each call's decode steps by path: the static buckets while a batch fits them; eager, with
+    the reason and one log line, when it does not."""
+    w = wrap_copy(llama, max_cache_tokens=4096, block_size=16)
+    eng = w._engine
+    eng._graphs = GraphRunner(w, eng.cache(), "sdpa", 2, capture=False)  # buckets of 1 and 2 rows
+    ids, mask = left_padded(3, seed=4)
+    with caplog.at_level("WARNING", logger="hf_plookup"):
+        w.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=12)
+        s = w.last_stats
+        assert s.decode_steps_by_path == {"static": s.forwards - s.prefill_forwards} and s.eager_reasons == {}
+        assert not caplog.records
+        w.generate(ids, attention_mask=mask, max_new_tokens=12)
+    s = w.last_stats
+    assert s.decode_steps_by_path == {"eager": 11} and s.eager_reasons == {"more rows than the largest batch bucket (2)": 11}
+    assert [r.getMessage() for r in caplog.records] == [
+        "hf_plookup: 11 of 11 decode steps of this call ran eagerly, off the captured or compiled steps "
+        "(more rows than the largest batch bucket (2): 11)"]
+    assert s.as_dict()["decode_steps_by_path"] == {"eager": 11}
+
+
 def test_graph_runner_flash_static_buffers(fake_flash):
     model = tiny_model("mistral")
     w = wrap_copy(model, attn_backend="flash_attn", max_cache_tokens=2048)

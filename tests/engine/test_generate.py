@@ -62,6 +62,8 @@ def test_drafts_accepted_on_repeats():
     assert s.accepted >= 20, s.as_dict()
     assert s.tokens_per_forward > 1.5
     assert s.acceptance_per_position[0] > 0.5
+    # no CUDA graphs nor compiled steps on a CPU engine: every decode step runs the model eagerly
+    assert s.decode_steps_by_path == {"eager": s.forwards - s.prefill_forwards} and s.eager_reasons == {}
 
 
 def test_eos_inside_accepted_drafts():

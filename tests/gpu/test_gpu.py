@@ -64,6 +64,25 @@ def test_compiled_graphs_fp32_identical_to_hf_greedy(arch, backend):
     assert gr.compile_seconds == before and w.last_stats.compile_time == 0.0
 
 
+def test_compiled_step_writes_pages_in_place():
+    """A compiled, captured step writes its keys and values into the pages themselves: compiling,
+    capturing and replaying its buckets allocates far less than one layer's pages. (Traced as an
+    `index_copy_` into a view of the pages, torch 2.11's inductor made a new copy of every layer's
+    pages per step and copied it back: a step's cost then grew with the cache.)"""
+    model = tiny_model("llama").cuda()
+    w = wrap_copy(model, max_cache_tokens=1 << 22, attn_backend="sdpa", compile=True)
+    cache = w._engine.cache()
+    layer_bytes = cache.keys[0].numel() * cache.keys[0].element_size()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = _generate(w, 1, 4, 3, max_new_tokens=12)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < layer_bytes // 4
+    assert torch.equal(out, _hf(model, 1, 3, max_new_tokens=12))
+    assert w.last_stats.decode_steps_by_path == {"graph": w.last_stats.decode_steps}
+
+
 def test_graph_replay_identical_to_eager_fp32():
     """sdpa in fp32: captured and eager padded steps give the same tokens."""
     model = tiny_model("mistral").cuda()
