@@ -56,10 +56,10 @@ from eval.lib.batching import left_pad, pad_id, workload
 from eval.lib.calls import CallResult, run_hf, run_hf_generate_batch, run_plookup
 from eval.lib.cli import DTYPES, INVARIANT, add_threads_option, default_device, default_model, parse_dtype, set_threads, show_defaults
 from eval.lib.models import SHAPES, check_name, is_random, label, load_model
-from eval.lib.prompts import builtin_prompts, plain_vocab, random_vocab, synthetic_prompts
+from eval.lib.prompts import builtin_prompts, dataset_prompts, plain_vocab, random_vocab, synthetic_prompts
 from eval.lib.report import cell, report, write_json
-from eval.lib.timing import StepTimer, copy_bandwidth, count_kernels
-from eval.lib.variants import FAMILIES, HF_GREEDY, engine_of, k_of, tree_of, variant_names
+from eval.lib.timing import StepTimer, copy_bandwidth, count_kernels, top_kernels
+from eval.lib.variants import ENGINE_OPTIONS, FAMILIES, HF_GREEDY, engine_of, k_of, tree_of, variant_names
 
 # option -> (default on CPU, default on CUDA); None in the CPU column of `model`: the embedded default
 DEVICE_DEFAULTS = {
@@ -79,9 +79,13 @@ DEVICE_DEFAULTS = {
 # so their code paths run where no GPU is; these replace the CUDA defaults and any value given
 SMOKE = dict(model=["random:tiny-qwen3"], dtype="fp32", batch_sizes=[1, 2], k=[4], prompt_len=36, max_new_tokens=8, repeats=1)
 # warm-up calls generate this many tokens (a prefill and a few decode steps: lazy inits, compiles
-# and graph captures of the first buckets stay out of the timed calls); hf-static warms up on the
-# full length, as HF compiles for its static cache's length
+# and graph captures of the first buckets stay out of the timed calls); hf-static, and hf_plookup
+# on CUDA, warm up on the full length (HF compiles for its static cache's length, hf_plookup
+# captures a graph per context bucket)
 WARMUP_NEW_TOKENS = 4
+# hf-static is timed on this many batches (the first ones): HF's static cache compiles its forward
+# again for each new prompt length, which its first call (first_call_s) shows
+HF_STATIC_BATCHES = 1
 
 
 def _defaults(name: str) -> str:
@@ -102,15 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help=_defaults("batch_sizes"))
     p.add_argument("--k", type=int, nargs="+", default=None, help=f"prompt_lookup_num_tokens values ({_defaults('k')})")
     p.add_argument("--ngram", type=int, default=2, help="max_matching_ngram_size (HF's default: 2)")
+    p.add_argument("--hf-pl-k", type=int, nargs="+", default=None,
+                   help="the k values HF's own prompt lookup (hf-pl) runs with (default: every --k)")
     p.add_argument("--tree-nodes", type=int, nargs="*", default=[],
                    help="also run hf_plookup with candidate trees of these many nodes (prompt_lookup_tree_nodes) at every k")
-    p.add_argument("--prompt-source", default="auto", choices=["auto", "builtin", "synthetic"],
-                   help="builtin: summary requests for the builtin documents; synthetic: random token prompts with repeats; "
-                        "auto: builtin for a model with a tokenizer, synthetic for random weights")
+    p.add_argument("--prompt-source", default="auto", choices=["auto", "builtin", "cnn_dailymail", "synthetic"],
+                   help="builtin: summary requests for the builtin documents; cnn_dailymail: for the CNN/DailyMail "
+                        "articles shipped in eval/data/ (news, of different lengths, cut to --max-doc-tokens); "
+                        "synthetic: random token prompts with repeats; auto: builtin for a model with a tokenizer, "
+                        "synthetic for random weights")
+    p.add_argument("--max-doc-tokens", type=int, default=900,
+                   help="cnn_dailymail: articles cut to their first this many tokens")
     p.add_argument("--prompt-len", type=int, default=None, help=f"tokens per synthetic prompt ({_defaults('prompt_len')})")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="prompts per batch size, cycled up to the batch size when fewer (default: 8 on CPU; "
-                        "on CUDA the batch size, one batch of distinct prompts)")
+                   help="prompts per batch size, at least the batch size (distinct where the source holds "
+                        "enough; cycled when it does not); default: 8 on CPU, on CUDA the batch size")
     p.add_argument("--max-new-tokens", type=int, default=None, help=_defaults("max_new_tokens"))
     p.add_argument("--repeats", type=int, default=None,
                    help=f"timed passes over the prompts; tok/s takes the fastest pass of each batch ({_defaults('repeats')})")
@@ -123,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"graphs then need --attn-backend triton ({_defaults('invariant')})")
     p.add_argument("--proposer-cost", action=argparse.BooleanOptionalAction, default=None,
                    help="also time the numba proposer at batch 256 with 8,192-token contexts (default: off on CPU, on on CUDA)")
+    p.add_argument("--engine-cache", default="sized", choices=["sized", "wrap"],
+                   help="the KV cache of the hf_plookup engines besides the default one: sized for the run's "
+                        "prompts (sized), or as wrap sizes it by default, a share of free memory (wrap)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed passes, profile one call of each hf_plookup engine's greedy variant "
+                        "(torch.profiler): its top GPU kernels and host ops by time, in the JSON")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds; models and batch sizes not started by then are skipped (default: none)")
     p.add_argument("--json", default=None,
@@ -152,7 +168,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, name, copy.copy(value))
     if args.model is None:
         args.model = [default_model()]
-    for name in ("max_new_tokens", "prompt_len", "repeats", "ngram"):
+    for name in ("max_new_tokens", "prompt_len", "repeats", "ngram", "max_doc_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.num_prompts is not None and args.num_prompts < 1:
@@ -166,8 +182,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.model:
         if check_name(name):
             p.error(check_name(name))
-        if args.prompt_source == "builtin" and is_random(name):
-            p.error(f"--prompt-source builtin needs a tokenizer, and {name} has none (random weights): use synthetic")
+        if args.prompt_source in ("builtin", "cnn_dailymail") and is_random(name):
+            p.error(f"--prompt-source {args.prompt_source} needs a tokenizer, and {name} has none (random weights): "
+                    "use synthetic")
     args.k = list(dict.fromkeys(args.k))
     args.batch_sizes = list(dict.fromkeys(args.batch_sizes))
     args.model = list(dict.fromkeys(args.model))
@@ -203,7 +220,7 @@ def _is_oom(e: BaseException) -> bool:
 
 def bench_batch_size(args, model, engines: dict, prompts: list[list[int]], pad: int, batch_size: int) -> list[dict]:
     """Rows (one per variant) for one batch size."""
-    names = variant_names(args.variants, args.k, args.tree_nodes, batch_size)
+    names = variant_names(args.variants, args.k, args.tree_nodes, batch_size, args.hf_pl_k)
     groups = workload(prompts, args.num_prompts or batch_size, batch_size)
     calls: list[dict] = []
     skipped: dict[str, str] = {}
@@ -223,16 +240,21 @@ def bench_batch_size(args, model, engines: dict, prompts: list[list[int]], pad: 
                 torch.cuda.empty_cache()
             return None
 
+    first_paths: dict[str, dict | None] = {}
     for name in names:  # warm-up (not timed, but its time is reported: compiles, captures)
         t0 = time.perf_counter()
-        attempt(name, groups[0], args.max_new_tokens if name == "hf-static" else WARMUP_NEW_TOKENS)
+        # on CUDA hf_plookup warms up on the full length too: its steps are captured (or compiled) per
+        # context bucket, and a short warm-up would leave the longer contexts' buckets to the timed calls
+        full = name == "hf-static" or (name.startswith("plk") and torch.device(args.device).type == "cuda")
+        out = attempt(name, groups[0], args.max_new_tokens if full else WARMUP_NEW_TOKENS)
         first[name] = time.perf_counter() - t0
+        first_paths[name] = _step_paths(out[0].stats) if out is not None else None
     for rep in range(args.repeats):
         for b, batch in enumerate(groups):
             shift = (rep * len(groups) + b) % len(names)
             results, steps = {}, {}
             for name in names[shift:] + names[:shift]:
-                if name in skipped or name in errors:
+                if name in skipped or name in errors or (name == "hf-static" and b >= HF_STATIC_BATCHES):
                     continue
                 out = attempt(name, batch, args.max_new_tokens)
                 if out is not None:
@@ -246,8 +268,22 @@ def bench_batch_size(args, model, engines: dict, prompts: list[list[int]], pad: 
                     "decode_steps": steps[name], "drafted": res.stats["drafted"] if res.stats else None,
                     "accepted": res.stats["accepted"] if res.stats else None,
                     "attn_backend": res.stats["attn_backend"] if res.stats else None,
+                    "step_paths": _step_paths(res.stats),
                 })
-    return aggregate(calls, names, batch_size, skipped, errors, first)
+    rows = aggregate(calls, names, batch_size, skipped, errors, first)
+    for r in rows:
+        r["first_call_paths"] = first_paths.get(r["variant"])
+    return rows
+
+
+def _step_paths(stats: dict | None) -> dict | None:
+    """How a call's steps ran (hf_plookup's SpecStats): decode steps by path, why any ran off the
+    captured path, and the seconds it spent compiling and capturing new buckets."""
+    if not stats:
+        return None
+    return {"decode_steps_by_path": stats["decode_steps_by_path"], "eager_reasons": stats["eager_reasons"],
+            "prefill_forwards": stats["prefill_forwards"], "compile_s": stats["compile_time"],
+            "capture_s": stats["capture_time"]}
 
 
 def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dict[str, str] | None = None,
@@ -279,6 +315,8 @@ def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dic
         rows.append({
             "batch_size": batch_size,
             "variant": name,
+            "batches": sorted(best),
+            "call_seconds": [round(c["seconds"], 4) for c in mine],
             "k": k_of(name),
             "skipped": skipped.get(name),
             "error": errors.get(name),
@@ -298,13 +336,37 @@ def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dic
             "kernels_per_step": None,
             "acceptance_rate": sum(c.get("accepted") or 0 for c in mine) / drafted if drafted else None,
             "attn_backend": next((c["attn_backend"] for c in mine if c.get("attn_backend")), None),
+            "step_paths": _sum_paths([c.get("step_paths") for c in mine]),
         })
-    base = next((r for r in rows if r["variant"] == HF_GREEDY), None)
-    if base and base["tokens_per_second"]:
-        for r in rows:
-            if r["tokens_per_second"]:
-                r["ratio_to_hf_greedy"] = r["tokens_per_second"] / base["tokens_per_second"]
+    # each variant against HF greedy on the batches both ran (hf-static runs on the first only)
+    base = {c["batch"]: c for c in calls if c["variant"] == HF_GREEDY}
+    fastest = {}
+    for c in calls:
+        key = (c["variant"], c["batch"])
+        if key not in fastest or c["seconds"] < fastest[key]["seconds"]:
+            fastest[key] = c
+    for r in rows:
+        mine = [fastest[r["variant"], b] for b in r["batches"] if b in base]
+        ref = [fastest[HF_GREEDY, b] for b in r["batches"] if b in base]
+        if mine and r["tokens_per_second"]:
+            ref_rate = sum(c["tokens"] for c in ref) / sum(c["seconds"] for c in ref)
+            r["ratio_to_hf_greedy"] = (sum(c["tokens"] for c in mine) / sum(c["seconds"] for c in mine)) / ref_rate
     return rows
+
+
+def _sum_paths(parts: list[dict | None]) -> dict | None:
+    """The step paths of several calls (`_step_paths`), added up."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    out = {"decode_steps_by_path": {}, "eager_reasons": {}, "prefill_forwards": 0, "compile_s": 0.0, "capture_s": 0.0}
+    for p in parts:
+        for key in ("decode_steps_by_path", "eager_reasons"):
+            for k, v in p[key].items():
+                out[key][k] = out[key].get(k, 0) + v
+        for key in ("prefill_forwards", "compile_s", "capture_s"):
+            out[key] += p[key]
+    return out
 
 
 def step_kernels(engines: dict, name: str, batch: int, q: int | None, device) -> int | None:
@@ -335,23 +397,27 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
     bw = copy_bandwidth(device)
     pad = pad_id(model, tok)
     source = args.prompt_source if args.prompt_source != "auto" else ("synthetic" if tok is None else "builtin")
-    n = args.num_prompts or max(args.batch_sizes)
+    n = max(args.num_prompts or 0, max(args.batch_sizes))  # distinct prompts for the largest batch too
     if source == "builtin":
         prompts = builtin_prompts(tok, n)
+    elif source == "cnn_dailymail":
+        prompts = dataset_prompts(tok, "cnn_dailymail", n, args.max_doc_tokens)
     else:
         vocab = plain_vocab(tok) if tok is not None else random_vocab(model.config.vocab_size)
         prompts = synthetic_prompts(vocab, n, args.prompt_len, args.seed)
     lens = [len(p) for p in prompts]
 
     inv = INVARIANT[args.invariant]
-    wanted = {engine_of(v) for b in args.batch_sizes for v in variant_names(args.variants, args.k, args.tree_nodes, b)} - {None}
+    wanted = {engine_of(v) for b in args.batch_sizes
+              for v in variant_names(args.variants, args.k, args.tree_nodes, b, args.hf_pl_k)} - {None}
     # the extra engines get a cache sized for the run: sized from free memory, as the default
     # engine's is on CUDA, each would take a share of what the others need
     need = max(args.batch_sizes) * (max(lens) + args.max_new_tokens + max(args.k) + 1)
-    options = {"default": {}, "nocompile": dict(compile=False, max_cache_tokens=need + need // 4),
-               "eager": dict(cuda_graphs=False, compile=False, max_cache_tokens=need + need // 4)}
+    sized = args.engine_cache == "sized"
+    options = {e: dict(o, max_cache_tokens=need + need // 4) if e != "default" and sized else o
+               for e, o in ENGINE_OPTIONS.items()}
     engines = {e: hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, invariant=inv, **options[e])
-               for e in ("default", "nocompile", "eager") if e in wanted}
+               for e in ENGINE_OPTIONS if e in wanted}
     engine = engines["default"]._engine if "default" in engines else None
     info = {
         "model": tag, "name": name, "weights": "random" if is_random(name) else "pretrained", "dtype": args.dtype,
@@ -378,8 +444,17 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
                     r["kernels_per_step"] = step_kernels(engines, r["variant"], bs, r["q"], device)
         for r in new:
             print(format_row(r), flush=True)
+        for r in new:
+            if r.get("step_paths"):
+                p, f = r["step_paths"], r.get("first_call_paths") or {}
+                print(f"   {r['variant']}: decode steps {p['decode_steps_by_path']}"
+                      + (f", eager because {p['eager_reasons']}" if p["eager_reasons"] else "")
+                      + f"; timed calls compiled {p['compile_s']:.1f} s, captured {p['capture_s']:.1f} s; first call "
+                        f"compiled {f.get('compile_s', 0):.1f} s, captured {f.get('capture_s', 0):.1f} s", flush=True)
         rows += new
         on_rows(rows)
+    if args.profile:
+        info["profiles"] = profiles(args, engines, prompts, pad, device)
     info["step_summary"] = step_summary(info, rows)
     for line in info["step_summary"]["lines"]:
         print(line, flush=True)
@@ -390,6 +465,20 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return info, rows
+
+
+def profiles(args, engines: dict, prompts: list[list[int]], pad: int, device) -> dict:
+    """Each hf_plookup engine's greedy call on the first prompt, profiled after the timed passes
+    (its buckets compiled and captured): where the call's time goes, GPU kernels and host ops."""
+    out = {}
+    ids, mask = left_pad(prompts[:1], pad, device)
+    for e, wrapped in engines.items():
+        print(f"profile: engine {e!r}", flush=True)
+        out[e] = top_kernels(lambda w=wrapped: run_plookup(w, ids, mask, args.max_new_tokens, None, args.ngram, pad),
+                             device)
+        for line in out[e]["lines"]:
+            print("  " + line, flush=True)
+    return out
 
 
 def step_summary(info: dict, rows: list[dict]) -> dict:

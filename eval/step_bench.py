@@ -57,7 +57,8 @@ from hf_plookup.attention.registry import register
 from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket
 from hf_plookup.engine import cpu_kernels
 from hf_plookup.engine.huge_pages import to_huge_pages
-from hf_plookup.engine.kv_cache import PagedKVCache, layer_specs
+from hf_plookup.engine.engine import EngineOptions
+from hf_plookup.engine.kv_cache import PagedKVCache, default_num_tokens, layer_specs
 from hf_plookup.engine.runner import ModelRunner
 
 MODES = ("eager", "compiled", "graphs", "compiled+graphs")
@@ -93,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-backends", nargs="+", default=["sdpa"], choices=["sdpa", "triton", "flash_attn", "flash_attn4"],
                    help="each mode runs once per backend")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cache-tokens", default=None,
+                   help="the KV cache's capacity in tokens, or 'auto': as wrap sizes it by default (a share of free "
+                        "memory); default: just the pages the steps use")
     p.add_argument("--iters", type=int, default=20, help="timed calls per (mode, batch, q); the median counts")
     add_threads_option(p)
     p.add_argument("--out", default=None, help="JSON path (default: $OUT/step_bench.json, else results/step_bench.json)")
@@ -457,7 +461,13 @@ def main(argv=None) -> int:
                   " (linears, LM head and attention)", flush=True)
         bb = batch_bucket(max(args.batch_sizes))
         pages = bb * context_bucket(args.context + max(args.q), args.block_size) // args.block_size + 2
+        if args.cache_tokens is not None:  # a larger cache than the steps use, as a wrapped model has
+            tokens = (default_num_tokens(layer_specs(model), EngineOptions().cache_memory_fraction, model)
+                      if args.cache_tokens == "auto" else int(args.cache_tokens))
+            pages = max(pages, -(-tokens // args.block_size))
         cache = PagedKVCache(layer_specs(model), pages, args.block_size, scratch=True)
+        print(f"   KV cache: {pages} pages of {args.block_size} tokens, "
+              f"{sum(t.numel() * t.element_size() for t in cache.keys + cache.values) / 2**30:.2f} GiB", flush=True)
         for k, v in zip(cache.keys, cache.values):
             k.normal_()
             v.normal_()

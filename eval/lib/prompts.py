@@ -103,6 +103,27 @@ def builtin_prompts(tokenizer, n: int) -> list[list[int]]:
     return [encode_prompt(tokenizer, build_prompt(tokenizer, d["document"], chat), chat) for d in docs[:n]]
 
 
+# the shipped samples the benchmarks read: file in eval/data/, the article's field
+DATASET_FILES = {"cnn_dailymail": ("cnn_dailymail.jsonl", "article"), "billsum": ("billsum.jsonl", "text")}
+
+
+def dataset_prompts(tokenizer, dataset: str, n: int, max_doc_tokens: int | None = None) -> list[list[int]]:
+    """Token ids of summary requests for the first `n` documents of a shipped sample (DATASET_FILES;
+    each cut to its first `max_doc_tokens` tokens): the chat template when the tokenizer has one,
+    else the few-shot prompt. Documents differ in length, so the prompts do."""
+    from .documents import DATA_DIR
+
+    if dataset not in DATASET_FILES:
+        raise ValueError(f"dataset must be one of {sorted(DATASET_FILES)}, got {dataset!r}")
+    name, field = DATASET_FILES[dataset]
+    docs = load_jsonl(DATA_DIR / name, text_field=field, summary_field=None)
+    if n > len(docs):
+        raise ValueError(f"n={n} documents asked for, {name} holds {len(docs)}")
+    chat = has_chat_template(tokenizer)
+    return [encode_prompt(tokenizer, build_prompt(tokenizer, truncate_document(tokenizer, d["document"], max_doc_tokens),
+                                                  chat), chat) for d in docs[:n]]
+
+
 def synthetic_prompts(vocab_ids: list[int], n: int, length: int, seed: int = 0) -> list[list[int]]:
     """`n` prompts of `length` tokens: random phrases (4-16 tokens) of which about half
     repeat an earlier phrase of the same prompt, so n-gram lookup has something to find.

@@ -100,6 +100,41 @@ def count_kernels(fn, device) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def top_kernels(fn, device, n: int = 12) -> dict:
+    """Where one call of `fn` spends its time (torch.profiler): wall seconds, GPU kernel seconds
+    and launches, and the `n` largest GPU kernels and host ops by their own time, as
+    {"wall_s", "device_s", "kernels", "device_top": [[name, seconds, calls]], "host_top": [...],
+    "lines": printable summary}. On CPU only host ops are seen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def own(e, kind: str) -> float:  # microseconds of an event's own time on the device or host
+        if kind == "device":
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+        return e.self_cpu_time_total
+
+    top = {}
+    for kind in ("device", "host"):
+        rows = sorted(events, key=lambda e: -own(e, kind))[:n]
+        top[kind] = [[e.key[:100], own(e, kind) / 1e6, e.count] for e in rows if own(e, kind) > 0]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_s = sum(own(e, "device") for e in events) / 1e6
+    lines = [f"wall {wall:.3f} s, GPU kernels {len(kernels)} taking {device_s:.3f} s"]
+    for kind in ("device", "host"):
+        lines += [f"{kind:6s} {t * 1e3:9.2f} ms {c:6d}x  {name}" for name, t, c in top[kind]]
+    return {"wall_s": wall, "device_s": device_s, "kernels": len(kernels), "device_top": top["device"],
+            "host_top": top["host"], "lines": lines}
+
+
 def gemm_rate(device, n: int = 512) -> float:
     """Multiply-adds per second of an fp32 n x n by n x n matmul (default 2 MB of operands, in
     cache): the fastest of 10, at torch's current thread count. What the vendor's GEMM (MKL on CPU)

@@ -6,7 +6,7 @@ expand to at one batch size, e.g. with k = 4 8 and tree nodes 16, at batch size 
 
 A name says what runs: its engine (`hf-*`: HF's generate on the plain model; `plk-*`: hf_plookup),
 its k (`-k4`), its candidate trees (`-t16`), and which hf_plookup engine (`-nocompile`,
-`-eager`; else the default one)."""
+`-eager`, `-compiled`, `-compiled_nographs`; else the default one)."""
 
 from __future__ import annotations
 
@@ -22,22 +22,34 @@ FAMILIES = {
     "plk": "hf_plookup with prompt lookup, plk-k{k}, and candidate trees of n nodes, plk-k{k}-t{n} (--tree-nodes)",
     "plk-nocompile": "plk-greedy and plk-k{first k} with compile=False (CUDA graphs of the eager forward)",
     "plk-eager": "plk-greedy and plk-k{first k} with cuda_graphs=False, compile=False",
+    "plk-compiled": "plk-greedy and plk-k{first k} with compile=True (compiled steps in CUDA graphs)",
+    "plk-compiled_nographs": "plk-greedy and plk-k{first k} with compile=True, cuda_graphs=False",
 }
-ENGINES = ("default", "nocompile", "eager")  # hf_plookup engines: the wrap defaults, and the two above
+# hf_plookup engines: the wrap defaults, and one per setting of compile and cuda_graphs
+ENGINE_OPTIONS = {
+    "default": {},
+    "nocompile": dict(compile=False),
+    "eager": dict(cuda_graphs=False, compile=False),
+    "compiled": dict(compile=True),
+    "compiled_nographs": dict(compile=True, cuda_graphs=False),
+}
+ENGINES = tuple(ENGINE_OPTIONS)
 
 
-def variant_names(families: list[str], ks: list[int], tree_nodes: list[int], batch_size: int) -> list[str]:
-    """The variants `families` run at `batch_size`, in a fixed order (hf-greedy first)."""
+def variant_names(families: list[str], ks: list[int], tree_nodes: list[int], batch_size: int,
+                  hf_pl_ks: list[int] | None = None) -> list[str]:
+    """The variants `families` run at `batch_size`, in a fixed order (hf-greedy first); HF's prompt
+    lookup with `hf_pl_ks` (None: every k in `ks`)."""
     names = [HF_GREEDY]
     if "hf-pl" in families and batch_size == 1:
-        names += [f"hf-pl-k{k}" for k in ks]
+        names += [f"hf-pl-k{k}" for k in (ks if hf_pl_ks is None else hf_pl_ks)]
     for family in ("hf-static", "hf-batch", "plk-greedy"):
         if family in families:
             names.append(family)
     if "plk" in families:
         names += [f"plk-k{k}" for k in ks]
         names += [f"plk-k{k}-t{n}" for k in ks for n in tree_nodes]
-    for engine in ("nocompile", "eager"):
+    for engine in ENGINES[1:]:
         if f"plk-{engine}" in families:
             names += [f"plk-greedy-{engine}", f"plk-k{ks[0]}-{engine}"]
     return names

