@@ -8,14 +8,14 @@ runs the engine's step over B sequences of --context cached tokens (pages filled
 keys/values):
   eager            the step as the engine runs it without compile or graphs (engine.runner.
                    ModelRunner, every CPU step by default): no padding to buckets
-  (the other modes run the bucketed step, engine.graphs.GraphRunner, on static buffers)
+  (the other modes run the bucketed step, cuda.graphs.GraphRunner, on static buffers)
   compiled         torch.compile(fullgraph=True) of that forward (inductor; on CPU with freezing)
   graphs           eager forward captured in a CUDA graph (CUDA only)
   compiled+graphs  compiled forward captured in a CUDA graph (CUDA only; compile=True's path)
   hf-static        (--hf-static) HF's own forward over its StaticCache, torch.compile
                    mode="reduce-overhead", fullgraph=True, after a --context-token prefill
   /regional, /whole  what a compiled mode compiles: one decoder layer reused for every layer
-                   (engine.regional; what captured steps run) or the whole forward as one graph
+                   (cuda.regional; what captured steps run) or the whole forward as one graph
                    (uncaptured steps); --both-scopes times each compiled mode with the other too
   <mode>+invariant (--invariant) each mode again in invariant mode (wrap(invariant=True)); graph
                    modes on attn_backend triton only (sdpa's invariant form is not captured)
@@ -54,9 +54,9 @@ from eval.lib.timing import copy_bandwidth, count_kernels, gemm_rate, interleave
 from hf_plookup.attention.metadata import StepLayout
 from hf_plookup.attention.ops import COMPILABLE_BACKENDS
 from hf_plookup.attention.registry import register
-from hf_plookup.engine.graphs import GraphRunner, batch_bucket, context_bucket
-from hf_plookup.engine import cpu_kernels
-from hf_plookup.engine.huge_pages import to_huge_pages
+from hf_plookup.cuda.graphs import GraphRunner, batch_bucket, context_bucket
+from hf_plookup.cpu import kernels as cpu_kernels
+from hf_plookup.cpu.huge_pages import to_huge_pages
 from hf_plookup.engine.engine import EngineOptions
 from hf_plookup.engine.kv_cache import PagedKVCache, default_num_tokens, layer_specs
 from hf_plookup.engine.runner import ModelRunner
@@ -79,14 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time compiled modes with the other compile scope: '<mode>/whole' beside "
                         "'compiled+graphs/regional', '<mode>/regional' beside 'compiled/whole'")
     p.add_argument("--invariant", action="store_true",
-                   help="also time each mode in invariant mode (engine.invariant), as '<mode>+invariant'")
+                   help="also time each mode in invariant mode (cpu.invariant_linears), as '<mode>+invariant'")
     p.add_argument("--breakdown", action="store_true",
                    help="also split the eager invariant step's time by kind of work (CPU): the C kernels, the "
                         "linears' Python path, norms, the rest of the forward, and the drafter and greedy "
                         "sampling that run between steps")
     p.add_argument("--small-pages", action="store_true",
                    help="CPU: also time the eager invariant step with a copy of the weights on the allocator's own "
-                        "pages beside the engine's 2 MB pages (engine.huge_pages), in the same rounds")
+                        "pages beside the engine's 2 MB pages (cpu.huge_pages), in the same rounds")
     p.add_argument("--kernels", action="store_true",
                    help="CPU: also time the C kernels alone per q, each from memory (every layer's own weights "
                         "and pages) and from cache (the first layer's, for every layer), in the same rounds: "
@@ -157,11 +157,11 @@ def step_macs(model, batch: int, q: int, context: int) -> dict[str, int]:
 def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache, invariant: bool = False,
                swap_scope: bool = False) -> list[dict]:
     """`mode`'s step on `backend` at every batch size and q; `invariant`: in invariant mode
-    (engine.invariant; the mode is then named `<mode>+invariant`). Compiled modes are named
-    `<mode>/regional` (one decoder layer compiled for all, engine.regional: what captured steps
+    (cpu.invariant_linears; the mode is then named `<mode>+invariant`). Compiled modes are named
+    `<mode>/regional` (one decoder layer compiled for all, cuda.regional: what captured steps
     run) or `<mode>/whole` (the whole forward as one graph: uncaptured steps); `swap_scope`: the
     scope the engine would not use for the mode."""
-    from hf_plookup.engine.invariant import InvariantLinears
+    from hf_plookup.cpu.invariant_linears import InvariantLinears
 
     capture, compiled = "graphs" in mode, "compiled" in mode
     regional = capture != swap_scope
@@ -206,10 +206,10 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
 
 def bench_pages(model, args, device, cache: PagedKVCache) -> list[dict]:
     """The eager invariant step (what wrap runs on CPU) with the weights on 2 MB pages, as the engine
-    moves them (engine.huge_pages), and with a deep copy of them on the allocator's own pages: each
+    moves them (cpu.huge_pages), and with a deep copy of them on the allocator's own pages: each
     round runs every q on both (the first batch size). Rows "eager+invariant/<pages>", and each q's
     time over its time on 2 MB pages (the median of the rounds')."""
-    from hf_plookup.engine.invariant import InvariantLinears
+    from hf_plookup.cpu.invariant_linears import InvariantLinears
 
     small = copy.deepcopy(model)  # new storages from torch's allocator
     runs = {pages: ModelRunner(m, cache, None, "sdpa", invariant=InvariantLinears(m)).run
@@ -243,7 +243,7 @@ def bench_kernels(model, args, device, cache: PagedKVCache, macs: dict, rate: fl
     "of_gemm": the kernel's multiply-adds a second (`macs`, from step_macs) over `rate`, the fp32
     GEMM's (what share of the cores' arithmetic it gets)."""
     from hf_plookup.attention.invariant import build_layout
-    from hf_plookup.engine import cpu_kernels
+    from hf_plookup.cpu import kernels as cpu_kernels
 
     layers = model.model.layers
     weights = [[m.weight for m in ms] for ms in layer_linears(model)]
@@ -304,19 +304,19 @@ class _Timer:
 
 def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
     """Where a CPU step's time goes, eager invariant mode (what wrap runs on CPU), per batch and q.
-    A Llama-form model's decode steps run in C (engine.cpu_layers): the layers' linears (q/k/v,
+    A Llama-form model's decode steps run in C (cpu.layers): the layers' linears (q/k/v,
     o_proj, gate/up, down, as the C code times its phases), the attention kernel, the layers' other
     C work (norms, RoPE, KV writes, residuals), the activation (torch), the final norm and LM head,
     and the rest (Python, embedding, rotary tables, the step's layout). Other models run HF's modules:
-    the linear and attention kernels (engine.cpu_kernels), the linears' Python path around the kernel,
+    the linear and attention kernels (cpu.kernels), the linears' Python path around the kernel,
     RMS/layer norms (the C kernel where invariant mode routes them, else HF's modules) and the rest
     of the forward. Both: per step of generation the n-gram drafter (k=q-1 over --context tokens of
     history) and greedy sampling (argmax of the q kept rows). Timers wrap the calls, so the step is a
     little slower here than in the table above."""
     from hf_plookup.drafting.ngram import NgramProposer
-    from hf_plookup.engine import cpu_kernels, cpu_layers
-    from hf_plookup.engine import invariant as inv_mod
-    from hf_plookup.engine.invariant import InvariantLinears
+    from hf_plookup.cpu import kernels as cpu_kernels, layers as cpu_layers
+    from hf_plookup.cpu import invariant_linears as inv_mod
+    from hf_plookup.cpu.invariant_linears import InvariantLinears
 
     inv = InvariantLinears(model)
     runner = ModelRunner(model, cache, None, "sdpa", invariant=inv)  # the engine's eager step

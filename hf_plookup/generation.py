@@ -18,8 +18,8 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .attention.positions import left_padded, position_embedders
-from .attention.recurrent import mixer_modules, state_only
 from .engine.sequence import DecodeConfig
+from .mixers.recurrent import mixer_modules, state_only
 from .outputs import CACHE_FIELD
 
 logger = logging.getLogger("hf_plookup")

@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny random causal LMs built from configs (no weights to download)."""
+"""Shared fixtures and helpers: tiny random causal LMs built from configs (no weights to download),
+their prompts, the one dense attention reference every attention test checks against, and the
+stand-ins those tests give the backends."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 # The package as installed where no C compiler was found (pyproject.toml's optional extension):
-# set by tests/engine/test_without_c_kernels.py for the child session it runs
+# set by tests/cpu/test_without_c_kernels.py for the child session it runs
 if os.environ.get("HF_PLOOKUP_TEST_WITHOUT_C") == "1":
     import sys
 
@@ -36,7 +38,7 @@ import torch  # noqa: E402
 if _WORKERS > 1:  # in case a plugin imported torch before the variable was set
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, StoppingCriteria
 
 VOCAB = 96
 PAD, EOS, BOS = 0, 1, 2
@@ -111,7 +113,7 @@ ARCHS = {
                 "encoder_attention_heads": 4, "encoder_ffn_dim": 128, "num_key_value_heads": None},
 }
 # hybrid and state-space models: recurrent token mixers whose per-sequence states live beside the
-# pages (attention.recurrent); they draft chains only and run eagerly only, so the tests of trees,
+# pages (mixers.recurrent); they draft chains only and run eagerly only, so the tests of trees,
 # compiled steps and invariant mode over ARCHS leave them out
 RECURRENT_ARCHS = {
     # gated delta net + full attention, MoE MLP (Qwen 3.5 and OLMo-Hybrid share the mixer)
@@ -185,3 +187,183 @@ def wrap_copy(model: torch.nn.Module, **options) -> torch.nn.Module:
     import hf_plookup
 
     return hf_plookup.wrap(copy.copy(model), **options)
+
+
+# -- the one dense attention reference, and the stand-ins the attention tests hand the backends ----
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Attention in float64, plain math: queries `q` [Lq, H, D] over keys `k` [Lk, H_kv, D] and
+    values `v` [Lk, H_kv, Dv] (query heads grouped over KV heads in order), query i seeing key j
+    where `visible[i, j]`; scores soft-capped as Gemma does when `softcap`. A query that sees no
+    key gets zeros. Returns [Lq, H, Dv] float64.
+
+    Example: one head, q = [[0.]], keys at 0 and 1 both visible, values [[1.], [3.]]: [[[2.]]]."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1).double(), v.repeat_interleave(g, 1).double()
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    p = torch.softmax(s.masked_fill(~visible.to(s.device)[None], float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+def causal_visible(lq: int, lk: int, window: int | None = None, left: int | None = None,
+                   right: int = 0) -> torch.Tensor:
+    """[Lq, Lk] bool: the Lq queries are the last Lq positions of a context of Lk keys; query i
+    (at position lk - lq + i) sees keys up to `right` past its own and, with `window` (HF's sliding
+    window: the query and window - 1 keys before it) or `left` (flash-attn's: left keys before it),
+    none further back. right < 0 or left < 0: unbounded on that side.
+
+    Example: causal_visible(2, 3) == [[True, True, False], [True, True, True]]."""
+    i = torch.arange(lq)[:, None] + lk - lq
+    j = torch.arange(lk)[None, :]
+    ok = torch.ones(lq, lk, dtype=torch.bool)
+    if right >= 0:
+        ok &= j <= i + right
+    if window:
+        left = window - 1
+    if left is not None and left >= 0:
+        ok &= j >= i - left
+    return ok
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
+    """dense_attention with head-major tensors, q [H, Lq, D] the last Lq positions of a context of
+    k/v [H_kv, Lk, D], causal (and sliding `window`): [H, Lq, Dv] float32."""
+    visible = causal_visible(q.shape[1], k.shape[1], window)
+    out = dense_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), visible, scale, softcap)
+    return out.transpose(0, 1).float()
+
+
+class OneLayer(torch.nn.Module):
+    """An attention module as the backends see it: layer 0."""
+
+    layer_idx = 0
+
+
+class FixedPages:
+    """A PagedKVCache as the backends see it: every layer's pages are these."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+
+    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v
+
+
+def paged_step(dtype, bs: int, uniform: bool, device="cuda"):
+    """Random paged step on `device`: (meta, query, key, value, per-sequence dense tensors)."""
+    from hf_plookup.attention.metadata import AttentionMetadata
+
+    g = torch.Generator().manual_seed(0)
+    h, h_kv, d = 8, 2, 64
+    cached = [0, 7, 300, 22]
+    new = [3, 3, 3, 3] if uniform else [1, 5, 2, 9]
+    b = len(cached)
+    ctx = [c + n for c, n in zip(cached, new)]
+    num_blocks = sum(-(-t // bs) for t in ctx) + 3  # every context's pages, and a few spare to scatter among
+    k_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[perm.pop() for _ in range(-(-t // bs))] for t in ctx]
+    full_k = [torch.randn(h_kv, t, d, generator=g).to(dtype) for t in ctx]
+    full_v = [torch.randn(h_kv, t, d, generator=g).to(dtype) for t in ctx]
+    for i in range(b):
+        for p in range(cached[i]):
+            k_cache[tables[i][p // bs], p % bs] = full_k[i][:, p]
+            v_cache[tables[i][p // bs], p % bs] = full_v[i][:, p]
+    tq, lk = max(new), max(ctx)
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(b, width, dtype=torch.int32)
+    kv_slots = torch.zeros(b, lk, dtype=torch.long)
+    query_pos = torch.full((b, tq), -1, dtype=torch.long)
+    slots, scatter = [], []
+    for i in range(b):
+        bt[i, : len(tables[i])] = torch.tensor(tables[i])
+        for p in range(ctx[i]):
+            kv_slots[i, p] = tables[i][p // bs] * bs + p % bs
+        for j in range(new[i]):
+            query_pos[i, j] = cached[i] + j
+            slots.append(int(kv_slots[i, cached[i] + j]))
+            scatter.append(i * tq + j)
+    scatter = torch.tensor(scatter)
+    gather = torch.zeros(b * tq, dtype=torch.long)
+    gather[scatter] = torch.arange(len(scatter))
+
+    k_cache_d, v_cache_d = k_cache.to(device), v_cache.to(device)
+    i32 = dict(dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        kv_cache=FixedPages(k_cache_d, v_cache_d), slot_mapping=torch.tensor(slots, device=device), query_pos=query_pos.to(device),
+        kv_slots=kv_slots.to(device), context_lens=torch.tensor(ctx, device=device),
+        q_gather=None if uniform else gather.to(device), q_scatter=None if uniform else scatter.to(device),
+        cu_seqlens_q=torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], **i32),
+        cu_seqlens_k=torch.tensor([0, *torch.tensor(ctx).cumsum(0).tolist()], **i32),
+        cache_seqlens=torch.tensor(ctx, **i32), block_tables=bt.to(device),
+    )
+    qs = [torch.randn(h, n, d, generator=g).to(dtype) for n in new]
+    query = torch.cat(qs, dim=1)[None].to(device)
+    key = torch.cat([full_k[i][:, cached[i] :] for i in range(b)], dim=1)[None].to(device)
+    value = torch.cat([full_v[i][:, cached[i] :] for i in range(b)], dim=1)[None].to(device)
+    return meta, query, key, value, qs, full_k, full_v, new
+
+
+# -- prompts and generation helpers shared by several test modules -------------------------------
+def greedy_logits(model, ids, mask, new, **kw):
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
+                         return_dict_in_generate=True, output_logits=True, **kw)
+    return torch.stack(out.logits, 1), model.last_stats  # [B, new, V]
+
+
+def repeat_prompts(n_rows: int, seed: int = 1) -> list[torch.Tensor]:
+    """Repetitive prompts of different lengths (drafts find matches in them)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_rows):
+        base = torch.randint(3, 96, (5 + i,), generator=g)
+        rows.append(torch.cat([base, base, base[:3]]))
+    return rows
+
+
+def left_pad(rows: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def copy_model():
+    return tiny_model("mistral", sliding_window=4)
+
+
+def copy_batch(model, batch: int = 4, g_len: int = 16):
+    """Rows P_i + G_i + P_i (len(P_i) = 8 + 2i, G_i = greedy continuation of P_i), left-padded
+    (12, 8, 4, 0 pads: not all multiples of 3). Returns (input_ids, attention_mask, [G_i])."""
+    rows, conts = [], []
+    for i in range(batch):
+        g = torch.Generator().manual_seed(100 + i)
+        p = torch.randint(3, VOCAB, (1, 8 + 2 * i), generator=g)
+        cont = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=g_len, do_sample=False, eos_token_id=None)
+        cont = cont[0, p.shape[1] :]
+        rows.append(torch.cat([p[0], cont, p[0]]))
+        conts.append(cont.tolist())
+    width = max(len(r) for r in rows)
+    ids = torch.full((batch, width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
+    return ids, mask, conts
+
+
+class StopOnToken(StoppingCriteria):
+    """Stops a row when its last token is `token` (so it must be asked after every token)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token

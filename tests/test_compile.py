@@ -11,10 +11,9 @@ import torch
 import hf_plookup
 from hf_plookup.attention.ops import compiled_paged_attention, paged_attention
 from hf_plookup.attention.sdpa import sdpa_paged_attention
-from hf_plookup.engine import graphs
+from hf_plookup.cuda import graphs
 from hf_plookup.engine.engine import resolve_compile
-from tests.conftest import ARCHS, EAGER_ONLY, left_padded, tiny_model, wrap_copy
-from tests.gpu.test_gpu import _paged_step
+from tests.conftest import ARCHS, EAGER_ONLY, left_padded, paged_step, tiny_model, wrap_copy
 
 
 class _Layer(torch.nn.Module):
@@ -40,7 +39,7 @@ def _op_args(meta, query, key, value, backend, window, softcap):
 def test_ops_match_eager_backend(uniform, window, softcap):
     """The paged_attention op (its KV write, then sdpa inside) writes the pages and gives what the
     eager sdpa backend gives."""
-    meta, query, key, value, *_ = _paged_step(torch.float32, 16, uniform, device="cpu")
+    meta, query, key, value, *_ = paged_step(torch.float32, 16, uniform, device="cpu")
     meta.static_shapes = True  # what compiled steps run on (explicit masks, as the ops use)
     k_cache, v_cache = meta.kv_cache.layer(0)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -62,7 +61,7 @@ def test_ops_match_eager_backend(uniform, window, softcap):
 def test_triton_op_matches_sdpa_op():
     """The op's Triton branch (interpreter on CPU) against its sdpa branch."""
     pytest.importorskip("triton")
-    meta, query, key, value, *_ = _paged_step(torch.float32, 16, False, device="cuda" if torch.cuda.is_available() else "cpu")
+    meta, query, key, value, *_ = paged_step(torch.float32, 16, False, device="cuda" if torch.cuda.is_available() else "cpu")
     a = paged_attention(*_op_args(meta, query, key, value, "sdpa", 5, None))
     b = paged_attention(*_op_args(meta, query, key, value, "triton", 5, None))
     torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
@@ -70,7 +69,7 @@ def test_triton_op_matches_sdpa_op():
 
 def test_opcheck():
     """torch.library's checks: schema, fake (meta) implementation, AOT dispatch."""
-    meta, query, key, value, *_ = _paged_step(torch.float32, 16, True, device="cpu")
+    meta, query, key, value, *_ = paged_step(torch.float32, 16, True, device="cpu")
     torch.library.opcheck(paged_attention, _op_args(meta, query, key, value, "sdpa", None, None),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
@@ -83,7 +82,7 @@ def _equal_to_hf(model, wrapped, batch, k, seed, max_new_tokens=12):
 
 
 def _regional(wrapped):
-    """The engine's compiled steps with one compiled decoder layer for all layers (engine.regional),
+    """The engine's compiled steps with one compiled decoder layer for all layers (cuda.regional),
     uncaptured: what a CUDA-graph step compiles, on CPU."""
     eng = wrapped._engine
     eng._graphs = graphs.GraphRunner(wrapped, eng.cache(), eng.options.attn_backend, eng.options.max_num_seqs,

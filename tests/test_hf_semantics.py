@@ -19,7 +19,6 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
-    StoppingCriteria,
     StoppingCriteriaList,
     TextIteratorStreamer,
     TextStreamer,
@@ -30,40 +29,16 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import hf_plookup
 from hf_plookup.drafting.ngram import NgramProposer
-from tests.conftest import EOS, PAD, VOCAB, left_padded, tiny_model, wrap_copy
+from tests.conftest import EOS, PAD, VOCAB, StopOnToken, copy_batch, copy_model, left_padded, tiny_model, wrap_copy
 
 PL = dict(prompt_lookup_num_tokens=4)
 NEW = 20  # max_new_tokens of the greedy comparisons
 
 
-def _copy_model():
-    return tiny_model("mistral", sliding_window=4)
-
-
-def _copy_batch(model, batch: int = 4, g_len: int = 16):
-    """Rows P_i + G_i + P_i (len(P_i) = 8 + 2i, G_i = greedy continuation of P_i), left-padded
-    (12, 8, 4, 0 pads: not all multiples of 3). Returns (input_ids, attention_mask, [G_i])."""
-    rows, conts = [], []
-    for i in range(batch):
-        g = torch.Generator().manual_seed(100 + i)
-        p = torch.randint(3, VOCAB, (1, 8 + 2 * i), generator=g)
-        cont = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=g_len, do_sample=False, eos_token_id=None)
-        cont = cont[0, p.shape[1] :]
-        rows.append(torch.cat([p[0], cont, p[0]]))
-        conts.append(cont.tolist())
-    width = max(len(r) for r in rows)
-    ids = torch.full((batch, width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = r
-        mask[i, width - len(r) :] = 1
-    return ids, mask, conts
-
-
 @pytest.fixture(scope="module")
 def copy_setup():
-    model = _copy_model()
-    ids, mask, conts = _copy_batch(model)
+    model = copy_model()
+    ids, mask, conts = copy_batch(model)
     return model, wrap_copy(model, max_cache_tokens=8192, block_size=8), ids, mask, conts
 
 
@@ -161,7 +136,7 @@ def test_processors_from_model_generation_config(copy_setup, case):
     """The same values carried by `model.generation_config` (as real checkpoints ship them)."""
     base, _, ids, mask, conts = copy_setup
     kw, _ = _processor_cases(conts, ids.shape[1])[case]
-    model = _copy_model()
+    model = copy_model()
     for name, value in kw.items():
         setattr(model.generation_config, name, value)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW)
@@ -278,7 +253,7 @@ def test_length_and_eos_resolution(copy_setup, case, where):
     kw = _length_cases(ids.shape[1], conts)[case]
     model = base
     if where == "model.generation_config":
-        model = _copy_model()
+        model = copy_model()
         for name, value in kw.items():
             setattr(model.generation_config, name, value)
         kw = {}
@@ -314,16 +289,6 @@ def test_bad_sampling_arguments_raise_value_error(llama, kw, name):
 # ------------------------------------------------------------------------------------------
 # Stopping
 # ------------------------------------------------------------------------------------------
-
-
-class StopOnToken(StoppingCriteria):
-    """Stops a row when its last token is `token` (so it must be asked after every token)."""
-
-    def __init__(self, token: int):
-        self.token = token
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return input_ids[:, -1] == self.token
 
 
 def test_custom_stopping_criteria_inside_accepted_drafts(copy_setup):

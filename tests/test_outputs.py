@@ -8,15 +8,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tests.conftest import VOCAB, left_padded, tiny_model, wrap_copy
-from tests.test_hf_semantics import _copy_batch, _copy_model
+from tests.conftest import VOCAB, copy_batch, copy_model, left_padded, tiny_model, wrap_copy
 
 NEW = 20
 
 
 @pytest.fixture(scope="module")
 def copy_setup():
-    model = _copy_model()
+    model = copy_model()
     return model, wrap_copy(model, max_cache_tokens=8192, block_size=8)
 
 
@@ -37,7 +36,7 @@ def _eos_at(model, ids, mask, where):
 @pytest.mark.parametrize("k", [None, 4])
 def test_scores_of_finished_rows_and_transition_scores_equal_hf(copy_setup, batch, k):
     model, wrapped = copy_setup
-    ids, mask, _ = _copy_batch(model, batch)
+    ids, mask, _ = copy_batch(model, batch)
     w = ids.shape[1]
     eos = _eos_at(model, ids, mask, [(0, 4), (batch - 1, 9)])
     kw = dict(max_new_tokens=NEW, eos_token_id=eos, do_sample=False, return_dict_in_generate=True,
@@ -91,7 +90,7 @@ def test_past_key_values_equal_hf_on_token_positions(llama_setup, k):
 
 def test_past_key_values_sliding_window_layers_like_hf(copy_setup):
     model, wrapped = copy_setup
-    ids, mask, _ = _copy_batch(model, 2)
+    ids, mask, _ = copy_batch(model, 2)
     kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     ref = model.generate(ids, attention_mask=mask, **kw)
     out = wrapped.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=4, **kw)

@@ -21,8 +21,7 @@ import torch
 import hf_plookup
 from transformers import StoppingCriteriaList
 
-from tests.conftest import EOS, PAD, VOCAB, tiny_model, wrap_copy
-from tests.test_hf_semantics import StopOnToken
+from tests.conftest import EOS, PAD, VOCAB, StopOnToken, tiny_model, wrap_copy
 
 
 class Injected(RuntimeError):

@@ -1,13 +1,13 @@
 """Invariant attention: every query's reduction over keys is the same whatever the step holds.
 
-In invariant mode (engine.invariant) a token's attention must come out bitwise the same in a
+In invariant mode (cpu.invariant_linears) a token's attention must come out bitwise the same in a
 1-token step, a verify step of k+1 tokens, a candidate-tree step, alone or beside other rows.
 One padded SDPA call over a step does not give that: its kernels split queries and keys into
 blocks by the call's shapes, and a masked key placed between visible ones moves the others
 into other vector lanes (measured on this project's CPU: rows of a 5-query call differ from
 1-query calls in fp32 and bf16). So, by construction:
 
-- **decode tokens** (1-token, verify and tree steps), on CPU: `engine.cpu_kernels.attend`, one
+- **decode tokens** (1-token, verify and tree steps), on CPU: `cpu.kernels.attend`, one
   query head over exactly its visible keys read in place from the pages, in position order, with
   one fixed order of arithmetic per query. A tree node's keys are the context then its ancestors,
   which is what the same token sees in a chain. Elsewhere (or without the compiled kernels): one
@@ -29,7 +29,7 @@ import contextvars
 import numpy as np
 import torch
 
-from ..engine import cpu_kernels
+from ..cpu import kernels as cpu_kernels
 from .dense import attend
 from .metadata import StepLayout
 

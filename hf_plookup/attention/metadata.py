@@ -3,7 +3,7 @@ the attention function.
 
 The engine packs every sequence of a step into one row of `T` tokens. The runner lays the step
 out once, on the host, as a `StepLayout` (numpy); CUDA-graph steps pad it to their bucket
-(engine.graphs.pad_layout, again a `StepLayout`). What the attention reads of it goes to the
+(cuda.graphs.pad_layout, again a `StepLayout`). What the attention reads of it goes to the
 device once (`step_tensors`: a graph's static buffers are these tensors), and
 `AttentionMetadata.of` wraps those tensors for the backends, in eager, graph and compiled steps
 alike. The attention function (registered with transformers' `AttentionInterface`) is called by
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from .recurrent import StepRows
+from ..mixers.recurrent import StepRows
 
 
 @dataclass(slots=True)
@@ -57,7 +57,7 @@ class StepLayout:
     # from its cache (positions plus the row's left pads: attention.positions); None for others
     embed_positions: np.ndarray | None = None
     # [B] int64 each chunk's sequence id and [B] int64 its real tokens (padded drafts left out):
-    # what recurrent mixers key and cut their states by (attention.recurrent); None where unused
+    # what recurrent mixers key and cut their states by (mixers.recurrent); None where unused
     seq_ids: np.ndarray | None = None
     num_real: np.ndarray | None = None
 
@@ -166,7 +166,7 @@ class AttentionMetadata:
     # CUDA-graph and compiled steps: B and Lk are buckets (Lk longer than the contexts), so masks
     # must come from the tensors above, never from shape shortcuts decided on the host at capture
     static_shapes: bool = False
-    # invariant mode (engine.invariant): kernels that take it compute each query independently
+    # invariant mode (cpu.invariant_linears): kernels that take it compute each query independently
     # of the rest of the step (attention.triton's invariant form)
     invariant: bool = False
     _masks: dict = field(default_factory=dict)  # sliding window (or None) -> [B, 1, Tq, Lk] bool
@@ -279,7 +279,7 @@ class _CompiledStep:
     """Where a compiled step finds its metadata: torch.compile cannot trace `ContextVar.get`, but
     it can read a module-level object's attribute (it guards on it, so each graph bucket's
     metadata object gets its own compiled graph). One compiled forward at a time, by the lock.
-    `layer_kv`: in regional compilation (engine.regional), the running layer's pages, set inside
+    `layer_kv`: in regional compilation (cuda.regional), the running layer's pages, set inside
     the compiled layer from its inputs, so one compiled layer serves every layer."""
 
     def __init__(self) -> None:
@@ -327,7 +327,7 @@ def attention_context(meta: AttentionMetadata):
 
 
 def compiled_layer_kv() -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The running layer's (k_cache, v_cache) in a regionally compiled step (engine.regional), else None."""
+    """The running layer's (k_cache, v_cache) in a regionally compiled step (cuda.regional), else None."""
     return _COMPILED_STEP.layer_kv
 
 

@@ -9,7 +9,7 @@ own name that computes plain causal attention from the arguments it is given. Th
 each layer's real key layout (KV heads, head size, dtype, device: from the tensors, not from config
 fields the architecture may ignore), and the two outputs must agree, or the model is refused with
 the reason. A layer that calls no attention function must be a recurrent mixer whose state
-attention.recurrent keeps per sequence, or mix no tokens at all; a third run feeds the tokens in
+mixers.recurrent keeps per sequence, or mix no tokens at all; a third run feeds the tokens in
 pieces as the engine does (a prompt chunk, then one token at a time) and must agree too.
 """
 
@@ -25,7 +25,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from .dense import softcapped_attention
 from .positions import given_positions, position_embedders
-from .recurrent import RecurrentMixers, StepRows, mixer_modules, no_mixer_layers
+from ..mixers.recurrent import RecurrentMixers, StepRows, mixer_modules, no_mixer_layers
 from .registry import engine_attention
 
 PROBE_IMPLEMENTATION = "hf_plookup_probe"
@@ -127,7 +127,7 @@ def _num_layers(model: torch.nn.Module) -> int | None:
 @torch.inference_mode()
 def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLayout | None]:
     """One `KeyLayout` per decoder layer, None for a layer without keys (a recurrent mixer's,
-    attention.recurrent, or one that mixes no tokens); `ValueError` naming the architecture and the
+    mixers.recurrent, or one that mixes no tokens); `ValueError` naming the architecture and the
     reason when the paged attention and the per-sequence states cannot stand in for the model's own."""
     if AttentionInterface._global_mapping.get(PROBE_IMPLEMENTATION) is not _probe_attention:
         AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
@@ -237,7 +237,7 @@ def _continuation_diff(model: torch.nn.Module, ids: torch.Tensor, reference: tor
                        mixers: dict[int, torch.nn.Module]) -> float:
     """The probe tokens fed as the engine feeds them, a prompt chunk then later tokens: each call
     with `position_ids`, no mask and no cache object, attention over the keys recorded so far,
-    recurrent mixers resuming their states (attention.recurrent). Returns the largest logit
+    recurrent mixers resuming their states (mixers.recurrent). Returns the largest logit
     difference from the whole-input forward."""
     rec = _Recording(kv={})
     token = _RECORDING.set(rec)

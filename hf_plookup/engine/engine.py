@@ -15,19 +15,19 @@ import torch
 from ..attention.ops import COMPILABLE_BACKENDS
 from ..attention.pages import store_kv
 from ..attention.positions import position_embedders
-from ..attention.recurrent import RecurrentMixers
 from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS, resolve_backend, resolve_block_size
+from ..cpu import kernels as cpu_kernels
+from ..cpu.head import head_chooser
+from ..cpu.huge_pages import to_huge_pages
+from ..cpu.invariant_linears import CAPTURED_INVARIANT_BACKENDS, InvariantLinears, resolve_invariant
+from ..cuda.graphs import GraphRunner
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import history_free
 from ..drafting.tree import TreeProposer
+from ..mixers.recurrent import RecurrentMixers
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
-from . import cpu_kernels
-from .cpu_head import head_chooser
 from .distributed import agree_min, agree_seed, tensor_parallel
-from .graphs import GraphRunner
-from .huge_pages import to_huge_pages
-from .invariant import CAPTURED_INVARIANT_BACKENDS, InvariantLinears, resolve_invariant
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -60,7 +60,7 @@ class EngineOptions:
     # candidate trees leave out nodes whose score (estimated chance that verification reaches
     # them) is below this; None: TREE_MIN_SCORE of the device (each fed token costs on CPU)
     tree_min_score: float | None = None
-    # every token computed bitwise as in a 1-token step (engine.invariant): True | False | "auto"
+    # every token computed bitwise as in a 1-token step (cpu.invariant_linears): True | False | "auto"
     # (on where it measured cheap: see invariant.INVARIANT_AUTO)
     invariant: bool | str = "auto"
     # keep full pages of prefilled prompts after a call and reuse them for prompts that start the
@@ -196,7 +196,7 @@ class Engine:
         # position embedders handed each step's positions (attention.positions)
         self.embedders = position_embedders(model)
         self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda" and not hooked
-        # recurrent mixers (hybrid and state-space models): their per-sequence states (attention.recurrent)
+        # recurrent mixers (hybrid and state-space models): their per-sequence states (mixers.recurrent)
         self.mixers = RecurrentMixers(model)
         eager_only = None  # why steps cannot be compiled or captured
         if self.mixers:
@@ -211,8 +211,8 @@ class Engine:
         invariant = resolve_invariant(options.invariant, devices, dtypes, backend, compiled=self.use_compile,
                                       hooked=hooked, distributed=self.tensor_parallel)
         if invariant and devices[0].type == "cpu" and len(devices) == 1 and not hooked:
-            to_huge_pages(model)  # the C kernels read weights faster from 2 MB pages (engine.huge_pages)
-            cpu_kernels.pack_linears(model)  # ... and their packed copies, made here once (engine.cpu_kernels)
+            to_huge_pages(model)  # the C kernels read weights faster from 2 MB pages (cpu.huge_pages)
+            cpu_kernels.pack_linears(model)  # ... and their packed copies, made here once (cpu.kernels)
         self.prefill_unit = min(PREFILL_UNIT, options.max_batch_tokens) if invariant else None
         self.invariant = InvariantLinears(model, self.prefill_unit) if invariant else None
         if invariant and backend not in CAPTURED_INVARIANT_BACKENDS:

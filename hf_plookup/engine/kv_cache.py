@@ -19,7 +19,7 @@ logger = logging.getLogger("hf_plookup")
 @dataclass(slots=True)
 class LayerSpec:
     """Where and how one layer keeps its pages. A layer without keys (a recurrent mixer's, whose
-    state attention.recurrent keeps, or one that mixes no tokens) has 0 KV heads and empty pages,
+    state mixers.recurrent keeps, or one that mixes no tokens) has 0 KV heads and empty pages,
     so the pages stay indexed by the model's layer index."""
 
     num_kv_heads: int

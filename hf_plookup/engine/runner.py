@@ -13,7 +13,7 @@ from ..attention.positions import given_positions
 from ..attention.probe import input_device
 from ..attention.registry import engine_attention
 from ..drafting.tree import ancestor_mask, depths
-from .cpu_head import HeadChooser, fast_head
+from ..cpu.head import HeadChooser, fast_head
 from .kv_cache import BlockManager, PagedKVCache
 from .scheduler import ScheduledChunk
 
@@ -21,13 +21,13 @@ from .scheduler import ScheduledChunk
 class ModelRunner:
     """`pad_to`: feed every sequence of a decode step exactly this many tokens (k + 1; missing
     drafts padded), so verify steps are uniform. `graphs`: a `GraphRunner` that takes the
-    uniform decode steps it supports (engine.graphs); everything else runs eagerly. `head`: a
+    uniform decode steps it supports (cuda.graphs); everything else runs eagerly. `head`: a
     `cpu_head.HeadChooser` for the LM head of eager CPU steps (None: the model's own).
     `invariant`: an `invariant.InvariantLinears`: every step runs in invariant mode (each token
     computed as in a 1-token step; `head` is not used, and `graphs` runs its steps in the mode too).
     `embedders`: the model's position embedders that count positions from a cache
     (attention.positions), handed each step's `embed_positions`. `mixers`: the model's recurrent
-    mixers (attention.recurrent.RecurrentMixers), run per row with their sequences' states."""
+    mixers (mixers.recurrent.RecurrentMixers), run per row with their sequences' states."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, blocks: BlockManager, backend: str = "sdpa",
                  pad_to: int | None = None, graphs=None, head: HeadChooser | None = None, invariant=None,

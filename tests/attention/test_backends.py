@@ -17,33 +17,17 @@ import hf_plookup
 from hf_plookup.attention import registry
 from hf_plookup.attention.flash import flash_paged_attention, window_size
 from hf_plookup.attention.metadata import AttentionMetadata
-from hf_plookup.engine.graphs import BATCH_BUCKETS, GraphRunner, batch_bucket, context_bucket, pad_layout
-from tests.attention.test_sdpa import _Cache, _dense_reference, _Layer
-from tests.conftest import left_padded, tiny_model, wrap_copy
+from hf_plookup.cuda.graphs import BATCH_BUCKETS, GraphRunner, batch_bucket, context_bucket, pad_layout
+from tests.conftest import FixedPages, OneLayer, causal_visible, dense_attention, dense_causal, left_padded, tiny_model, wrap_copy
 
 
 # -- a plain-torch stand-in for flash_attn, written from flash-attn's docstrings ------------------
 def _ref_attend(q, k, v, scale, causal, window, softcap):
     """q [sq, H, D], k/v [sk, H_kv, D]; causal and window aligned to the bottom right, as
     flash-attn documents: query i sees keys [i + sk - sq - left, i + sk - sq + right]."""
-    sq, sk = q.shape[0], k.shape[0]
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1).double(), v.repeat_interleave(g, 1).double()
-    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(sq)[:, None] + sk - sq
-    j = torch.arange(sk)[None, :]
     left, right = window
-    if causal:
-        right = 0
-    ok = torch.ones(sq, sk, dtype=torch.bool)
-    if right >= 0:
-        ok &= j <= i + right
-    if left >= 0:
-        ok &= j >= i - left
-    p = torch.softmax(s.masked_fill(~ok, float("-inf")), -1).nan_to_num(0.0)  # empty rows -> 0
-    return torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
+    visible = causal_visible(q.shape[0], k.shape[0], left=left, right=0 if causal else right)
+    return dense_attention(q, k, v, visible, scale, softcap if softcap > 0 else None).to(q.dtype)
 
 
 def _pages(cache, table, n):
@@ -144,7 +128,7 @@ def test_stand_in_matches_dense_reference():
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(3, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
     for window in (None, 4):
-        ref = _dense_reference(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), 0.3, window, 20.0)
+        ref = dense_causal(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), 0.3, window, 20.0)
         got = _ref_attend(q, k, v, 0.3, True, window_size(window), 20.0)
         torch.testing.assert_close(got.transpose(0, 1), ref, atol=1e-5, rtol=1e-5)
 
@@ -236,7 +220,7 @@ def test_flash_backend_matches_dense(fake_flash, window, softcap, uniform):
     slots = [tables[i][p // bs] * bs + p % bs for i in range(b) for p in range(cached[i], ctx[i])]
     tq, lk = max(new), max(ctx)
     meta = AttentionMetadata(
-        kv_cache=_Cache(k_cache, v_cache),
+        kv_cache=FixedPages(k_cache, v_cache),
         slot_mapping=torch.tensor(slots),
         query_pos=torch.zeros(b, tq, dtype=torch.long),  # unused by this backend
         kv_slots=torch.zeros(b, lk, dtype=torch.long),
@@ -252,11 +236,11 @@ def test_flash_backend_matches_dense(fake_flash, window, softcap, uniform):
     query = torch.cat(qs, dim=1)[None]
     key = torch.cat([full_k[i][:, cached[i] :] for i in range(b)], dim=1)[None]
     value = torch.cat([full_v[i][:, cached[i] :] for i in range(b)], dim=1)[None]
-    out = flash_paged_attention(_Layer(), query, key, value, meta, scaling=0.37, sliding_window=window, softcap=softcap)
+    out = flash_paged_attention(OneLayer(), query, key, value, meta, scaling=0.37, sliding_window=window, softcap=softcap)
     assert out.shape == (1, sum(new), h, d)
     off = 0
     for i in range(b):
-        ref = _dense_reference(qs[i], full_k[i], full_v[i], 0.37, window, softcap)
+        ref = dense_causal(qs[i], full_k[i], full_v[i], 0.37, window, softcap)
         torch.testing.assert_close(out[0, off : off + new[i]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
         off += new[i]
 

@@ -1,5 +1,5 @@
 """The step layout (attention.metadata.StepLayout) the runner builds from scheduled chunks, written
-out by hand for a small step, and its CUDA-graph padding (engine.graphs.pad_layout) against it."""
+out by hand for a small step, and its CUDA-graph padding (cuda.graphs.pad_layout) against it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_plookup.attention.metadata import AttentionMetadata, StepLayout, step_tensors
-from hf_plookup.engine.graphs import context_bucket, pad_layout
+from hf_plookup.cuda.graphs import context_bucket, pad_layout
 from hf_plookup.engine.runner import ModelRunner
 from hf_plookup.engine.scheduler import ScheduledChunk
 

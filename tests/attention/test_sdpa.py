@@ -9,37 +9,7 @@ import torch.nn.functional as F
 
 from hf_plookup.attention.metadata import AttentionMetadata, attention_context, current_metadata
 from hf_plookup.attention.sdpa import sdpa_paged_attention
-
-
-class _Layer(torch.nn.Module):
-    layer_idx = 0
-
-
-class _Cache:
-    def __init__(self, k, v):
-        self.k, self.v = k, v
-
-    def layer(self, idx):
-        return self.k, self.v
-
-
-def _dense_reference(q, k, v, scale, window=None, softcap=None):
-    """q [H, Lq, D] (the last Lq positions of a context of Lk), k/v [H_kv, Lk, D]: plain math."""
-    h, lq, _ = q.shape
-    lk = k.shape[1]
-    groups = h // k.shape[0]
-    k = k.repeat_interleave(groups, 0)
-    v = v.repeat_interleave(groups, 0)
-    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    qpos = torch.arange(lk - lq, lk)[:, None]
-    kpos = torch.arange(lk)[None, :]
-    allowed = kpos <= qpos
-    if window:
-        allowed &= kpos > qpos - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return (torch.softmax(scores, -1) @ v.double()).float()
+from tests.conftest import FixedPages, OneLayer, dense_causal
 
 
 @pytest.mark.parametrize("window", [None, 5, 40])
@@ -88,7 +58,7 @@ def test_paged_matches_dense(window, softcap, layout):
     q_gather = torch.zeros(b * tq, dtype=torch.long)
     q_gather[q_scatter] = torch.arange(len(q_scatter))
     meta = AttentionMetadata(
-        kv_cache=_Cache(k_cache, v_cache),
+        kv_cache=FixedPages(k_cache, v_cache),
         slot_mapping=torch.tensor(slot_mapping),
         query_pos=torch.from_numpy(query_pos),
         kv_slots=torch.from_numpy(kv_slots),
@@ -100,11 +70,11 @@ def test_paged_matches_dense(window, softcap, layout):
     key = torch.cat([full_k[i][:, cached[i] :] for i in range(b)], dim=1)[None]
     value = torch.cat([full_v[i][:, cached[i] :] for i in range(b)], dim=1)[None]
     scale = 0.37
-    out = sdpa_paged_attention(_Layer(), query, key, value, meta, scaling=scale, sliding_window=window, softcap=softcap)
+    out = sdpa_paged_attention(OneLayer(), query, key, value, meta, scaling=scale, sliding_window=window, softcap=softcap)
     assert out.shape == (1, sum(new), h, d)
     off = 0
     for i in range(b):
-        ref = _dense_reference(qs[i], full_k[i], full_v[i], scale, window, softcap)  # [H, n, D]
+        ref = dense_causal(qs[i], full_k[i], full_v[i], scale, window, softcap)  # [H, n, D]
         got = out[0, off : off + new[i]].transpose(0, 1)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
         off += new[i]
@@ -118,7 +88,7 @@ def test_dense_sdpa_agrees_with_reference():
     """The reference itself against torch's SDPA (causal, no window) so it cannot drift."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(4, 9, 8, generator=g) for _ in range(3))
-    ref = _dense_reference(q, k, v, 8**-0.5)
+    ref = dense_causal(q, k, v, 8**-0.5)
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -18,8 +18,7 @@ if not torch.cuda.is_available():  # tests/conftest.py sets it before triton is 
 
 import hf_plookup  # noqa: E402
 from hf_plookup.attention.triton import paged_attention  # noqa: E402
-from tests.attention.test_sdpa import _dense_reference  # noqa: E402
-from tests.conftest import left_padded, tiny_model, wrap_copy  # noqa: E402
+from tests.conftest import dense_causal, left_padded, tiny_model, wrap_copy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -84,7 +83,7 @@ def test_kernel_matches_dense(case, window, softcap, splits):
     out = paged_attention(dev(q), dev(kc), dev(vc), dev(tables), dev(ctx), dev(cu), tq, 0.3, window, softcap,
                           num_splits=splits).cpu()
     for i in range(len(new)):
-        ref = _dense_reference(qs[i], full_k[i], full_v[i], 0.3, window, softcap)  # [H, n, D]
+        ref = dense_causal(qs[i], full_k[i], full_v[i], 0.3, window, softcap)  # [H, n, D]
         torch.testing.assert_close(out[cu[i] : cu[i + 1]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
 
 
@@ -98,7 +97,7 @@ def test_kernel_head_layouts_and_graph_padded_steps(h, h_kv, d, splits):
     out = paged_attention(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), tables.to(DEVICE), ctx.to(DEVICE),
                           cu.to(DEVICE), tq, d**-0.5, num_splits=splits).cpu()
     for i in range(len(new)):
-        ref = _dense_reference(qs[i], full_k[i], full_v[i], d**-0.5)
+        ref = dense_causal(qs[i], full_k[i], full_v[i], d**-0.5)
         torch.testing.assert_close(out[cu[i] : cu[i + 1]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
     assert torch.isfinite(out).all()
 
@@ -168,7 +167,7 @@ def test_kernel_query_block_sizes(max_query_block):
     out = paged_attention(dev(q), dev(kc), dev(vc), dev(tables), dev(ctx), dev(cu), tq, 0.3, 7, None,
                           max_query_block=max_query_block).cpu()
     for i in range(len(new)):
-        ref = _dense_reference(qs[i], full_k[i], full_v[i], 0.3, 7)
+        ref = dense_causal(qs[i], full_k[i], full_v[i], 0.3, 7)
         torch.testing.assert_close(out[cu[i] : cu[i + 1]].transpose(0, 1), ref, atol=2e-5, rtol=2e-5)
 
 
@@ -215,7 +214,7 @@ def test_trees_on_triton_backend_identical_to_hf(arch, batch, compiled, monkeypa
     """Candidate trees run on the Triton kernel (its tree mask), not as a chain: Gemma 2 for the
     sliding window and soft-capping, GPT-BigCode for MQA, and Llama through compiled
     static-buffer steps (the custom op, traced with aot_eager on CPU)."""
-    from hf_plookup.engine import graphs
+    from hf_plookup.cuda import graphs
 
     monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
     model = tiny_model(arch)

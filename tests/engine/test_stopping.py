@@ -9,8 +9,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from tests.conftest import wrap_copy
-from tests.test_hf_semantics import _copy_batch, _copy_model
+from tests.conftest import copy_batch, copy_model, wrap_copy
 
 NEW = 24
 
@@ -38,12 +37,12 @@ class PerRow(StoppingCriteria):
 
 @pytest.fixture(scope="module")
 def setup():
-    model = _copy_model()
+    model = copy_model()
     return model, wrap_copy(model, max_cache_tokens=8192, block_size=8)
 
 
 def _run_both(model, wrapped, batch, make, k, tree=None, **kw):
-    ids, mask, conts = _copy_batch(model, batch)
+    ids, mask, conts = copy_batch(model, batch)
     ref_crit, our_crit = make(conts), make(conts)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                          stopping_criteria=StoppingCriteriaList([ref_crit]), **kw)
@@ -122,7 +121,7 @@ def test_max_new_tokens_respected_by_rows_ahead(setup, eos):
     """Without EOS tokens HF keeps generating a stopped row until every row is stopped or at
     max_new_tokens: a row that stopped while others reached the limit is not cut."""
     model, wrapped = setup
-    ids, mask, conts = _copy_batch(model, 4)
+    ids, mask, conts = copy_batch(model, 4)
     extra = {} if eos == "default" else dict(eos_token_id=None, pad_token_id=0)
     crit = PerRow([conts[0][1], 99, 99, 99])  # row 0 stops at once; the others run ahead to the limit
     out = wrapped.generate(ids, attention_mask=mask, max_new_tokens=7, stopping_criteria=StoppingCriteriaList([crit]),

@@ -14,7 +14,7 @@ from pathlib import Path
 import transformers
 
 from eval.step_bench import step_macs
-from hf_plookup.engine import huge_pages
+from hf_plookup.cpu import huge_pages
 
 ROOT = Path(__file__).resolve().parents[2]
 

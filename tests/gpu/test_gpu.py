@@ -8,10 +8,8 @@ import torch
 
 import hf_plookup
 from hf_plookup.attention.flash import flash4_paged_attention, flash_paged_attention
-from hf_plookup.attention.metadata import AttentionMetadata
 from hf_plookup.attention.sdpa import sdpa_paged_attention
-from tests.attention.test_sdpa import _dense_reference, _Layer
-from tests.conftest import left_padded, tiny_model, wrap_copy
+from tests.conftest import OneLayer, dense_causal, left_padded, paged_step, tiny_model, wrap_copy
 
 from .conftest import HAS_CUDA
 
@@ -128,64 +126,6 @@ def test_flash_bf16_close_to_sdpa(backend, request):
     assert (a[:, width : width + 4] == b[:, width : width + 4]).all(dim=1).float().mean() >= 0.75
 
 
-def _paged_step(dtype, bs, uniform, device="cuda"):
-    """Random paged step on `device`: (meta, query, key, value, per-sequence dense tensors)."""
-    g = torch.Generator().manual_seed(0)
-    h, h_kv, d = 8, 2, 64
-    cached = [0, 7, 300, 22]
-    new = [3, 3, 3, 3] if uniform else [1, 5, 2, 9]
-    b = len(cached)
-    ctx = [c + n for c, n in zip(cached, new)]
-    num_blocks = sum(-(-t // bs) for t in ctx) + 3  # every context's pages, and a few spare to scatter among
-    k_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, bs, h_kv, d, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[perm.pop() for _ in range(-(-t // bs))] for t in ctx]
-    full_k = [torch.randn(h_kv, t, d, generator=g).to(dtype) for t in ctx]
-    full_v = [torch.randn(h_kv, t, d, generator=g).to(dtype) for t in ctx]
-    for i in range(b):
-        for p in range(cached[i]):
-            k_cache[tables[i][p // bs], p % bs] = full_k[i][:, p]
-            v_cache[tables[i][p // bs], p % bs] = full_v[i][:, p]
-    tq, lk = max(new), max(ctx)
-    width = max(len(t) for t in tables)
-    bt = torch.zeros(b, width, dtype=torch.int32)
-    kv_slots = torch.zeros(b, lk, dtype=torch.long)
-    query_pos = torch.full((b, tq), -1, dtype=torch.long)
-    slots, scatter = [], []
-    for i in range(b):
-        bt[i, : len(tables[i])] = torch.tensor(tables[i])
-        for p in range(ctx[i]):
-            kv_slots[i, p] = tables[i][p // bs] * bs + p % bs
-        for j in range(new[i]):
-            query_pos[i, j] = cached[i] + j
-            slots.append(int(kv_slots[i, cached[i] + j]))
-            scatter.append(i * tq + j)
-    scatter = torch.tensor(scatter)
-    gather = torch.zeros(b * tq, dtype=torch.long)
-    gather[scatter] = torch.arange(len(scatter))
-
-    class Cache:
-        def layer(self, idx):
-            return k_cache_d, v_cache_d
-
-    k_cache_d, v_cache_d = k_cache.to(device), v_cache.to(device)
-    i32 = dict(dtype=torch.int32, device=device)
-    meta = AttentionMetadata(
-        kv_cache=Cache(), slot_mapping=torch.tensor(slots, device=device), query_pos=query_pos.to(device),
-        kv_slots=kv_slots.to(device), context_lens=torch.tensor(ctx, device=device),
-        q_gather=None if uniform else gather.to(device), q_scatter=None if uniform else scatter.to(device),
-        cu_seqlens_q=torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], **i32),
-        cu_seqlens_k=torch.tensor([0, *torch.tensor(ctx).cumsum(0).tolist()], **i32),
-        cache_seqlens=torch.tensor(ctx, **i32), block_tables=bt.to(device),
-    )
-    qs = [torch.randn(h, n, d, generator=g).to(dtype) for n in new]
-    query = torch.cat(qs, dim=1)[None].to(device)
-    key = torch.cat([full_k[i][:, cached[i] :] for i in range(b)], dim=1)[None].to(device)
-    value = torch.cat([full_v[i][:, cached[i] :] for i in range(b)], dim=1)[None].to(device)
-    return meta, query, key, value, qs, full_k, full_v, new
-
-
 PAGED = {"sdpa": (sdpa_paged_attention, torch.float32, 16, 2e-5, None),
          "flash_attn": (flash_paged_attention, torch.bfloat16, 256, 2e-2, "needs_flash"),
          "flash_attn4": (flash4_paged_attention, torch.bfloat16, 128, 2e-2, "needs_flash4")}
@@ -199,12 +139,12 @@ def test_paged_backends_match_dense_on_gpu(backend, uniform, window, softcap, re
     fn, dtype, bs, tol, fixture = PAGED[backend]
     if fixture:
         request.getfixturevalue(fixture)
-    meta, query, key, value, qs, full_k, full_v, new = _paged_step(dtype, bs, uniform)
+    meta, query, key, value, qs, full_k, full_v, new = paged_step(dtype, bs, uniform)
     meta.backend = backend
-    out = fn(_Layer(), query, key, value, meta, scaling=0.125, sliding_window=window, softcap=softcap)
+    out = fn(OneLayer(), query, key, value, meta, scaling=0.125, sliding_window=window, softcap=softcap)
     off = 0
     for i, n in enumerate(new):
-        ref = _dense_reference(qs[i].float(), full_k[i].float(), full_v[i].float(), 0.125, window, softcap)
+        ref = dense_causal(qs[i].float(), full_k[i].float(), full_v[i].float(), 0.125, window, softcap)
         torch.testing.assert_close(out[0, off : off + n].transpose(0, 1).float().cpu(), ref, atol=tol, rtol=tol)
         off += n
 

@@ -18,7 +18,7 @@ CUDA (tests/gpu).
 `compiled=True` runs that forward through `torch.compile(fullgraph=True, dynamic=False)`
 (inductor), the attention as the custom op of attention.ops, the metadata found through
 `metadata.compiled_step_context`. Captured steps compile one decoder layer per bucket and run
-every layer through it (engine.regional); uncaptured ones compile the whole forward per bucket,
+every layer through it (cuda.regional); uncaptured ones compile the whole forward per bucket,
 as they would otherwise run dynamo's guard checks once per layer and step and lose frozen
 weights (docs/results.md, "Compile time"). On CUDA the compiled forward is then captured like
 the eager one (compile first, in the warm-up, then capture its kernels), so a replay launches
@@ -26,15 +26,16 @@ inductor's fused kernels from one graph. The seconds spent in first calls of new
 up in `compile_seconds` (compile plus warm-up) and `capture_seconds` (the capture; with an eager
 forward, its warm-up too).
 
-`invariant` (an engine.invariant.InvariantLinears): every step runs in invariant mode on its
+`invariant` (an cpu.invariant_linears.InvariantLinears): every step runs in invariant mode on its
 padded layout; the mode's linears and attention are custom ops, opaque to the compiler. Which
-backends' invariant form a graph can capture: engine.invariant.CAPTURED_INVARIANT_BACKENDS.
+backends' invariant form a graph can capture: cpu.invariant_linears.CAPTURED_INVARIANT_BACKENDS.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,10 +44,12 @@ import torch
 from ..attention.metadata import AttentionMetadata, StepLayout, attention_context, compiled_step_context, step_tensors
 from ..attention.probe import input_device
 from ..attention.registry import engine_attention
-from .cpu_head import fast_head, head_chooser
-from .invariant import check_capturable
-from .kv_cache import PagedKVCache
+from ..cpu.head import fast_head, head_chooser
+from ..cpu.invariant_linears import check_capturable
 from .regional import RegionalLayers, decoder_layers
+
+if TYPE_CHECKING:
+    from ..engine.kv_cache import PagedKVCache
 
 
 def _import_mkldnn_quietly() -> None:
@@ -163,12 +166,12 @@ class GraphRunner:
         self.compiled = compiled
         self.compile_seconds = 0.0  # first calls of new buckets (compile + warm-up) when compiled
         self.capture_seconds = 0.0  # graph captures of new buckets (with the eager warm-up when not compiled)
-        # what is compiled: one decoder layer serving all layers (engine.regional) where steps are
+        # what is compiled: one decoder layer serving all layers (cuda.regional) where steps are
         # captured (`regional=None`: iff `capture`), as a replay never runs the 30-odd compiled calls'
         # guards again; else the whole forward, one compiled call per step (and, on CPU, frozen weights)
         self._compiled_forward = None  # the whole forward compiled
-        self._regional = None  # engine.regional: one compiled decoder layer for all layers
-        self.invariant = invariant  # an engine.invariant.InvariantLinears: every step in invariant mode
+        self._regional = None  # cuda.regional: one compiled decoder layer for all layers
+        self.invariant = invariant  # an cpu.invariant_linears.InvariantLinears: every step in invariant mode
         if invariant is not None and capture:
             check_capturable(backend)
         # CPU: the LM head's faster layout (not in invariant mode: the linears are its own)
@@ -235,7 +238,7 @@ class GraphRunner:
             with engine_attention(self.model), compiled_step_context(g.meta), mode, self._regional.active():
                 return self._logits(ids, pos)
         layers = self.invariant.layers if self.invariant is not None else None
-        if layers is not None and layers.takes(g.layout):  # eager invariant steps in C (engine.cpu_layers)
+        if layers is not None and layers.takes(g.layout):  # eager invariant steps in C (cpu.layers)
             return layers.run(g.layout, ids, pos, torch.arange(len(ids)), self.cache, lambda: self._eager(g, mode))
         return self._eager(g, mode)
 

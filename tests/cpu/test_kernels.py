@@ -1,4 +1,4 @@
-"""engine.cpu_kernels against float64 references, and their invariance as properties: a row's (a
+"""cpu.kernels against float64 references, and their invariance as properties: a row's (a
 query's) bits never depend on the row count, its place in the call, the other rows or the
 thread count."""
 
@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_plookup.engine import cpu_kernels as ck
+from hf_plookup.cpu import kernels as ck
+from tests.conftest import dense_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (tests/test_imports.py fails where the package was installed without them)
@@ -126,7 +127,7 @@ def test_packed_copy_follows_the_weight():
 def test_pack_linears_packs_each_weight_once():
     """`pack_linears` packs a model's linear weights ahead (one mapping on 2 MB pages where the
     kernel offers them), tied weights once, and `linear` then reads those copies."""
-    from hf_plookup.engine import huge_pages
+    from hf_plookup.cpu import huge_pages
 
     model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.ReLU(), torch.nn.Linear(24, 40, bias=False))
     model.append(torch.nn.Linear(24, 40, bias=False))
@@ -184,20 +185,16 @@ def test_rms_norm_rejects_what_does_not_fit():
 
 
 def _dense_reference(q, kc, vc, kv_slots, seq, lo, hi, xoff, extra, scale, softcap):
-    """Each token's attention in float64 over exactly its keys."""
+    """Each token's attention in float64 over exactly its keys (tests.conftest.dense_attention)."""
     t, h, d = q.shape
     h_kv, dv = kc.shape[-2], vc.shape[-1]
     out = torch.empty(t, h, dv, dtype=torch.float64)
-    kf, vf = kc.reshape(-1, h_kv, d).double(), vc.reshape(-1, h_kv, dv).double()
+    kf, vf = kc.reshape(-1, h_kv, d), vc.reshape(-1, h_kv, dv)
     for i in range(t):
         cpos = np.concatenate([np.arange(lo[i], hi[i]), extra[xoff[i] : xoff[i + 1]]])
         slots = torch.from_numpy(kv_slots[seq[i], cpos])
-        k = kf[slots].repeat_interleave(h // h_kv, 1)  # [L, H, D]
-        v = vf[slots].repeat_interleave(h // h_kv, 1)
-        s = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        out[i] = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+        every = torch.ones(1, len(slots), dtype=torch.bool)
+        out[i] = dense_attention(q[i : i + 1], kf[slots], vf[slots], every, scale, softcap)[0]
     return out
 
 

@@ -24,7 +24,7 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
   flushed to 0): a fixed order too, but bf16 attention's bits then depend on whether the CPU has
   the instruction; the rest of attention is unchanged.
 
-`engine.cpu_layers` runs whole decoder layers of decode steps from these kernels (`layer_attention`,
+`cpu.layers` runs whole decoder layers of decode steps from these kernels (`layer_attention`,
 `layer_mlp` in the same C file).
 
 Threads: the kernels split their work over `torch.get_num_threads()` threads of a small pool
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 try:
     from .. import _cpu_kernels as _ext
-except ImportError:  # built without a C compiler: the callers fall back (engine.invariant.row_strategy)
+except ImportError:  # built without a C compiler: the callers fall back (cpu.invariant_linears.row_strategy)
     _ext = None
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -138,7 +138,7 @@ def set_simd_level(level: int) -> int:
 def torch_bf16_is_native() -> bool:
     """Whether this CPU has bf16 dot-product instructions (x86 AVX-512 BF16 or AMX), which torch's
     bf16 GEMM (oneDNN) uses: then it beats `linear` on long prompt chunks, where arithmetic, not
-    memory, bounds the call (engine.invariant._group_call). Read from /proc/cpuinfo; False where
+    memory, bounds the call (cpu.invariant_linears._group_call). Read from /proc/cpuinfo; False where
     that cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -226,7 +226,7 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Pack every weight of `model`'s plain `nn.Linear` layers that `linear` takes, at once, into one
-    mapping on 2 MB pages (engine.huge_pages: the kernels stream them faster from there), ahead of the
+    mapping on 2 MB pages (cpu.huge_pages: the kernels stream them faster from there), ahead of the
     first step; returns how many it packed. Weights packed already stay as they are."""
     from .huge_pages import aligned, huge_buffer
 

@@ -14,10 +14,10 @@ import torch
 import hf_plookup
 from hf_plookup import embedded
 from hf_plookup.attention.invariant import build_layout
-from hf_plookup.engine.invariant import PROBE_ROWS, invariant_rows, resolve_invariant, row_strategy
-from hf_plookup.engine import cpu_kernels
-from hf_plookup.engine import invariant as invariant_mod
-from tests.conftest import ARCHS, PAD, POSITIONS_FROM_CACHE, tiny_model, wrap_copy
+from hf_plookup.cpu.invariant_linears import PROBE_ROWS, invariant_rows, resolve_invariant, row_strategy
+from hf_plookup.cpu import kernels as cpu_kernels
+from hf_plookup.cpu import invariant_linears as invariant_mod
+from tests.conftest import ARCHS, PAD, POSITIONS_FROM_CACHE, greedy_logits, left_pad, repeat_prompts, tiny_model, wrap_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "eval" / "data" / "builtin.jsonl"
@@ -27,38 +27,12 @@ BF16_ARCHS = ["llama", "gemma3_text", "qwen3", "gpt_neox", "mistral", "gemma2"]
 CASES = [(a, torch.float32) for a in ARCHS if a not in NOT_COVERED] + [(a, torch.bfloat16) for a in BF16_ARCHS]
 
 
-def _generate(model, ids, mask, new, **kw):
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
-                         return_dict_in_generate=True, output_logits=True, **kw)
-    return torch.stack(out.logits, 1), model.last_stats  # [B, new, V]
-
-
-def _prompts(n_rows: int, seed: int = 1) -> list[torch.Tensor]:
-    """Repetitive prompts of different lengths (drafts find matches in them)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(n_rows):
-        base = torch.randint(3, 96, (5 + i,), generator=g)
-        rows.append(torch.cat([base, base, base[:3]]))
-    return rows
-
-
-def _left_pad(rows: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
 def _drafts_change_no_logit(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
     """Greedy logits of `ids` with chains and with trees equal to without, bit for bit. Returns
     the plain greedy logits [B, new, V]."""
-    plain, st = _generate(model, ids, mask, new)
-    chain, st_chain = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4)
-    tree, st_tree = _generate(model, ids, mask, new, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
+    plain, st = greedy_logits(model, ids, mask, new)
+    chain, st_chain = greedy_logits(model, ids, mask, new, prompt_lookup_num_tokens=4)
+    tree, st_tree = greedy_logits(model, ids, mask, new, prompt_lookup_num_tokens=4, prompt_lookup_tree_nodes=8)
     assert st.invariant and st_chain.drafted > 0 and st_tree.drafter == "ngram-tree" and st_tree.drafted > 0
     assert torch.equal(chain, plain), "a verify step's rows differ from 1-token steps"
     assert torch.equal(tree, plain), "a tree step's rows differ from 1-token steps"
@@ -69,8 +43,8 @@ def _drafts_change_no_logit(model, ids: torch.Tensor, mask: torch.Tensor, new: i
 def test_drafts_and_batch_change_no_logit(arch, dtype):
     hf = tiny_model(arch).to(dtype)
     model = wrap_copy(hf, invariant=True, max_batch_tokens=16)
-    rows = _prompts(4)
-    ids, mask = _left_pad(rows)
+    rows = repeat_prompts(4)
+    ids, mask = left_pad(rows)
     new = 20
     plain = _drafts_change_no_logit(model, ids, mask, new)
     if dtype == torch.float32:  # fp32: the mode's greedy tokens are HF's
@@ -79,7 +53,7 @@ def test_drafts_and_batch_change_no_logit(arch, dtype):
         assert torch.equal(plain.argmax(-1), torch.stack(ref.logits, 1).argmax(-1))
     for i in (0, 3) if arch not in POSITIONS_FROM_CACHE else ():  # each row alone against the same row in the batch
         r = rows[i][None]
-        alone, _ = _generate(model, r, torch.ones_like(r), new, prompt_lookup_num_tokens=4)
+        alone, _ = greedy_logits(model, r, torch.ones_like(r), new, prompt_lookup_num_tokens=4)
         n = alone.shape[1]
         assert torch.equal(alone[0], plain[i, :n]), f"row {i} alone differs from the batch"
 
@@ -92,17 +66,17 @@ def test_decode_steps_run_torch_on_one_thread():
     hf = tiny_model("llama")
     model = wrap_copy(hf, invariant=True)
     seen = []
-    # (the activation: decode steps run it between engine.cpu_layers' C calls, prompt steps in the MLP)
+    # (the activation: decode steps run it between cpu.layers' C calls, prompt steps in the MLP)
     hook = hf.model.layers[0].mlp.act_fn.register_forward_pre_hook(
         lambda m, a: seen.append((a[0].numel() // a[0].shape[-1], torch.get_num_threads(), cpu_kernels.threads())))
-    ids, mask = _left_pad(_prompts(3))
+    ids, mask = left_pad(repeat_prompts(3))
     prev = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        logits, _ = _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+        logits, _ = greedy_logits(model, ids, mask, 8, prompt_lookup_num_tokens=4)
         assert torch.get_num_threads() == 2
         torch.set_num_threads(1)
-        single, _ = _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+        single, _ = greedy_logits(model, ids, mask, 8, prompt_lookup_num_tokens=4)
     finally:
         torch.set_num_threads(prev)
         hook.remove()
@@ -121,10 +95,10 @@ def test_long_prompt_chunks_change_no_logit(dtype):
     model = wrap_copy(tiny_model("llama").to(dtype), invariant=True, max_batch_tokens=128)
     g = torch.Generator().manual_seed(5)
     rows = [torch.randint(3, 96, (n,), generator=g).repeat(3)[: 3 * n - 7] for n in (45, 38, 31)]  # 128, 107, 86 tokens
-    ids, mask = _left_pad(rows)
+    ids, mask = left_pad(rows)
     plain = _drafts_change_no_logit(model, ids, mask, 12)
     r = rows[1][None]
-    alone, _ = _generate(model, r, torch.ones_like(r), 12, prompt_lookup_num_tokens=4)
+    alone, _ = greedy_logits(model, r, torch.ones_like(r), 12, prompt_lookup_num_tokens=4)
     assert torch.equal(alone[0], plain[1, : alone.shape[1]])
 
 
@@ -132,16 +106,16 @@ def test_long_prompt_chunks_change_no_logit(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_drafted_greedy_equals_hf_batch1_greedy(arch, dtype):
     """Where the linears keep torch's 1-row arithmetic ("plain" or "rows") and attention runs
-    SDPA (no engine.cpu_kernels), a 1-token step is HF's batch-1 decode arithmetic (1-row
+    SDPA (no cpu.kernels), a 1-token step is HF's batch-1 decode arithmetic (1-row
     linears, one SDPA call over the contiguous keys) and a one-chunk prefill is HF's prefill, so
     with drafts every logit equals HF greedy's bit for bit (layers without a sliding window; HF's
     sliding-window decode attends over a longer masked cache). Where the engine's own kernels run
-    (engine.cpu_kernels, engine.row_linear), the logits differ by rounding only (in bf16 a few of
+    (cpu.kernels, cpu.row_linear), the logits differ by rounding only (in bf16 a few of
     its ulps, after 20 tokens through the layers): fp32 tokens are HF's, and bf16 tokens are HF's
     up to a near-tie, where HF's own bf16 kernels (their rounding differs between CPUs: on one
     with AVX-512 BF16 they use its dot products) may pick the other token."""
     model = tiny_model(arch).to(dtype)
-    ids = _prompts(1)[0][None]
+    ids = repeat_prompts(1)[0][None]
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=PAD,
               return_dict_in_generate=True, output_logits=True)
     ref = model.generate(**kw)
@@ -168,15 +142,15 @@ def test_drafted_greedy_equals_hf_batch1_greedy(arch, dtype):
 def test_padded_drafts_change_no_logit():
     """pad_drafts: every row feeds k + 1 tokens (missing drafts padded, as compiled steps do)."""
     model = hf_plookup.wrap(tiny_model("gemma3_text"), invariant=True, pad_drafts=True, max_batch_tokens=16)
-    _drafts_change_no_logit(model, *_left_pad(_prompts(4)), 16)
+    _drafts_change_no_logit(model, *left_pad(repeat_prompts(4)), 16)
 
 
 def test_without_invariant_mode_fp32_verify_rows_differ():
     """What the mode fixes: fp32 GEMMs of k+1 rows round unlike 1-row ones on CPU."""
     model = hf_plookup.wrap(tiny_model("gemma3_text"), invariant=False, max_batch_tokens=16)
-    ids, mask = _left_pad(_prompts(4))
-    plain, st = _generate(model, ids, mask, 12)
-    chain, _ = _generate(model, ids, mask, 12, prompt_lookup_num_tokens=4)
+    ids, mask = left_pad(repeat_prompts(4))
+    plain, st = greedy_logits(model, ids, mask, 12)
+    chain, _ = greedy_logits(model, ids, mask, 12, prompt_lookup_num_tokens=4)
     assert not st.invariant
     assert not torch.equal(chain, plain)
     torch.testing.assert_close(chain, plain)  # only rounding apart
@@ -200,9 +174,9 @@ def test_invariant_rows_equal_one_row_calls(dtype):
 
 
 def test_row_linear_rows_do_not_depend_on_the_call():
-    """engine.row_linear against a float64 reference, and each row bitwise the same alone, among
+    """cpu.row_linear against a float64 reference, and each row bitwise the same alone, among
     other rows at any position, with any row count and thread count."""
-    from hf_plookup.engine.row_linear import row_linear
+    from hf_plookup.cpu.row_linear import row_linear
 
     g = torch.Generator().manual_seed(3)
     for n_out, k in ((48, 40), (67, 129), (200, 576)):
@@ -328,7 +302,7 @@ def test_smollm2_bf16_drafts_and_batch_equal_plain_greedy():
     # a left-padded batch of 4 (shortened documents, different lengths) against each prompt alone
     rows = _chat(tok, [d[: 200 + 50 * i] for i, d in enumerate(docs)])
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids, mask = _left_pad(rows, pad)
+    ids, mask = left_pad(rows, pad)
     new = 16
     batch = gen(ids, mask, prompt_lookup_num_tokens=4, pad_token_id=pad)
     for i, r in enumerate(rows):
@@ -343,15 +317,15 @@ def test_smollm2_bf16_drafts_and_batch_equal_plain_greedy():
 def test_cuda_bf16_drafts_change_no_logit(arch, backend, compiled):
     """CUDA, bf16: eager steps on sdpa (its per-query form; graphs off), and on Triton captured
     in CUDA graphs, eager or inductor-compiled (the Triton attention's invariant form,
-    engine.triton_linear for the linears cuBLAS's rows fail the check on)."""
+    cuda.triton_linear for the linears cuBLAS's rows fail the check on)."""
     model = hf_plookup.wrap(tiny_model(arch).to("cuda", torch.bfloat16), invariant=True, max_batch_tokens=16,
                             attn_backend=backend, compile=compiled, max_cache_tokens=4096)
     try:
-        ids, mask = _left_pad(_prompts(4))
+        ids, mask = left_pad(repeat_prompts(4))
         ids, mask = ids.cuda(), mask.cuda()
         plain = _drafts_change_no_logit(model, ids, mask, 20)
         r = ids[3:4]  # the longest prompt: no padding
-        alone, _ = _generate(model, r, torch.ones_like(r), 20, prompt_lookup_num_tokens=4)
+        alone, _ = greedy_logits(model, r, torch.ones_like(r), 20, prompt_lookup_num_tokens=4)
         assert torch.equal(alone[0], plain[3, : alone.shape[1]])
         graphs = model._engine._graphs
         assert (graphs is not None and graphs.num_replays > 0) == (backend == "triton")
@@ -365,11 +339,11 @@ def test_seeded_sampling_same_tokens_whatever_the_batch_and_drafts(arch, dtype):
     (drafting.verify), so with invariant logits a seeded row samples the same tokens alone, in a
     batch beside other prompts, with or without drafts, chains or trees."""
     model = wrap_copy(tiny_model(arch).to(dtype), invariant=True, max_batch_tokens=16)
-    rows = _prompts(4, seed=7)
+    rows = repeat_prompts(4, seed=7)
     kw = dict(max_new_tokens=24, do_sample=True, temperature=1.3, top_k=40, pad_token_id=PAD, eos_token_id=None)
 
     def sample(rows, seed=11, **more):
-        ids, mask = _left_pad(rows)
+        ids, mask = left_pad(rows)
         torch.manual_seed(seed)
         out = model.generate(input_ids=ids, attention_mask=mask, **kw, **more)
         assert model.last_stats.invariant and not model.last_stats.delegated
@@ -415,7 +389,7 @@ def test_compiled_steps_change_no_logit(arch, dtype):
     arithmetic whatever the bucket."""
     model = wrap_copy(tiny_model(arch).to(dtype), invariant=True, compile=True, max_batch_tokens=16, max_cache_tokens=1024)
     try:
-        _drafts_change_no_logit(model, *_left_pad(_prompts(4)), 8)
+        _drafts_change_no_logit(model, *left_pad(repeat_prompts(4)), 8)
         graphs = model._engine._graphs
         assert graphs.compiled and graphs.num_replays > 0 and {k[0] for k in graphs.graphs} == {1, 5, 9}
     finally:
@@ -432,18 +406,18 @@ def test_triton_backend_drafts_change_no_logit():
         pytest.skip("the interpreter's test: on CUDA, test_cuda_bf16_drafts_change_no_logit runs this backend")
     model = wrap_copy(tiny_model("llama"), invariant=True, attn_backend="triton", max_batch_tokens=16, block_size=16,
                       max_cache_tokens=1024)
-    _drafts_change_no_logit(model, *_left_pad(_prompts(4)), 6)
+    _drafts_change_no_logit(model, *left_pad(repeat_prompts(4)), 6)
     assert model.last_stats.attn_backend == "triton"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_row_linear_rows_do_not_depend_on_the_call(dtype):
-    """engine.triton_linear (the CUDA linear of invariant mode; the interpreter here) against a
+    """cuda.triton_linear (the CUDA linear of invariant mode; the interpreter here) against a
     float64 reference, each row bitwise the same alone, at any position and row count (more
     than one row block), with and without bias, K and N off its tile sizes."""
     if importlib.util.find_spec("triton") is None:  # pragma: no cover
         pytest.skip("triton is not installed")
-    from hf_plookup.engine.triton_linear import row_linear
+    from hf_plookup.cuda.triton_linear import row_linear
 
     g = torch.Generator().manual_seed(5)
     for n_out, k, bias in ((48, 40, True), (67, 129, False)):
@@ -522,15 +496,15 @@ def test_units_per_step_change_no_logit(dtype):
     hf = tiny_model("llama").to(dtype)
     g = torch.Generator().manual_seed(7)
     rows = [torch.randint(3, 96, (n,), generator=g).repeat(4)[: 4 * n - 5] for n in (90, 70, 40)]  # 355, 275, 155 tokens
-    ids, mask = _left_pad(rows)
+    ids, mask = left_pad(rows)
     wide = wrap_copy(hf, invariant=True, max_batch_tokens=1024)
     narrow = wrap_copy(hf, invariant=True, max_batch_tokens=128)
-    plain, st = _generate(wide, ids, mask, 10)
-    assert st.invariant and st.forwards < _generate(narrow, ids, mask, 10)[1].forwards
-    assert torch.equal(_generate(narrow, ids, mask, 10)[0], plain)
-    assert torch.equal(_generate(wide, ids, mask, 10, prompt_lookup_num_tokens=4)[0], plain)
+    plain, st = greedy_logits(wide, ids, mask, 10)
+    assert st.invariant and st.forwards < greedy_logits(narrow, ids, mask, 10)[1].forwards
+    assert torch.equal(greedy_logits(narrow, ids, mask, 10)[0], plain)
+    assert torch.equal(greedy_logits(wide, ids, mask, 10, prompt_lookup_num_tokens=4)[0], plain)
     r = rows[0][None]
-    alone, _ = _generate(wide, r, torch.ones_like(r), 10)
+    alone, _ = greedy_logits(wide, r, torch.ones_like(r), 10)
     assert torch.equal(alone[0], plain[0, : alone.shape[1]])  # (alone, it stops at its EOS)
     if dtype == torch.float32:
         ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD)

@@ -1,4 +1,4 @@
-"""engine.huge_pages: a CPU model's parameters copied onto memory advised for 2 MB pages keep their
+"""cpu.huge_pages: a CPU model's parameters copied onto memory advised for 2 MB pages keep their
 values, aliasing and strides, save and load as before, and generate the same tokens."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_plookup.api import _state
-from hf_plookup.engine import cpu_kernels, huge_pages
+from hf_plookup.cpu import huge_pages, kernels as cpu_kernels
 from tests.conftest import left_padded, tiny_model, wrap_copy
 
 

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..attention.metadata import set_compiled_layer_kv
-from .kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from ..engine.kv_cache import PagedKVCache
 
 
 def decoder_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:

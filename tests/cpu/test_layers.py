@@ -1,4 +1,4 @@
-"""engine.cpu_layers: decode steps of Llama-form models in C give bitwise the logits of the same
+"""cpu.layers: decode steps of Llama-form models in C give bitwise the logits of the same
 steps through HF's modules (invariant mode), and the first decode step's check keeps the modules
 wherever they differ."""
 
@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from hf_plookup.api import _state
-from hf_plookup.engine import cpu_kernels
-from hf_plookup.engine.cpu_layers import llama_form
-from tests.conftest import PAD, tiny_model, wrap_copy
-from tests.engine.test_invariant import _generate, _left_pad, _prompts
+from hf_plookup.cpu import kernels as cpu_kernels
+from hf_plookup.cpu.layers import llama_form
+from tests.conftest import PAD, greedy_logits, left_pad, repeat_prompts, tiny_model, wrap_copy
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
 
@@ -24,11 +23,11 @@ def _layers(model):
 
 def _both(hf, **gen):
     """Greedy logits [B, new, V] of the engine with its C layers and without (the modules)."""
-    ids, mask = _left_pad(_prompts(3))
+    ids, mask = left_pad(repeat_prompts(3))
     fast, plain = wrap_copy(hf, invariant=True), wrap_copy(hf, invariant=True)
     _state(plain).engine.invariant.layers = None
-    got, _ = _generate(fast, ids, mask, 16, **gen)
-    want, _ = _generate(plain, ids, mask, 16, **gen)
+    got, _ = greedy_logits(fast, ids, mask, 16, **gen)
+    want, _ = greedy_logits(plain, ids, mask, 16, **gen)
     return got, want, _layers(fast)
 
 
@@ -70,14 +69,14 @@ def test_swapped_weights_are_read_again():
     hf = tiny_model("llama")
     fast, plain = wrap_copy(hf, invariant=True), wrap_copy(hf, invariant=True)
     _state(plain).engine.invariant.layers = None
-    ids, mask = _left_pad(_prompts(2))
-    before, _ = _generate(fast, ids, mask, 8, prompt_lookup_num_tokens=4)
+    ids, mask = left_pad(repeat_prompts(2))
+    before, _ = greedy_logits(fast, ids, mask, 8, prompt_lookup_num_tokens=4)
     g = torch.Generator().manual_seed(3)
     down = hf.model.layers[1].mlp.down_proj
     down.weight.data = torch.randn(down.weight.shape, generator=g) * 0.2
     hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.detach().flip(0).clone())
-    got, _ = _generate(fast, ids, mask, 8, prompt_lookup_num_tokens=4)
-    want, _ = _generate(plain, ids, mask, 8, prompt_lookup_num_tokens=4)
+    got, _ = greedy_logits(fast, ids, mask, 8, prompt_lookup_num_tokens=4)
+    want, _ = greedy_logits(plain, ids, mask, 8, prompt_lookup_num_tokens=4)
     assert _layers(fast).on and not torch.equal(got, before)
     assert torch.equal(got, want)
 
@@ -87,15 +86,15 @@ def test_hooked_modules_run_their_forwards():
     without hf_plookup: such steps run the modules. Removing the hook brings the C path back."""
     hf = tiny_model("llama")
     model = wrap_copy(hf, invariant=True)
-    ids, mask = _left_pad(_prompts(2))
+    ids, mask = left_pad(repeat_prompts(2))
     seen = []
     handle = hf.model.layers[1].register_forward_hook(lambda m, a, out: seen.append(a[0].shape[1]))
     try:
-        _, stats = _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+        _, stats = greedy_logits(model, ids, mask, 8, prompt_lookup_num_tokens=4)
     finally:
         handle.remove()
     assert len(seen) == stats.forwards and not _layers(model).checked
-    _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+    greedy_logits(model, ids, mask, 8, prompt_lookup_num_tokens=4)
     assert _layers(model).on
 
 
@@ -112,9 +111,9 @@ def test_wrapped_forwards_run():
         return type(layer).forward(layer, *args, **kwargs)
 
     layer.forward = forward
-    ids, mask = _left_pad(_prompts(2))
+    ids, mask = left_pad(repeat_prompts(2))
     try:
-        _, stats = _generate(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+        _, stats = greedy_logits(model, ids, mask, 8, prompt_lookup_num_tokens=4)
     finally:
         del layer.forward
     assert len(calls) == stats.forwards and not _layers(model).checked

@@ -36,8 +36,8 @@ from torch.nn.modules import module as _hooks
 
 from ..attention.invariant import build_layout
 from ..attention.registry import record_attention
-from . import cpu_kernels
-from .cpu_kernels import rms_eps, rms_form
+from . import kernels as cpu_kernels
+from .kernels import rms_eps, rms_form
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -243,7 +243,7 @@ class CpuLayers:
             structs.append(s)
             windows.append(rec["window"])
         # the structs point into these tensors (and the packed weights): held, their memory outlives a
-        # parameter's `.data` being swapped by another thread (engine.huge_pages), or a weight repacked,
+        # parameter's `.data` being swapped by another thread (cpu.huge_pages), or a weight repacked,
         # until the next step rebuilds the structs
         self._plan_key, self._structs, self._windows, self._held = key, structs, windows, tensors
         return structs, windows

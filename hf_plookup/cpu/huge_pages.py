@@ -1,6 +1,6 @@
 """A CPU model's weights on 2 MB pages (Linux transparent huge pages).
 
-A CPU decode step streams every weight from memory once (`engine.cpu_kernels`). On 4 KB pages
+A CPU decode step streams every weight from memory once (`cpu.kernels`). On 4 KB pages
 each 4 KB of that stream needs a TLB entry of its own, and the hardware prefetchers stop at every
 page's end. On 2 MB pages two threads read a weight stream in 11-20% less time, and SmolLM2's
 1-token step takes 4-8% less (docs/results.md, ninth session).

@@ -7,7 +7,7 @@ Pieces (the user's model outside `generate` is untouched: everything is switched
 engine forward and restored after):
 
 - **attention**: on sdpa, `attention.invariant` (on CPU the decode queries through
-  `engine.cpu_kernels.attend`, elsewhere one SDPA call per decode query over exactly its keys;
+  `cpu.kernels.attend`, elsewhere one SDPA call per decode query over exactly its keys;
   prompt chunks per sequence, cut at fixed offsets by the scheduler); on Triton, the
   kernel's invariant form (`attention.triton.paged_attention(invariant=True)`: query blocks
   and key splits of fixed sizes).
@@ -15,11 +15,11 @@ engine forward and restored after):
   through the op `hf_plookup::invariant_linear`, which computes each decode row exactly as it
   would be alone. How is decided once per weight shape, dtype, device and thread count by a
   check on this machine (`row_strategy`: rows of 2..PROBE_ROWS-row calls bitwise equal to 1-row
-  calls on random inputs), the first that passes of: `"cpu"` (engine.cpu_kernels, fp32/bf16 on
+  calls on random inputs), the first that passes of: `"cpu"` (cpu.kernels, fp32/bf16 on
   CPU: row-invariant by construction and faster than torch's call at every decode row count),
   `"plain"` (torch's batched call, in pieces of at most `PROBE_ROWS` rows), `"numba"`
-  (engine.row_linear, fp32 on CPU where the C kernels were not built), `"triton"`
-  (engine.triton_linear, CUDA); else `"rows"` (one 1-row call per row: equal by construction).
+  (cpu.row_linear, fp32 on CPU where the C kernels were not built), `"triton"`
+  (cuda.triton_linear, CUDA); else `"rows"` (one 1-row call per row: equal by construction).
   A prompt chunk's rows need only be the same in every batch, not equal to 1-row calls: the
   "cpu" kernel for bf16 and for fp32 chunks of up to PREFILL_TORCH_ROWS rows (without it, such
   chunks take the weight's decode strategy: a short call's rows change with its row count, and
@@ -29,10 +29,10 @@ engine forward and restored after):
 - **RMSNorm modules** on CPU whose arithmetic `cpu_kernels.rms_norm` reproduces (`rms_form`
   checks each on random rows): one C call per norm instead of HF's half-dozen torch ops.
 - **everything else** (embeddings, other norms, RoPE, activations, residuals, the KV write) is
-  per-row elementwise work or per-row reductions; tests/engine/test_invariant.py checks the whole
+  per-row elementwise work or per-row reductions; tests/cpu/test_invariant_linears.py checks the whole
   forward bitwise on the tiny architectures.
 
-Compiled and CUDA-graph steps (engine.graphs) run in the mode too: the linears and the
+Compiled and CUDA-graph steps (cuda.graphs) run in the mode too: the linears and the
 attention are opaque ops there, and the layout of the step padded to its bucket is made
 current around the forward. Inductor fuses the rest; on CPU its kernels keep a row's
 arithmetic whatever the bucket (tested). CUDA graphs capture only the backends of
@@ -51,12 +51,12 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.invariant import build_layout, current_layout, invariant_layout
-from . import cpu_kernels, row_linear
-from .cpu_kernels import rms_eps, rms_form
-from .cpu_layers import CpuLayers
+from . import kernels as cpu_kernels, row_linear
+from .kernels import rms_eps, rms_form
+from .layers import CpuLayers
 
 # Where invariant="auto" turns the mode on, by (device type, dtype). On CPU the mode runs decode
-# and verify steps through engine.cpu_kernels, which are faster than torch's kernels for every row
+# and verify steps through cpu.kernels, which are faster than torch's kernels for every row
 # count of such a step, so it is on for float32 and bfloat16 wherever those kernels were built
 # (INVARIANT_AUTO_NEEDS_KERNELS); bfloat16 and float16 without them stay on too (slower, but
 # without the mode their prompt lookup can part from plain greedy). CUDA: not measured, off. Also
@@ -112,13 +112,13 @@ def _rows_exact(fn, x: torch.Tensor) -> bool:
 def _triton_supported(weight: torch.Tensor) -> bool:
     if weight.device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
-    from . import triton_linear
+    from ..cuda import triton_linear
 
     return triton_linear.supported(weight)
 
 
 def _triton_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    from . import triton_linear  # imported on first use: CPU installs need not have triton
+    from ..cuda import triton_linear  # imported on first use: CPU installs need not have triton
 
     return triton_linear.row_linear(x2d, weight, bias)
 
@@ -142,9 +142,9 @@ _MERGE_SAFE: dict[tuple, bool] = {}
 
 def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """How decode rows of this weight are computed, checked once per shape on random inputs: the
-    first of "cpu" (engine.cpu_kernels, float32/bfloat16 on CPU), "plain" (the batched `F.linear`,
-    HF's own arithmetic), "numba" (engine.row_linear, float32 on CPU) and "triton"
-    (engine.triton_linear, CUDA) that takes the weight and gives every row bitwise as a 1-row
+    first of "cpu" (cpu.kernels, float32/bfloat16 on CPU), "plain" (the batched `F.linear`,
+    HF's own arithmetic), "numba" (cpu.row_linear, float32 on CPU) and "triton"
+    (cuda.triton_linear, CUDA) that takes the weight and gives every row bitwise as a 1-row
     call does for every row count up to PROBE_ROWS; else "rows" (one 1-row `F.linear` per row)."""
     key = (*weight.shape, weight.dtype, weight.device, bias is None, torch.get_num_threads())
     got = _STRATEGIES.get(key)
@@ -302,7 +302,7 @@ class InvariantLinears:
         # run torch's own ops on one thread (cpu_kernels.serial_torch)
         self.serial_decode = bool(self.modules) and all(
             cpu_kernels.supported(m.weight) for m in self.modules if type(m) is torch.nn.Linear)
-        # decode steps of a Llama-form model in C, two calls a layer (engine.cpu_layers)
+        # decode steps of a Llama-form model in C, two calls a layer (cpu.layers)
         self.layers = CpuLayers.of(model, forms)
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Recurrent mixers' per-sequence states (attention.recurrent): snapshots, rollback of rejected
+"""Recurrent mixers' per-sequence states (mixers.recurrent): snapshots, rollback of rejected
 drafts against HF's own incremental decoding, and what the engine does with hybrid models."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_plookup
-from hf_plookup.attention.recurrent import RecurrentMixers, SequenceStates, StepRows, _State, mixer_modules
+from hf_plookup.mixers.recurrent import RecurrentMixers, SequenceStates, StepRows, _State, mixer_modules
 from tests.conftest import PAD, left_padded, tiny_model, wrap_copy
 
 
