@@ -47,6 +47,7 @@ from pathlib import Path
 
 from eval.lib import batching, calls
 from eval.lib.cli import DTYPES, add_threads_option, default_device, parse_dtype, set_threads, show_defaults
+from eval.lib.machine import busy_warning
 from eval.lib.models import load_model
 from eval.lib.prompts import (PROMPT_STYLES, SUMMARY_REQUEST, build_prompt, encode_prompt, paragraph_stop_ids, summary_text,
                               truncate_document, use_chat)
@@ -598,6 +599,9 @@ def main(argv=None) -> int:
         args.device = str(state.device)
     set_threads(args.threads)
     torch.manual_seed(0)
+    busy = busy_warning() if cpu else None
+    if busy and state.is_main_process:
+        print(busy, flush=True)
 
     docs, data_info = load_documents(args.dataset, args.num_docs, args.split, args.text_field, args.summary_field,
                                      args.from_hub)

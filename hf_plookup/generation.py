@@ -91,6 +91,9 @@ def _positive_int(name: str, value) -> int:
 
 def _check_raw(kwargs: dict) -> None:
     """Our own checks on what the user passed, before HF's config merges it."""
+    if "seed" in kwargs:  # vLLM's and others' name; HF's generate has none
+        raise TypeError("generate() got an unexpected keyword argument 'seed': a call's sampling seed is drawn from "
+                        "torch's default generator, as HF's sampling draws from it; call torch.manual_seed(seed) first")
     if kwargs.get("prompt_lookup_num_tokens") is not None:
         _positive_int("prompt_lookup_num_tokens", kwargs["prompt_lookup_num_tokens"])
     if kwargs.get("max_matching_ngram_size") is not None:
@@ -295,12 +298,15 @@ class CheckedCall:
     """A `generate` call that passed every check and runs on the engine (part 2 of `resolve`)."""
 
     input_ids: torch.Tensor                 # [B, L] as given
-    mask: torch.Tensor | None               # [B, L] the given attention_mask (None: to infer)
+    mask: torch.Tensor                      # [B, L] the given attention_mask, or HF's inferred one
     config: GenerationConfig                # merged by HF's own rules, validated
     model_kwargs: dict                      # what HF's merge left over (attention_mask, use_cache)
     past: DynamicCache | None               # the caller's cache to continue from
     has_default_max_length: bool
     has_default_min_length: bool
+    eos: frozenset[int]                     # the stop tokens HF's special-token rules give
+    pad: int | None                         # the pad token they give
+    keep_kv: bool                           # the call returns (or extends) a cache
 
 
 def _check_inputs(model, inputs, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None] | str:
@@ -367,34 +373,23 @@ def checked_call(model, inputs, generation_config, args: dict, kwargs: dict) -> 
         raise ValueError(f"num_return_sequences={nrs} needs do_sample=True (greedy search returns one sequence)")
     if args.get("streamer") is not None and input_ids.shape[0] * nrs > 1:
         raise ValueError("streamer: streaming works with one sequence only (batch size 1), as in HF")
-    return CheckedCall(input_ids, mask, config, model_kwargs, past, has_default_max_length, has_default_min_length)
-
-
-def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Request | str:
-    """Part 3 of `resolve`: the engine's `DecodeConfig` (drafting, lengths, special tokens, the
-    mask, HF's own logits processors and stopping criteria) and the rows it runs, or the reason
-    (str) the call goes to HF's own `generate`."""
-    config, model_kwargs, input_ids, mask = call.config, call.model_kwargs, call.input_ids, call.mask
-    k = config.prompt_lookup_num_tokens
-    k = 0 if k is None else _positive_int("prompt_lookup_num_tokens", k)
-    n = config.max_matching_ngram_size
-    n = 2 if n is None else _positive_int("max_matching_ngram_size", n)
-    own.check_drafting(k)
-    device = input_ids.device
-    model._prepare_special_tokens(config, mask is not None, device=device)
+    model._prepare_special_tokens(config, mask is not None, device=input_ids.device)
     eos_t, pad_t = config._eos_token_tensor, config._pad_token_tensor
     eos = frozenset(eos_t.view(-1).tolist()) if eos_t is not None else frozenset()
     pad = int(pad_t.view(-1)[0]) if pad_t is not None else None
-
-    width = input_ids.shape[1]
-    max_new = _max_new_tokens(model, config, width, input_ids, call.has_default_max_length, call.has_default_min_length)
-    _warn_past_context(model, width, max_new)
     if mask is None:
         mask = infer_attention_mask(input_ids, pad, eos)
-    nrs = config.num_return_sequences or 1
-    if nrs > 1:
-        input_ids = input_ids.repeat_interleave(nrs, dim=0)
-        mask = mask.repeat_interleave(nrs, dim=0)
+    keep_kv = past is not None or bool(config.return_dict_in_generate and model_kwargs.get("use_cache", config.use_cache))
+    reason = engine_reason(model, mask, keep_kv)
+    if reason:
+        return reason
+    return CheckedCall(input_ids, mask, config, model_kwargs, past, has_default_max_length, has_default_min_length,
+                       eos, pad, keep_kv)
+
+
+def engine_reason(model, mask: torch.Tensor, keep_kv: bool) -> str:
+    """Why the engine cannot run this model with these rows ('' when it can): what HF's arguments
+    alone do not say (`delegation_reason`)."""
     if not bool(mask.all()) and "position_ids" not in inspect.signature(model.forward).parameters and not (
             position_embedders(model) and left_padded(mask)) and not state_only(model):
         # HF's generate passes position_ids only to a forward that names them; such a model counts a
@@ -402,8 +397,49 @@ def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Reques
         # one (BART's family, Whisper's decoder: attention.positions) and the pads are all on the left;
         # a model of recurrent mixers only (Mamba) sees no positions at all
         return "padded rows on a model whose forward takes no position_ids"
-    prompts = attended_rows(input_ids, mask)
-    if pad is not None and input_ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):
+    if keep_kv and mixer_modules(model):
+        # HF's cache of a hybrid model holds each recurrent layer's state, which the pages do not
+        return "a cache in or out (`past_key_values`, `return_dict_in_generate`) on a model with recurrent mixers"
+    return ""
+
+
+def _processors_and_criteria(model, config: GenerationConfig, args: dict, input_ids: torch.Tensor, width: int,
+                             model_kwargs: dict) -> tuple[LogitsProcessorList, StoppingCriteriaList]:
+    """HF's own logits processors and stopping criteria for this call, as HF's `generate` builds
+    them (max length and EOS left out: the engine stops rows at those itself)."""
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=width,
+        encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=args.get("logits_processor") or LogitsProcessorList(),
+        device=input_ids.device,
+        model_kwargs=model_kwargs,
+    )
+    criteria = model._get_stopping_criteria(
+        generation_config=config, stopping_criteria=args.get("stopping_criteria") or StoppingCriteriaList(),
+        tokenizer=args.get("tokenizer"),
+    )
+    return processors, StoppingCriteriaList(c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
+
+
+def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Request:
+    """Part 3 of `resolve`: the engine's `DecodeConfig` (drafting, lengths, special tokens, HF's
+    own logits processors and stopping criteria) and the rows it runs."""
+    config, model_kwargs, input_ids, mask = call.config, call.model_kwargs, call.input_ids, call.mask
+    k = config.prompt_lookup_num_tokens
+    k = 0 if k is None else _positive_int("prompt_lookup_num_tokens", k)
+    n = config.max_matching_ngram_size
+    n = 2 if n is None else _positive_int("max_matching_ngram_size", n)
+    own.check_drafting(k)
+    width = input_ids.shape[1]
+    max_new = _max_new_tokens(model, config, width, input_ids, call.has_default_max_length, call.has_default_min_length)
+    _warn_past_context(model, width, max_new)
+    nrs = config.num_return_sequences or 1
+    if nrs > 1:
+        input_ids = input_ids.repeat_interleave(nrs, dim=0)
+        mask = mask.repeat_interleave(nrs, dim=0)
+    if call.pad is not None and input_ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):
         # HF warns and then predicts a right-padded row's first token from the pad column's logits;
         # we warn the same way and generate from the row's attended tokens (what left padding gives)
         logger.warning(
@@ -411,27 +447,11 @@ def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Reques
             "generation results, please set `padding_side='left'` when initializing the tokenizer."
         )
     model_kwargs["attention_mask"] = mask  # the expanded (or inferred) mask, one row per sequence
-    processors = model._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=width,
-        encoder_input_ids=input_ids,
-        prefix_allowed_tokens_fn=None,
-        logits_processor=args.get("logits_processor") or LogitsProcessorList(),
-        device=device,
-        model_kwargs=model_kwargs,
-    )
-    criteria = model._get_stopping_criteria(
-        generation_config=config, stopping_criteria=args.get("stopping_criteria") or StoppingCriteriaList(), tokenizer=args.get("tokenizer")
-    )
-    stopping = StoppingCriteriaList(c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)))
+    processors, stopping = _processors_and_criteria(model, config, args, input_ids, width, model_kwargs)
     past = call.past
-    keep_kv = past is not None or bool(config.return_dict_in_generate and model_kwargs.get("use_cache", config.use_cache))
-    if keep_kv and mixer_modules(model):
-        # HF's cache of a hybrid model holds each recurrent layer's state, which the pages do not
-        return "a cache in or out (`past_key_values`, `return_dict_in_generate`) on a model with recurrent mixers"
     decode = DecodeConfig(
         max_new_tokens=max_new,
-        eos_token_ids=eos,
+        eos_token_ids=call.eos,
         k=k,
         max_ngram=n,
         tree_nodes=own.tree_nodes or 0,
@@ -444,17 +464,17 @@ def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Reques
         output_scores=bool(config.return_dict_in_generate and config.output_scores),
         output_logits=bool(config.return_dict_in_generate and config.output_logits),
         hf_input_ids=input_ids.cpu().numpy().astype(np.int64),
-        pad_token_id=pad,
+        pad_token_id=call.pad,
         # HF returns its cache with return_dict_in_generate (unless use_cache=False) and extends a given one
-        keep_kv=keep_kv,
+        keep_kv=call.keep_kv,
         # its keys and values are read, as HF reads them, not computed again
         prompt_kv=caller_kv(past, mask) if past is not None else None,
     )
     return Request(
         input_ids=input_ids,
-        prompts=prompts,
+        prompts=attended_rows(input_ids, mask),
         decode=decode,
-        pad_token_id=pad,
+        pad_token_id=call.pad,
         return_dict=bool(config.return_dict_in_generate),
         attention_mask=mask,
         past_key_values=past,

@@ -66,3 +66,18 @@ def test_falcon_refusal_says_what_is_missing():
     assert "NoneType" not in message and "TypeError" not in message
     assert info.value.__cause__ is None and info.value.__suppress_context__
     assert torch.is_grad_enabled()  # the probe's inference_mode did not leak
+
+
+def test_seed_argument_says_how_to_seed(llama):
+    """`generate(seed=...)` (vLLM's spelling) is no HF argument: a TypeError naming it and saying how
+    to seed, before any work; torch.manual_seed makes a sampled call repeatable."""
+    wrapped = wrap_copy(llama, max_cache_tokens=256)
+    ids, mask = left_padded(2, seed=4)
+    with pytest.raises(TypeError, match=r"'seed'.*torch\.manual_seed"):
+        wrapped.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=4, seed=0)
+    assert wrapped.last_stats is None  # nothing ran
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        runs.append(wrapped.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=8))
+    assert torch.equal(runs[0], runs[1])

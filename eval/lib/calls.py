@@ -108,7 +108,7 @@ def run_hf_generate_batch(model, rows: list[list[int]], max_new_tokens: int, pad
         eos_token_id = model.generation_config.eos_token_id
     config = GenerationConfig(**_greedy_kwargs(max_new_tokens, pad), eos_token_id=eos_token_id)
     # a KV cache sized for these rows, as hf_plookup's engine is given: left to itself,
-    # generate_batch sizes its cache from free memory, which on CPU cost 20-35 s per call
+    # generate_batch sizes its cache from free memory, which on CPU costs seconds per call
     defaults = ContinuousBatchingConfig()
     page = getattr(defaults, "page_size", None) or defaults.block_size  # (block_size before transformers 5.2x)
     blocks = sum(-(-(len(r) + max_new_tokens) // page) for r in rows) + len(rows)

@@ -60,3 +60,24 @@ def machine_info(device) -> dict:
     except OSError:  # pragma: no cover
         pass
     return info
+
+
+def busy_warning(load: float | None = None, cores: int | None = None) -> str | None:
+    """A line for the user when the machine's load (the last minute's average, from the OS) exceeds
+    its cores: other processes then share them, and timings come out slower than on a quiet
+    machine, often several times so. None when the load fits (or the OS does not report it).
+
+    Example: busy_warning(3.4, 2) says the load of 3.4 exceeds the 2 cores and suggests --threads 1."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # pragma: no cover - no load average on this OS
+            return None
+    cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if load <= cores:
+        return None
+    return (f"warning: this machine's load ({load:.1f} over the last minute) exceeds its {cores} cores: other "
+            "processes share them, so this run will be slower than on a quiet machine (several times, where "
+            "they use every core); ratios against HF hold better than absolute times. Pass --threads 1 to take "
+            "one core, or run when the machine is quieter.")
+

@@ -138,9 +138,9 @@ def top_kernels(fn, device, n: int = 12) -> dict:
 def gemm_rate(device, n: int = 512) -> float:
     """Multiply-adds per second of an fp32 n x n by n x n matmul (default 2 MB of operands, in
     cache): the fastest of 10, at torch's current thread count. What the vendor's GEMM (MKL on CPU)
-    gets from the cores: a shared 2-core AMD EPYC (Zen 3, AVX2) made 66-83 G a second, 72-90% of
-    the best a loop of nothing but independent 8-lane FMAs made there (11.5 G of them a ns on both
-    cores), so it is the rate a step's own kernels can hope to approach."""
+    gets from the cores, close to what a loop of nothing but independent FMAs makes there
+    (docs/results.md, "CPU verify steps: the bound, and the ideas tried"), so it is the rate a
+    step's own kernels can hope to approach."""
     device = torch.device(device)
     a = torch.randn(n, n, device=device)
     b, c = torch.randn(n, n, device=device), torch.empty(n, n, device=device)
@@ -170,9 +170,8 @@ def _buffer_bytes(device: torch.device, cpu_bytes: int) -> int:
 def read_bandwidth(device, nbytes: int | None = None) -> float:
     """Bytes per second of reading `nbytes` once (a sum over them; default 1 GiB on a GPU, 256 MiB
     elsewhere): the fastest of 10 reads. A step reads its weights and writes little, and some
-    machines read alone at well under what a copy moves in both directions (a shared 2-core EPYC:
-    22.6 GB/s read, 32 GB/s by `copy_bandwidth`), so this is the bound such a step can approach
-    there; `copy_bandwidth`'s stays the printed one."""
+    machines (a shared 2-core EPYC) read alone at well under what a copy moves in both directions,
+    so this is the bound such a step can approach there; `copy_bandwidth`'s stays the printed one."""
     device = torch.device(device)
     nbytes = nbytes or _buffer_bytes(device, 2**28)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)

@@ -128,7 +128,12 @@ def _num_layers(model: torch.nn.Module) -> int | None:
 def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLayout | None]:
     """One `KeyLayout` per decoder layer, None for a layer without keys (a recurrent mixer's,
     mixers.recurrent, or one that mixes no tokens); `ValueError` naming the architecture and the
-    reason when the paged attention and the per-sequence states cannot stand in for the model's own."""
+    reason when the paged attention and the per-sequence states cannot stand in for the model's own.
+
+    Three forwards on a few tokens: the model as it is (the reference), then with a recording
+    attention function (each layer's key layout; the outputs must not change: `_refusal`, a
+    diagnosis of what differs), then fed as the engine feeds it (a chunk, then later tokens with
+    their position_ids and no cache object: `_continuation_diff`)."""
     if AttentionInterface._global_mapping.get(PROBE_IMPLEMENTATION) is not _probe_attention:
         AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -148,57 +153,16 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
         with engine_attention(model, PROBE_IMPLEMENTATION):
             probed = model(input_ids=ids, attention_mask=None, use_cache=False, **pos).logits.float()
     except Exception as e:  # e.g. an attention path that needs the mask transformers builds
-        if not rec.layouts and not rec.anonymous_calls:
-            # it failed before any layer called the attention function: its attention does not go
-            # through AttentionInterface (Falcon computes scores itself and then adds a mask that is
-            # None here); the error it raised says nothing useful, so it is not chained
-            raise ValueError(f"hf_plookup cannot run {_arch(model)}: its attention layers compute attention "
-                             "themselves instead of calling a function through transformers' AttentionInterface "
-                             "(a probe forward failed before any layer called one), so the paged KV cache cannot "
-                             "be plugged in") from None
-        raise ValueError(f"hf_plookup cannot run {_arch(model)}: a probe forward with attention through "
-                         f"AttentionInterface and no mask failed ({type(e).__name__}: {e})") from e
+        raise _failed_probe(model, rec, e) from (None if not rec.layouts and not rec.anonymous_calls else e)
     finally:
         _RECORDING.reset(token)
-    n = _num_layers(model)
     mixers = mixer_modules(model)  # recurrent mixers: their layers keep a state, not keys
-    stateless = no_mixer_layers(model)
-    if not rec.layouts and not mixers:
-        raise ValueError(f"hf_plookup cannot run {_arch(model)}: none of its layers calls an attention function "
-                         "through transformers' AttentionInterface or keeps a recurrent state in HF's cache (a "
-                         "model-specific attention path), so the paged KV cache cannot be plugged in")
-    if rec.anonymous_calls:
-        raise ValueError(f"hf_plookup cannot run {_arch(model)}: some attention modules have no integer `layer_idx`, "
-                         "so their keys cannot be given pages")
-    n = n if n is not None else max([*rec.layouts, *mixers]) + 1
-    missing = sorted(set(range(n)) - set(rec.layouts) - set(mixers) - stateless)
-    if missing or not set(rec.layouts) <= set(range(n)):
-        raise ValueError(f"hf_plookup cannot run {_arch(model)}: layers {missing or sorted(rec.layouts)} do not call "
-                         "an attention function and keep no recurrent state through HF's cache API")
-    diff = float((reference - probed).abs().max())
+    n = _checked_layers(model, rec, mixers)
     tol = atol if reference.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 5e-2
     scale = max(float(reference.abs().max()), 1.0)
-    if not diff <= tol * scale:  # the probe's outputs are not the model's own: say why, as best known
-        if any(getattr(m, "is_causal", None) is False for m in model.modules()):
-            raise ValueError(f"hf_plookup cannot run {_arch(model)}: its attention layers attend both ways "
-                             "(is_causal=False), not only to earlier tokens as a generating model does; a BERT-style "
-                             "model generates as a decoder with is_decoder=True in its config")
-        own = model.config._attn_implementation
-        if isinstance(own, str) and own != "eager":
-            # its configured kernel may be what differs: transformers before 5.2x ran Gemma 2 on sdpa by
-            # default, which drops the attention softcap that the paged attention (and eager) applies
-            try:
-                with engine_attention(model, "eager"):
-                    eager = model(input_ids=ids, use_cache=False, **pos).logits.float()
-            except Exception:  # noqa: BLE001 - a model without an eager path: the message below stands
-                eager = None
-            if eager is not None and float((eager - probed).abs().max()) <= tol * scale:
-                raise ValueError(f"hf_plookup cannot run {_arch(model)} with attn_implementation={own!r}: its "
-                                 f"outputs differ from its eager attention's (max logit difference {diff:.3g}), whose "
-                                 "arithmetic the paged cache reproduces; load the model with attn_implementation='eager'")
-        raise ValueError(f"hf_plookup cannot run {_arch(model)}: its outputs change when its attention runs through "
-                         f"AttentionInterface (max logit difference {diff:.3g}); it attends in a way the paged cache "
-                         "does not reproduce (e.g. keys shared across layers)")
+    diff = float((reference - probed).abs().max())
+    if not diff <= tol * scale:  # the probe's outputs are not the model's own
+        raise _refusal(model, ids, pos, probed, diff, tol * scale)
     # recurrent mixers compute a prompt chunk (a chunked scan) and single tokens (a recurrence step)
     # differently, so HF's own generate rounds differently from one whole forward: the pieces are
     # compared with HF fed the same pieces through its own cache
@@ -209,6 +173,66 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
                          f"difference {diff:.3g}): it takes positions or state from somewhere else, such as its own "
                          "cache's length")
     return [rec.layouts.get(i) for i in range(n)]
+
+
+def _failed_probe(model: torch.nn.Module, rec: _Recording, error: Exception) -> ValueError:
+    """The refusal when the recording forward raised `error`."""
+    if not rec.layouts and not rec.anonymous_calls:
+        # it failed before any layer called the attention function: its attention does not go
+        # through AttentionInterface (Falcon computes scores itself and then adds a mask that is
+        # None here); the error it raised says nothing useful
+        return ValueError(f"hf_plookup cannot run {_arch(model)}: its attention layers compute attention "
+                          "themselves instead of calling a function through transformers' AttentionInterface "
+                          "(a probe forward failed before any layer called one), so the paged KV cache cannot "
+                          "be plugged in")
+    return ValueError(f"hf_plookup cannot run {_arch(model)}: a probe forward with attention through "
+                      f"AttentionInterface and no mask failed ({type(error).__name__}: {error})")
+
+
+def _checked_layers(model: torch.nn.Module, rec: _Recording, mixers) -> int:
+    """The number of decoder layers, once every layer is seen to call the attention function with
+    an integer `layer_idx`, keep a recurrent state or mix no tokens; else the refusal."""
+    if not rec.layouts and not mixers:
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: none of its layers calls an attention function "
+                         "through transformers' AttentionInterface or keeps a recurrent state in HF's cache (a "
+                         "model-specific attention path), so the paged KV cache cannot be plugged in")
+    if rec.anonymous_calls:
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: some attention modules have no integer `layer_idx`, "
+                         "so their keys cannot be given pages")
+    n = _num_layers(model)
+    n = n if n is not None else max([*rec.layouts, *mixers]) + 1
+    missing = sorted(set(range(n)) - set(rec.layouts) - set(mixers) - no_mixer_layers(model))
+    if missing or not set(rec.layouts) <= set(range(n)):
+        raise ValueError(f"hf_plookup cannot run {_arch(model)}: layers {missing or sorted(rec.layouts)} do not call "
+                         "an attention function and keep no recurrent state through HF's cache API")
+    return n
+
+
+def _refusal(model: torch.nn.Module, ids: torch.Tensor, pos: dict, probed: torch.Tensor, diff: float,
+             tol: float) -> ValueError:
+    """Why the probe's outputs differ from the model's own (max logit difference `diff` above
+    `tol`), as best known: attention both ways, a configured kernel other than eager that the
+    paged attention does not match, or attention the paged cache does not reproduce."""
+    if any(getattr(m, "is_causal", None) is False for m in model.modules()):
+        return ValueError(f"hf_plookup cannot run {_arch(model)}: its attention layers attend both ways "
+                          "(is_causal=False), not only to earlier tokens as a generating model does; a BERT-style "
+                          "model generates as a decoder with is_decoder=True in its config")
+    own = model.config._attn_implementation
+    if isinstance(own, str) and own != "eager":
+        # its configured kernel may be what differs: transformers before 5.2x ran Gemma 2 on sdpa by
+        # default, which drops the attention softcap that the paged attention (and eager) applies
+        try:
+            with engine_attention(model, "eager"):
+                eager = model(input_ids=ids, use_cache=False, **pos).logits.float()
+        except Exception:  # noqa: BLE001 - a model without an eager path: the message below stands
+            eager = None
+        if eager is not None and float((eager - probed).abs().max()) <= tol:
+            return ValueError(f"hf_plookup cannot run {_arch(model)} with attn_implementation={own!r}: its "
+                              f"outputs differ from its eager attention's (max logit difference {diff:.3g}), whose "
+                              "arithmetic the paged cache reproduces; load the model with attn_implementation='eager'")
+    return ValueError(f"hf_plookup cannot run {_arch(model)}: its outputs change when its attention runs through "
+                      f"AttentionInterface (max logit difference {diff:.3g}); it attends in a way the paged cache "
+                      "does not reproduce (e.g. keys shared across layers)")
 
 
 def _pieces() -> tuple[tuple[int, int], ...]:

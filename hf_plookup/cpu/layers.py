@@ -1,7 +1,7 @@
 """Decode steps of Llama-form models on CPU in two C calls a layer (invariant mode).
 
-Through HF's modules a 1-token step of SmolLM2-135M makes some 12,000 Python-level calls, which
-took about 11 of its 35 ms on a 2-core EPYC, more than the attention. `CpuLayers` runs a decode
+Through HF's modules a 1-token step of SmolLM2-135M makes some 12,000 Python-level calls, which on
+a 2-core CPU cost more than its attention (docs/results.md, "A step's cost on this CPU"). `CpuLayers` runs a decode
 step's decoder layers in `cpu_kernels.c` instead (`layer_attention`, `layer_mlp`): the same
 norms, linears and attention kernels invariant mode calls through the modules, with torch's
 elementwise arithmetic (RoPE, residual adds, the gate-times-up product) written out to round
@@ -27,7 +27,6 @@ h += down_proj(y * u).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 
 import numpy as np

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from .suffix import Sources, SuffixIndex, _slot
+from .suffix import SuffixIndex, _slot
 
 __all__ = ["TreeProposer", "accept_tree", "acceptance_estimate", "ancestor_mask",
            "batch_min_score", "chain_budget", "compaction", "depths", "walk_rejected"]

@@ -4,6 +4,7 @@ call and of the concurrent calls that join it (engine.batch holds the rows)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -13,7 +14,6 @@ import numpy as np
 import torch
 
 from ..attention.ops import COMPILABLE_BACKENDS
-from ..attention.pages import store_kv
 from ..attention.positions import position_embedders
 from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS, resolve_backend, resolve_block_size
 from ..cpu import kernels as cpu_kernels
@@ -29,9 +29,10 @@ from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
 from .distributed import agree_min, agree_seed, tensor_parallel
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
+from .prefix import PrefixPool, copy_caller_kv
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import DecodeConfig, Sequence
+from .sequence import DecodeConfig
 
 logger = logging.getLogger("hf_plookup")
 
@@ -291,104 +292,14 @@ class Engine:
                 self.blocks.clear_prefixes()
             self._weights = None
 
-    def _prefix_hooks(self, batch: Batch, blocks: BlockManager, cache: PagedKVCache):
-        """The hooks that give a sequence its prompt's keys and values without prefilling them:
-        (admit, defer, register), the last two None without the prefix pool.
-
-        * admit: a new sequence starts from the longest pooled run of whole chunk units of its
-          prompt (leaving at least one token to prefill); then the caller's `past_key_values`, if
-          given, fill its pages up to the cache's end (those pages are never pooled: they hold
-          the caller's bits, not a fresh prefill's); it claims the units after that which no live
-          sequence has claimed: it will compute them;
-        * defer: before each prefill chunk, a sequence takes the units that have entered the pool
-          since (another row computed them), then waits while its next unit is claimed by another
-          sequence still prefilling it. Rows of one call, or calls joining a loop, that share a
-          beginning thus compute it once. Claims go to the earlier sequence, so the one a row
-          waits on never waits on it;
-        * register: after each prefill chunk, the prompt's whole units enter the pool.
-
-        Example (units of 128 tokens): rows A and B share their first 300 tokens and are admitted
-        together. A claims its units 0 and 1 (and the rest of its own); B waits; after A's first
-        chunk B takes unit 0 from the pool, after A's second unit 1, then prefills from token 256 on.
-        """
-        def copy_caller_kv(seq) -> bool:
-            """Write the caller's past_key_values for this row (past what the pool gave) into its
-            pages, as HF reads a given cache instead of computing it again; True if any was."""
-            call = batch.call_of_row[seq.row]
-            if call.cfg.prompt_kv is None:
-                return False
-            cols, layers = call.cfg.prompt_kv[call.seqs.index(seq)]
-            start, end = seq.num_cached, min(len(cols), seq.prompt_len - 1)
-            if end <= start or len(layers) != len(cache.keys) or any(
-                    x.shape[0] != p.shape[2] or x.shape[2] != p.shape[3]
-                    for (k, v), pk, pv in zip(layers, cache.keys, cache.values) for x, p in ((k, pk), (v, pv))):
-                return False  # nothing past the pool, or not laid out as the pages are: prefilled
-            blocks.ensure(seq.seq_id, end)
-            slots = torch.from_numpy(blocks.slots(seq.seq_id, np.arange(start, end)))
-            for pages_k, pages_v, (k, v) in zip(cache.keys, cache.values, layers):
-                idx = cols[start:end].to(k.device)
-                store_kv(pages_k, pages_v, slots.to(pages_k.device), k.index_select(1, idx)[None].to(pages_k.device),
-                         v.index_select(1, idx)[None].to(pages_v.device))
-            call.stats.cached_prompt_tokens += end - start
-            seq.num_cached = end
-            return True
-
+    def _pool_valid(self) -> bool:
+        """Whether this loop may use the prefix pool: on, and the weights unchanged since the pooled
+        pages were computed (else the pool is emptied first; `weights_fingerprint`)."""
         weights = weights_fingerprint(self.model) if self.prefix_cache else None
         if weights is None or weights != self._weights:
-            blocks.clear_prefixes()
+            self.blocks.clear_prefixes()
             self._weights = weights
-        if weights is None:
-            return copy_caller_kv, None, None
-        bs, unit = blocks.block_size, self.prefix_unit_pages
-        hashes: dict[int, list[bytes]] = {}  # seq id -> its prompt's page hashes (whole units)
-        owner: dict[bytes, Sequence] = {}  # a unit's last page hash -> the sequence computing it
-
-        def usable_pages(seq) -> int:  # one prompt token is always prefilled (its logits)
-            return (seq.prompt_len - 1) // bs // unit * unit
-
-        def computing(seq, page: int) -> bool:  # `seq` is live and has not yet computed that page
-            return not seq.finished and seq.num_cached < (page + 1) * bs
-
-        def take_pooled(seq) -> None:
-            h = hashes[seq.seq_id]
-            before = len(blocks.tables.get(seq.seq_id, ()))
-            got = blocks.match(seq.seq_id, h[: usable_pages(seq)], unit)
-            seq.num_cached = got * bs
-            batch.call_of_row[seq.row].stats.cached_prompt_tokens += (got - before) * bs
-
-        def admit(seq) -> None:
-            pages = seq.prompt_len // bs // unit * unit  # whole units: what a fresh prefill computes as full chunks
-            hashes[seq.seq_id] = h = blocks.page_hashes(batch.history[seq.row], pages)
-            take_pooled(seq)
-            pooled = seq.num_cached // bs
-            if copy_caller_kv(seq):  # pages past the pooled ones hold the caller's bits: never pooled
-                hashes[seq.seq_id] = h = h[:pooled]
-            for last in range(seq.num_cached // bs + unit - 1, len(h), unit):
-                o = owner.get(h[last])
-                if o is None or not computing(o, last):
-                    owner[h[last]] = seq
-
-        def defer(seq) -> bool:
-            h = hashes.get(seq.seq_id)
-            if not h or seq.num_cached % (unit * bs) or seq.num_cached != len(blocks.tables.get(seq.seq_id, ())) * bs:
-                return False  # mid-unit: nothing to share
-            shareable = min(usable_pages(seq), len(h))
-            if seq.num_cached < shareable * bs:
-                take_pooled(seq)
-            last = seq.num_cached // bs + unit - 1
-            if last >= shareable:
-                return False
-            o = owner.get(h[last])
-            return o is not None and o is not seq and computing(o, last)
-
-        def register(seq) -> None:
-            h = hashes.get(seq.seq_id)
-            if h:
-                blocks.register(seq.seq_id, h[: seq.num_cached // bs])
-                if seq.num_cached >= seq.prompt_len:
-                    del hashes[seq.seq_id]
-
-        return admit, defer, register
+        return weights is not None
 
     def pad_to(self, drafts: int) -> int | None:
         """Tokens every sequence feeds in a verify step when drafts are padded (`drafts` + 1: k for
@@ -470,7 +381,11 @@ class Engine:
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
                           aligned_prefill=self.prefill_unit, units_per_chunk=1 if self.mixers else None)
         batch = Batch(cfg, self.proposer(cfg), sched, self._ids, cache, self.tree_min_score, self.step_fixed_tokens)
-        sched.on_admit, sched.defer, batch.register = self._prefix_hooks(batch, blocks, cache)
+        if self._pool_valid():
+            pool = PrefixPool(batch, blocks, cache, self.prefix_unit_pages)
+            sched.on_admit, sched.defer, batch.register = pool.admit, pool.defer, pool.register
+        else:  # the caller's past_key_values still spare their prefill
+            sched.on_admit = functools.partial(copy_caller_kv, batch, blocks, cache)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
                              graphs, self.head, self.invariant, self.embedders, self.mixers)

@@ -397,3 +397,11 @@ def test_random_model_names():
     model, tok = load_model("random:tiny-qwen3", torch.float32, "cpu")
     assert tok is None and model.config.num_hidden_layers == 2 and batching.pad_id(model, tok) == 0
     assert label("random:tiny-qwen3") == "random:tiny-qwen3"
+
+
+def test_busy_machine_warning():
+    from eval.lib.machine import busy_warning
+
+    assert busy_warning(1.9, 2) is None and busy_warning(2.0, 2) is None
+    line = busy_warning(3.4, 2)
+    assert "load (3.4 over the last minute) exceeds its 2 cores" in line and "--threads 1" in line
