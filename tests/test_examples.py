@@ -92,7 +92,7 @@ def readme_first_code_block() -> str:
 def test_readme_first_code_block_runs_as_written(capsys):
     """The README's first code block, executed verbatim (offline: the embedded SmolLM2)."""
     code = readme_first_code_block()
-    assert "load_embedded" in code
+    assert "from_pretrained" in code and "hf_plookup.wrap" in code
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) >= 3, lines

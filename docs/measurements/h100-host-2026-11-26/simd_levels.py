@@ -1,6 +1,6 @@
 """SmolLM2-135M's decoder linears (random weights of its shapes, 30 layers, so they stream from memory)
-# (A record of the sixteenth session's device run: it calls the C `linear` on the weights as they are, the
-# layout the kernels read before the eighteenth session; the kernels now read `cpu_kernels.packed(w)`.)
+# (A record of the `h100-host-2026-11-26` device run: it calls the C `linear` on the weights as they are, the
+# layout the kernels read before the `cpu-avx2-2026-11-26-packed-linears` run; the kernels now read `cpu_kernels.packed(w)`.)
 through the C `linear` kernel at each SIMD level the CPU runs (engine.cpu_kernels.set_simd_level),
 1, 5 and 9 rows, 2 threads; every (level, rows) timed once per round, medians over the rounds.
 Ran as `PYTHONPATH=$PWD taskset -c 0,1 python docs/measurements/h100-host-2026-11-26/simd_levels.py 20`
