@@ -1,7 +1,7 @@
 """attend of this build (the installed hf_plookup) against another build of cpu_kernels.c (argv[1], a .so),
 bitwise, on random chains and trees: fp32 and bf16, D 2-128, values narrower than keys, windows,
 soft-capping, 1-5 sequences, 1-3 threads. argv[2]: seed, argv[3]: cases; LEVEL in the environment
-sets both builds' SIMD level. run_attend_ab.sh runs it against the session's start."""
+sets both builds' SIMD level. run_attend_ab.sh runs it against the run's start."""
 import ctypes, os, sys, numpy as np, torch
 from hf_plookup.engine import cpu_kernels as ck
 old = ctypes.PyDLL(sys.argv[1])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side by side, in one process per line: attend() of the `cpu-avx2-2026-11-26-attention-tiles` run's kernels (A, the working
-# tree) and of the session's start (B, commit 3a9bf04), SmolLM2's attention shape, 2 threads; first with
+# tree) and of the run's start (B, commit 3a9bf04), SmolLM2's attention shape, 2 threads; first with
 # the pages left in cache between layers (EVICT=0), then with 9 MB read between layers, as a step's
 # weights pass through the caches (EVICT=9; the `cpu-avx2-2026-11-27-five-cuts` run found the pages still in L3 then,
 # where a step finds them in memory: EVICT=40 for that). PREFETCH=1: also the prefetch experiment

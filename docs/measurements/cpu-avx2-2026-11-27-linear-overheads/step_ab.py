@@ -4,7 +4,7 @@ setup.py builds it). Each round runs every q on A, then on B, in turn; the repor
 build and q, each build's q/1 ratio, and A/B per q (medians of the rounds' ratios).
 Run from the repository root, 2 threads:
     python docs/measurements/cpu-avx2-2026-11-27-linear-overheads/step_ab.py OTHER.so bf16 [ROUNDS [BATCH]]
-(run_step_ab.sh builds the session's start as B and runs it for fp32 and bf16)."""
+(run_step_ab.sh builds the run's start as B and runs it for fp32 and bf16)."""
 import importlib.util
 import statistics
 import sys
