@@ -4,7 +4,7 @@ A verify step of k+1 tokens on a CPU should cost about what a 1-token step costs
 every weight once, and for a handful of rows the arithmetic is cheap. MKL's `F.linear` does
 not behave so for few rows (it picks a kernel by the row count and splits rows between
 threads, so each row also rounds differently in a 1-row and a 5-row call). The C kernels in
-`hf_plookup/csrc/cpu_kernels.c` (built at install as `hf_plookup._cpu_kernels`) do:
+`hf_plookup/csrc/` (built at install as `hf_plookup._cpu_kernels`) do:
 
 - `linear(x, weight, bias)`: each weight is streamed once per call for all rows, and each output
   is one FMA chain over k = 0 .. K-1 in order, so row i of an M-row call is bitwise that row
@@ -12,7 +12,8 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
   rounded once at the output). The kernel reads a packed copy of the weight (`pack`: panels of 8
   output columns, their values for one k side by side), made once and kept while the weight lives
   and is unchanged (`packed`): a second copy of every linear weight it runs, for tiles that need
-  no horizontal sums and read each panel as one stream (docs/results.md, eighteenth session).
+  no horizontal sums and read each panel as one stream (docs/results.md, "...: weights packed by
+  output column").
 - `rms_norm(x, weight, eps, form)`: RMS normalization of each row alone, its sum of squares in
   the same fixed lane order (the two forms HF's RMSNorm modules take, `RMS_FORMS`); a prompt
   chunk's rows go over the threads in blocks of 64.
@@ -25,7 +26,7 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
   the instruction; the rest of attention is unchanged.
 
 `cpu.layers` runs whole decoder layers of decode steps from these kernels (`layer_attention`,
-`layer_mlp` in the same C file).
+`layer_mlp` in `csrc/layers.c`).
 
 Threads: the kernels split their work over `torch.get_num_threads()` threads of a small pool
 of their own (numba's OpenMP layer beside torch's OpenMP runtime took milliseconds a call).
@@ -123,14 +124,15 @@ def uses_avx2() -> bool:
 
 
 def simd_level() -> int:
-    """The vector code the kernels run: 0 portable C, 1 AVX2 + FMA, 2 a CPU with AVX-512 (which runs
-    level 1's code), 3 as 2 but bf16 attention scores by AVX-512 BF16 dot products (their own order,
-    see the module text). Every level gives the same linears, bit for bit."""
+    """The vector code the kernels run: 0 portable C, 1 AVX2 + FMA, 2 as 1 but bf16 attention scores
+    by AVX-512 BF16 dot products (their own order, see the module text). Every level gives the same
+    linears and norms, bit for bit."""
     return int(_LIB.simd_level()) if available() else 0
 
 
 def set_simd_level(level: int) -> int:
-    """Run a lower level than the CPU allows (tests compare the levels); returns the previous one."""
+    """Run a lower level than the CPU allows (tests compare the levels; between calls, not during
+    one); returns the previous one."""
     return int(_LIB.set_simd_level(level))
 
 

@@ -2,7 +2,7 @@
 
 Through HF's modules a 1-token step of SmolLM2-135M makes some 12,000 Python-level calls, which on
 a 2-core CPU cost more than its attention (docs/results.md, "A step's cost on this CPU"). `CpuLayers` runs a decode
-step's decoder layers in `cpu_kernels.c` instead (`layer_attention`, `layer_mlp`): the same
+step's decoder layers in C instead (`csrc/layers.c`: `layer_attention`, `layer_mlp`): the same
 norms, linears and attention kernels invariant mode calls through the modules, with torch's
 elementwise arithmetic (RoPE, residual adds, the gate-times-up product) written out to round
 as torch does. Only the activation stays with the model's own module, between the two calls,

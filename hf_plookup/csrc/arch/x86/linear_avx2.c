@@ -1,0 +1,219 @@
+/* Linears on AVX2 + FMA (level 1 and up): tiles over the packed weights (cpu_kernels.h says the layout
+ * and each output's arithmetic; linear.c has the portable loop with the same bits).
+ *
+ * A tile of MB rows x NP panels keeps MB x NP vectors of 8 sums and makes one FMA per 8 outputs: no
+ * horizontal sums, a bf16 pair widened by one shift and one mask, and each panel read as one
+ * sequential stream, which the tile prefetches PACK_AHEAD bytes ahead into L2. A tile's shape changes
+ * which outputs are computed together, never an output's arithmetic. Against the row-along-K tiles
+ * this replaced, SmolLM2's linears took less time at 1 to 9 rows in both dtypes (docs/results.md,
+ * "Packed linears: weights packed by output column"). The shapes keep within AVX2's 16 registers
+ * (sums, weights, one broadcast). */
+#include "simd.h"
+
+#if HAVE_X86_KERNELS
+
+#define PACK_AHEAD_F32 4096
+#define PACK_AHEAD_BF16 16384
+/* a tile: sums over values [0, kn) of panels K values long (wp and xt at the first of them), into o
+ * [MB][NP * 8], from 0 or (init) from o's sums: a chain cut at a block of K goes on bitwise */
+typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init);
+#define PTILE_F32(MB, NP)                                                                               \
+    AVX2 static void pf32_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init) { \
+        const float* w = (const float*)wp;                                                              \
+        __m256 acc[MB][NP];                                                                             \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = init ? _mm256_loadu_ps(o + (i * NP + j) * 8) : _mm256_setzero_ps(); \
+        for (int64_t k = 0; k < kn; k++) {                                                              \
+            __m256 wv[NP];                                                                              \
+            UNROLL for (int j = 0; j < NP; j++) {                                                       \
+                const float* p = w + (j * K + k) * 8;                                                   \
+                if (!(k & 1)) _mm_prefetch((const char*)p + PACK_AHEAD_F32, _MM_HINT_T1);               \
+                wv[j] = _mm256_loadu_ps(p);                                                             \
+            }                                                                                           \
+            UNROLL for (int i = 0; i < MB; i++) {                                                       \
+                __m256 xb = _mm256_broadcast_ss(xt + k * ldx + i);                                      \
+                UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);  \
+            }                                                                                           \
+        }                                                                                               \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) _mm256_storeu_ps(o + (i * NP + j) * 8, acc[i][j]); \
+    }
+/* K here is K2 (even); values k and k + 1 of 8 columns are one 32-byte load */
+#define PTILE_BF16(MB, NP)                                                                              \
+    AVX2 static void pbf16_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init) { \
+        const uint16_t* w = (const uint16_t*)wp;                                                        \
+        const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);                                         \
+        __m256 acc[MB][NP];                                                                             \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = init ? _mm256_loadu_ps(o + (i * NP + j) * 8) : _mm256_setzero_ps(); \
+        for (int64_t k = 0; k < kn; k += 2) {                                                           \
+            __m256 wv[NP]; /* value k of each column, then value k + 1 (read again: fewer registers held) */ \
+            UNROLL for (int j = 0; j < NP; j++) {                                                       \
+                const uint16_t* p = w + (j * K + k) * 8;                                                \
+                if (!(k & 3)) _mm_prefetch((const char*)p + PACK_AHEAD_BF16, _MM_HINT_T1);              \
+                wv[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)p), 16)); \
+            }                                                                                           \
+            UNROLL for (int i = 0; i < MB; i++) {                                                       \
+                __m256 xb = _mm256_broadcast_ss(xt + k * ldx + i);                                      \
+                UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);  \
+            }                                                                                           \
+            /* 10 sums or more (5 x 2): the address hidden from gcc, whose redundancy elimination     \
+             * otherwise kept a sum in memory, a store and a load on its FMA chain (docs/results.md,  \
+             * "Attention and tile cuts: five cuts that keep every bit"); fewer: hiding it slowed     \
+             * 1-row calls */                                                                          \
+            const uint16_t* w2 = w;                                                                     \
+            if (MB * NP >= 10) __asm__("" : "+r"(w2));                                                  \
+            UNROLL for (int j = 0; j < NP; j++)                                                         \
+                wv[j] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(w2 + (j * K + k) * 8)), hi)); \
+            UNROLL for (int i = 0; i < MB; i++) {                                                       \
+                __m256 xb = _mm256_broadcast_ss(xt + (k + 1) * ldx + i);                                \
+                UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);  \
+            }                                                                                           \
+        }                                                                                               \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) _mm256_storeu_ps(o + (i * NP + j) * 8, acc[i][j]); \
+    }
+#define PTILES_X1(T) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1) T(7, 1) T(8, 1) T(9, 1)
+PTILES_X1(PTILE_F32) PTILE_F32(1, 4) PTILE_F32(2, 4) PTILE_F32(3, 3) PTILE_F32(4, 3) PTILE_F32(5, 2) PTILE_F32(6, 2)
+PTILES_X1(PTILE_BF16) PTILE_BF16(1, 4) PTILE_BF16(2, 3) PTILE_BF16(3, 3) PTILE_BF16(4, 2) PTILE_BF16(5, 2)
+PTILE_F32(1, 3) PTILE_F32(2, 3)
+/* by rows (1-9): the tile of one pass over the panels, and its panels; the 1-panel tile of as many rows */
+static const ptile_fn pf32_wide[] = {0, pf32_1x4, pf32_2x4, pf32_3x3, pf32_4x3, pf32_5x2, pf32_6x2, pf32_7x1, pf32_8x1, pf32_9x1};
+static const int pf32_np[] = {0, 4, 4, 3, 3, 2, 2, 1, 1, 1};
+static const ptile_fn pf32_one[] = {0, pf32_1x1, pf32_2x1, pf32_3x1, pf32_4x1, pf32_5x1, pf32_6x1, pf32_7x1, pf32_8x1, pf32_9x1};
+static const ptile_fn pbf16_wide[] = {0, pbf16_1x4, pbf16_2x3, pbf16_3x3, pbf16_4x2, pbf16_5x2, pbf16_6x1, pbf16_7x1, pbf16_8x1, pbf16_9x1};
+static const int pbf16_np[] = {0, 4, 3, 3, 2, 2, 1, 1, 1, 1};
+static const ptile_fn pbf16_one[] = {0, pbf16_1x1, pbf16_2x1, pbf16_3x1, pbf16_4x1, pbf16_5x1, pbf16_6x1, pbf16_7x1, pbf16_8x1, pbf16_9x1};
+/* fp32 calls of more than 9 rows: MANY_ROWS rows x MANY_PANELS panels (the 4 x 3 tile has the fewest
+ * broadcasts per FMA), fewer rows in the last block */
+static const ptile_fn pf32_many[] = {0, pf32_1x3, pf32_2x3, pf32_3x3, pf32_4x3};
+
+/* out[m0 + i][n] = o[i][c] + bias[n] (rounded to bf16 when bf16) for the columns n = 8 p + c < N of a
+ * tile's sums o [mb][np * 8]: 8 columns a vector where a panel lies within N, the same bits as one at a
+ * time (store1), which had taken a large share of the 9-row bf16 tiles' time (docs/results.md, "Linear
+ * stores and transposes: the linears' own overheads") */
+AVX2 static inline __m128i bf16x8(__m256 v) { /* f32_to_bf16 of each lane */
+    __m256i u = _mm256_castps_si256(v), top = _mm256_srli_epi32(u, 16);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(top, _mm256_set1_epi32(1))));
+    r = _mm256_blendv_epi8(_mm256_srli_epi32(r, 16), _mm256_or_si256(top, _mm256_set1_epi32(0x40)),
+                           _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    /* values below 2^16: packus keeps them; its lanes come as [0-3, 0-3 | 4-7, 4-7], quadwords 0 and 2 wanted */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+AVX2 static void packed_store(const float* o, int mb, int np, int64_t m0, int64_t p, const void* bias, void* out,
+                              int64_t N, int bf16) {
+    for (int j = 0; j < np; j++) {
+        int64_t n0 = (p + j) * 8;
+        if (n0 + 8 > N) { /* the last panel's columns within N, one at a time */
+            for (int i = 0; i < mb; i++)
+                for (int64_t n = n0; n < N; n++) {
+                    float s = o[(i * np + j) * 8 + n - n0];
+                    if (bias) s += load1(bias, n, bf16);
+                    store1(out, (m0 + i) * N + n, s, bf16);
+                }
+            continue;
+        }
+        __m256 b = bias ? (bf16 ? ld_bf16(bias, n0) : ld_f32(bias, n0)) : _mm256_setzero_ps();
+        for (int i = 0; i < mb; i++) {
+            __m256 s = _mm256_loadu_ps(o + (i * np + j) * 8);
+            if (bias) s = _mm256_add_ps(s, b);
+            if (bf16) _mm_storeu_si128((__m128i*)((uint16_t*)out + (m0 + i) * N + n0), bf16x8(s));
+            else _mm256_storeu_ps((float*)out + (m0 + i) * N + n0, s);
+        }
+    }
+}
+
+/* the tiles' part of linear_range_c (linear.c): up to 9 rows in one pass over the panels, more in
+ * blocks of rows (MANY_ROWS, cpu_kernels.h) */
+void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
+                       int64_t p_hi, void* out, int64_t N, int64_t bf16) {
+    const ptile_fn *wide = bf16 ? pbf16_wide : pf32_wide, *one = bf16 ? pbf16_one : pf32_one;
+    int64_t panel = K2 * 8 * (bf16 ? 2 : 4); /* bytes */
+    float o[9 * 32];
+    if (M <= 9) {
+        int np = (bf16 ? pbf16_np : pf32_np)[M];
+        for (int64_t p = p_lo; p < p_hi;) {
+            int n = p + np <= p_hi ? np : 1;
+            (n == np ? wide : one)[M](xt, M, (const char*)wp + p * panel, K2, K2, o, 0);
+            packed_store(o, (int)M, n, 0, p, bias, out, N, (int)bf16);
+            p += n;
+        }
+        return;
+    }
+    int64_t B = x_block(M, bf16), blocks = (M + B - 1) / B;
+    float acc[MANY_BLOCK_ROWS * MANY_PANELS * 8];
+    for (int64_t p = p_lo; p < p_hi;) {
+        int n = !bf16 && p + MANY_PANELS <= p_hi ? MANY_PANELS : 1;
+        int64_t kb = n == MANY_PANELS ? MANY_KBLOCK : K2;
+        for (int64_t b0 = 0; b0 < blocks; b0 += MANY_BLOCK_ROWS / B) {
+            int64_t b1 = b0 + MANY_BLOCK_ROWS / B < blocks ? b0 + MANY_BLOCK_ROWS / B : blocks;
+            for (int64_t k0 = 0; k0 < K2; k0 += kb)
+                for (int64_t b = b0; b < b1; b++) {
+                    int64_t mb, at = x_at(M, B, K2, b * B, &mb), m0 = b * B;
+                    (n == MANY_PANELS ? pf32_many : one)[mb](xt + at + k0 * mb, mb,
+                        (const char*)wp + p * panel + k0 * 8 * (bf16 ? 2 : 4), K2,
+                        K2 - k0 < kb ? K2 - k0 : kb, acc + (m0 - b0 * B) * n * 8, k0 > 0);
+                }
+            int64_t r1 = b1 * B < M ? b1 * B : M;
+            packed_store(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)bf16);
+        }
+        p += n;
+    }
+}
+
+/* x's rows m .. m + R - 1 (R = 8, 4 or 1), values [0, K - K % R) (bf16 widened), into a block of the
+ * transposed x: value k of row m + i at dst[k * ld + i]; by R x R transposes, not one scalar store per
+ * value, which kept a 9-row call's caller busy while the other threads waited (docs/results.md,
+ * "Linear stores and transposes: the linears' own overheads") */
+AVX2 static void transpose8(const void* x, int64_t m, int64_t K, int bf16, float* dst, int64_t ld) {
+    for (int64_t k0 = 0; k0 + 8 <= K; k0 += 8) {
+        __m256 r[8], t[8], s[8];
+        for (int i = 0; i < 8; i++) r[i] = bf16 ? ld_bf16(x, (m + i) * K + k0) : ld_f32(x, (m + i) * K + k0);
+        for (int i = 0; i < 8; i += 2) { /* [r_i 0, r_i+1 0, r_i 1, r_i+1 1 | 4, 5], then 2, 3 | 6, 7 */
+            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) { /* values 0, 1, 2, 3 (each | value + 4) of four rows */
+            s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+            s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+            s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+            s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+        }
+        for (int v = 0; v < 4; v++) {
+            _mm256_storeu_ps(dst + (k0 + v) * ld, _mm256_permute2f128_ps(s[v], s[v + 4], 0x20));
+            _mm256_storeu_ps(dst + (k0 + v + 4) * ld, _mm256_permute2f128_ps(s[v], s[v + 4], 0x31));
+        }
+    }
+}
+AVX2 static int64_t transpose1(const void* x, int64_t m, int64_t K, int bf16, float* dst) { /* one row: as it is */
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, bf16 ? ld_bf16(x, m * K + k) : ld_f32(x, m * K + k));
+    return k;
+}
+AVX2 static void transpose4(const void* x, int64_t m, int64_t K, int bf16, float* dst, int64_t ld) {
+    for (int64_t k0 = 0; k0 + 4 <= K; k0 += 4) {
+        __m128 r[4];
+        for (int i = 0; i < 4; i++)
+            r[i] = bf16 ? _mm256_castps256_ps128(widen8(_mm_loadl_epi64((const __m128i*)((const uint16_t*)x + (m + i) * K + k0))))
+                        : _mm_loadu_ps((const float*)x + (m + i) * K + k0);
+        _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
+        for (int v = 0; v < 4; v++) _mm_storeu_ps(dst + (k0 + v) * ld, r[v]);
+    }
+}
+
+/* pack_x_c (linear.c) by register transposes: a block's rows go by eights, then fours, then alone */
+void pack_x_avx2(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt) {
+    int64_t B = x_block(M, bf16);
+    for (int64_t m = 0; m < M; m++) {
+        int64_t ld, k = 0, i = m % B; /* i: the row's place in its block */
+        float* xm = xt + x_at(M, B, K2, m, &ld);
+        if (ld == 1) /* one row: its values in a line */
+            k = transpose1(x, m, K, (int)bf16, xm);
+        else if (i / 8 * 8 + 8 <= ld) {
+            if (i % 8 == 0) transpose8(x, m, K, (int)bf16, xm, ld);
+            k = K / 8 * 8; /* (this row's values up to there are in) */
+        } else if (i / 4 * 4 + 4 <= ld) {
+            if (i % 4 == 0) transpose4(x, m, K, (int)bf16, xm, ld);
+            k = K / 4 * 4;
+        }
+        x_row_rest(x, m, K, K2, (int)bf16, xm, ld, k);
+    }
+}
+
+#endif

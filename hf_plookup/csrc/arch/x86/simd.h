@@ -1,0 +1,71 @@
+/* The x86 vector code's one abstraction: 8 fp32 lanes of AVX2 (+ FMA), the loads that widen bf16 into
+ * them, and the fixed tree of their horizontal sum. Every arch/x86 file builds on these.
+ *
+ * The package is built for the baseline x86-64 (one build for every CPU), so the vector functions
+ * carry their instruction set as a target attribute (AVX2 below, AVX512BF16 in
+ * attention_avx512bf16.c) and module.c puts them in the dispatch table only where the CPU has it. */
+#ifndef HF_PLOOKUP_ARCH_X86_SIMD_H
+#define HF_PLOOKUP_ARCH_X86_SIMD_H
+
+#include "../../cpu_kernels.h"
+
+#if HAVE_X86_KERNELS
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_INLINE AVX2 static inline __attribute__((always_inline))
+/* gcc 12 at -O3 kept a tile's sums in memory, a store per FMA, unless every loop over them unrolls */
+#define UNROLL _Pragma("GCC unroll 16")
+
+AVX2 static inline float hsum8(__m256 v) { /* ((0+4)+(2+6)) + ((1+5)+(3+7)), as sum8 */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* out[u] = hsum8(v[u]) for u < 8, bitwise (the same tree: lane i + lane i+4, then (0+2) + (1+3)),
+ * eight sums at once by transposing as they are added */
+AVX2_INLINE __m256 hsum8x8_v(const __m256* v) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; i++) /* [v_2i: p0..p3 | v_2i+1: p0..p3], p_l = lane l + lane l+4 */
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* [p0+p2, p1+p3] of four vectors */
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    __m256 d = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xDD));
+    /* d = sums of v0 v2 v4 v6 | v1 v3 v5 v7 */
+    return _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+AVX2 static inline void hsum8x8(const __m256* v, float* out) { _mm256_storeu_ps(out, hsum8x8_v(v)); }
+
+AVX2 static inline __m256 ld_f32(const void* p, int64_t i) { return _mm256_loadu_ps((const float*)p + i); }
+AVX2 static inline __m256 widen8(__m128i h) { /* 8 bf16 -> fp32, exact */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+AVX2 static inline __m256 ld_bf16(const void* p, int64_t i) { return widen8(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))); }
+/* the first `rem` (< 8) values, zeros after: a zero lane adds 0 * 0 to its sum */
+AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
+    float tmp[8] = {0};
+    for (int j = 0; j < rem; j++) tmp[j] = load1(p, i + j, bf16);
+    return _mm256_loadu_ps(tmp);
+}
+/* 8 values from p + i (fp32, or bf16 widened), or the first rem (< 8) of them and zeros (rem > 0) */
+#define LDX(P, OFF, REM) ((REM) ? ld_part(P, OFF, REM, bf16) : (bf16 ? ld_bf16(P, OFF) : ld_f32(P, OFF)))
+
+/* a key block's NH x KB sums a[h][u] (8 lanes each; NH * KB is 8 or 9) to scores s[h * ld + j + u]
+ * (the head groups' scores, both instruction sets) */
+AVX2_INLINE void store_scores(const __m256* a, int nh, int kb, float* s, int64_t ld, int64_t j) {
+    float sums[8];
+    hsum8x8(a, sums);
+    for (int i = 0; i < nh * kb; i++) s[i / kb * ld + j + i % kb] = i < 8 ? sums[i] : hsum8(a[i]);
+}
+
+/* a row of `bytes` bytes into L1, line by line (the attention's rows ahead of use, KEY_AHEAD) */
+AVX2 static inline void prefetch_row(const char* p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    _mm_prefetch(p + bytes - 1, _MM_HINT_T0); /* the last line, when the row does not start a line */
+}
+
+#endif
+#endif

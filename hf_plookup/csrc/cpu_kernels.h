@@ -1,0 +1,299 @@
+/* Row-invariant CPU kernels for decode, verify and tree steps (cpu.kernels and cpu.layers drive them):
+ * what every file of hf_plookup._cpu_kernels shares.
+ *
+ * Every kernel gives each output one fixed order of arithmetic that depends only on the operand
+ * sizes (K for a linear output, the visible keys for an attention query), never on how many rows
+ * share the call, where a row sits in it or which thread computes it. So a token's logits in a
+ * k+1-token verify step are bitwise those of a 1-token step.
+ *
+ * The files, as ggml-cpu keeps them: the portable C of each concern here (linear.c, attention.c,
+ * layers.c for the norms and decoder layers, threads.c for the pool, module.c for the entry points
+ * and the SIMD levels), and the vector code of each instruction set apart under arch/ (arch/x86:
+ * AVX2 + FMA, and AVX-512 BF16 for bf16 attention scores), behind one abstraction (arch/x86/simd.h).
+ * The kernels reach the vector code only through `ops`, the dispatch table below, which module.c
+ * fills for the SIMD level once at load and again whenever set_simd_level picks another level.
+ *
+ * Levels (simd_level): 0 portable C; 1 AVX2 + FMA; 2 as 1, and bf16 attention scores by AVX-512
+ * BF16 dot products (an order of their own). The linears, norms and the layers' elementwise
+ * arithmetic give the same bits at every level; attention too, but for its softmax's exp (libm's at
+ * level 0) and level 2's bf16 scores.
+ */
+#ifndef HF_PLOOKUP_CPU_KERNELS_H
+#define HF_PLOOKUP_CPU_KERNELS_H
+
+/* clock_gettime, pthreads under -std=c11 (every file includes this header first; module.c has Python.h
+ * before it, which asks for as much) */
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* the vector code of arch/x86 is compiled where the compiler can target it (per function, so one
+ * build runs on any x86-64 CPU; module.c checks the CPU at load); -DHAVE_X86_KERNELS=0 builds the
+ * portable code alone, as a CPU of another architecture gets it */
+#ifndef HAVE_X86_KERNELS
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_X86_KERNELS 1
+#else
+#define HAVE_X86_KERNELS 0
+#endif
+#endif
+/* VDPBF16PS intrinsics: gcc 11, clang 11 */
+#if HAVE_X86_KERNELS && ((defined(__clang__) && __clang_major__ >= 11) || (!defined(__clang__) && __GNUC__ >= 11))
+#define HAVE_AVX512BF16_KERNELS 1
+#else
+#define HAVE_AVX512BF16_KERNELS 0
+#endif
+
+/* the ctypes entry points (cpu.kernels, cpu.layers declare them); everything else stays inside the
+ * library, so calls between its files are direct, not through the PLT */
+#define EXPORT __attribute__((visibility("default")))
+#pragma GCC visibility push(hidden)
+
+/* ------------------------------------------------------------------ bf16 helpers (portable) */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load1(const void* p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+static inline void store1(void* p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(v);
+    else ((float*)p)[i] = v;
+}
+
+/* v rounded to bf16 (when bf16), as torch rounds each op's fp32 result of bf16 tensors */
+static inline float rnd(float v, int b16) { return b16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* the fixed tree of an 8-lane sum: ((0+4)+(2+6)) + ((1+5)+(3+7)), as the vector code's hsum8 */
+static inline float sum8(const float* acc) {
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------ linears (linear.c)
+ *
+ * A linear's weights come packed (cpu.kernels.pack) in panels of 8 output columns, the 8 columns'
+ * values for one k side by side: fp32 [P][K][8]; bf16 [P][K2/2][8][2], K2 being K rounded up to even,
+ * so that lane c of a 32-bit pair holds column c's value k in its low half and k + 1 in its high
+ * half; P = ceil(N / 8), zeros past N and K. x goes in transposed, in blocks of rows (x_block), fp32
+ * (bf16 widened, exactly), so that a tile broadcasts x[m][k] from one place.
+ *
+ * Every output n of row m is one FMA chain over k in order, from 0:
+ *   s = fma(w[n][K-1], x[m][K-1], ... fma(w[n][1], x[m][1], fma(w[n][0], x[m][0], 0)) ...)
+ * then s + bias[n], then (bf16) one rounding to nearest even. Nothing in it depends on the row count,
+ * the row's place or the thread, and a padding zero adds 0 * 0. */
+
+/* Calls of more than 9 rows (a batch's verify step, a prompt chunk) go in blocks of rows: fp32 in
+ * blocks of MANY_ROWS rows, each over MANY_PANELS panels and MANY_KBLOCK values at a time, so that
+ * the panels' block stays in L1 while every row block passes over it (a chain cut there goes on
+ * from its stored sums, bitwise); bf16 in blocks of up to 9 rows over one panel, since each bf16
+ * pass widens the panel again and passes of 3 x 3 over 3 panels were slower (docs/results.md, "CPU
+ * verify steps: the bound, and the ideas tried"). x too goes in blocks of rows (x_block), which was
+ * faster at 16 and 40 fp32 rows than one [K][M] block (docs/results.md, "Packed linears: weights
+ * packed by output column"). */
+#define MANY_PANELS 3
+#define MANY_ROWS 4
+#define MANY_KBLOCK 128
+#define MANY_BLOCK_ROWS 64 /* rows whose sums one pass over the panels keeps (a multiple of 4) */
+
+/* x goes to the tiles transposed in blocks of this many rows, [blocks][K2][B] (the last block fewer
+ * rows), so that a pass over one block reads its x values as one stream: all M rows as one block
+ * up to 9 rows, else the rows of a fp32 pass (MANY_ROWS) or of a bf16 one (at most 9, the blocks as even
+ * as they come: 10 rows as 5 + 5 rather than 9 + 1, whose 1-row pass is one FMA chain at a time) */
+static inline int64_t x_block(int64_t M, int64_t bf16) {
+    if (M <= 9) return M;
+    if (!bf16) return MANY_ROWS;
+    int64_t blocks = (M + 8) / 9;
+    return (M + blocks - 1) / blocks;
+}
+
+/* where row m's value 0 lies in the transposed x (blocks of B rows, K2 values), *ld the step between its
+ * values (the rows of m's block) */
+static inline int64_t x_at(int64_t M, int64_t B, int64_t K2, int64_t m, int64_t* ld) {
+    int64_t m0 = m / B * B;
+    *ld = M - m0 < B ? M - m0 : B;
+    return m0 * K2 + (m - m0);
+}
+
+/* row m's values [k, K) into xm (ld apart), widened, then zeros up to K2 (the rest of pack_x's work) */
+static inline void x_row_rest(const void* x, int64_t m, int64_t K, int64_t K2, int bf16, float* xm, int64_t ld,
+                              int64_t k) {
+    for (; k < K; k++) xm[k * ld] = load1(x, m * K + k, bf16);
+    for (k = K; k < K2; k++) xm[k * ld] = 0.0f;
+}
+
+int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const void* const* bias,
+                void* const* out, const int64_t* N, int64_t bf16, int64_t threads);
+
+/* ------------------------------------------------------------------ attention (attention.c) */
+
+#define MAX_NH 3        /* query heads of a KV head whose scores and sums are computed together */
+#define PASS_TOKENS 16  /* tokens of one sequence that share a pass over its keys */
+#define KEY_BLOCK 24    /* keys of the shared span read by all of a pass's queries while in L1 (3 and 8 divide it) */
+#define TILE_QUERIES 12 /* bf16 queries of a KV head from which the span goes by tiles (fewer: by head groups) */
+/* Keys and values are rows of D values scattered over the pages (the other KV heads' rows lie in
+ * between), a pattern the hardware prefetchers miss: each loop asks for the row KEY_AHEAD keys ahead. */
+#define KEY_AHEAD 32
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int64_t *kv_slots, *seq, *run_lo, *run_hi, *extra_off, *extra;
+    void* out;
+    int64_t T, H, D, Dv, H_kv, Lk, bf16;
+    float scale, softcap;
+    const int64_t* starts; /* [R+1] first token of each run of tokens of one sequence */
+    int64_t chunks;        /* token pieces per (run, KV piece, head piece) */
+    int64_t kvsplit;       /* pieces the KV heads are cut into */
+    int64_t hsplit;        /* pieces the query heads of a KV head are cut into */
+    atomic_long failed;
+} attend_job;
+
+/* A pass (attention.c, attend_pass): tokens t_lo .. t_lo+nt-1 of one sequence, each with query heads
+ * kvh * G + g_lo .. g_lo+ng-1 of the KV heads kvh = kv_lo .. kv_lo+nkv-1 (G = H / H_kv); nS keys all of
+ * them see (the span), read once for all of them. */
+typedef struct {
+    const attend_job* J;
+    int64_t t_lo, nt, kv_lo, nkv, g_lo, ng, HP, nS, D8;
+    int64_t Ls[PASS_TOKENS], sbase[PASS_TOKENS], own_at[PASS_TOKENS + 1], pre[PASS_TOKENS];
+    int64_t *krow, *kown, *vrow, *vown; /* element offsets of the span's and the own keys (all KV heads) */
+    float *s, *qf, *o, *wide;           /* scores, fp32 queries, outputs, a block of fp32 rows */
+    uint16_t* qb;                       /* bf16 scores by dot products (ops.scores_bf16): the queries' bf16 bits */
+    const float** span_q;               /* per KV head nt * ng queries (token-major): vectors D8 long, */
+    float **span_s, **span_o;           /* their score rows from the span's first key, output rows */
+    int tiles;                          /* the span by tiles (ops.tile_scores, ops.tile_values) */
+} pass_t;
+
+/* ------------------------------------------------------------------ the dispatch table */
+
+/* s[h * ld + j] = dot(q[h], key j) for NH (the table's index, 1 .. MAX_NH) fp32 query vectors qs apart
+ * against L keys at element offsets rows[j] of kb (fp32, or bf16 when bf16): 8 lanes over D (lane l:
+ * d = l, l + 8, ...), each an FMA chain, then sum8's tree; npf: how many of the keys to prefetch ahead */
+typedef void (*scores_fn)(const float* q, const void* kb, const int64_t* rows, int64_t L, int64_t D, int64_t qs,
+                          int bf16, float* s, int64_t ld, int64_t npf);
+/* the same from bf16 queries (their bits, D apart) over bf16 keys, in the order of a dot-product
+ * instruction */
+typedef void (*scores_bf16_fn)(const uint16_t* q, const void* kb, const int64_t* rows, int64_t L, int64_t D,
+                               float* s, int64_t ld, int64_t npf);
+/* o[h * Dv + d] += p[h * ld + j] * value_j[d] for j = 0 .. L-1 in order, one FMA each, NH heads */
+typedef void (*wsum_fn)(const float* p, int64_t ld, const void* vb, const int64_t* rows, int64_t L, int64_t Dv,
+                        int bf16, float* o, int64_t npf);
+
+/* The kernels of one SIMD level; the portable code calls them through `ops` and tests no level
+ * itself. An entry a level lacks is NULL (said at each). */
+typedef struct {
+    int level;
+    /* linears: x [M, K] into the tiles' transposed blocks (x_block), and the outputs of panels
+     * [p_lo, p_hi) of a packed linear, every row (linear.c says what they compute) */
+    void (*pack_x)(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
+    void (*linear_range)(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
+                         int64_t p_hi, void* out, int64_t N, int64_t bf16);
+    /* attention: scores and weighted sums by the number of heads (index NH, 1 .. MAX_NH), and the
+     * softmax of a row of scores after multiplying them by scale */
+    scores_fn scores[MAX_NH + 1];
+    wsum_fn wsum[MAX_NH + 1];
+    void (*softmax)(float* s, int64_t L, float scale);
+    /* bf16 scores by dot products, replacing scores[] for bf16 pages (NULL: scores[] reads them) */
+    scores_bf16_fn scores_bf16[MAX_NH + 1];
+    /* a pass's span by blocks of KEY_BLOCK keys widened to fp32 rows against tiles of queries, for
+     * bf16 pages with TILE_QUERIES or more queries to a KV head; the same bits as scores[] and
+     * wsum[] (NULL: the span by head groups) */
+    void (*tile_scores)(const pass_t* P);
+    void (*tile_values)(const pass_t* P);
+    /* norms and the decoder layers' elementwise arithmetic (layers.c, elementwise.h) */
+    void (*rms_rows)(const void* x, int64_t m_lo, int64_t m_hi, int64_t K, const void* w, float eps, int64_t form,
+                     void* out, int b16);
+    void (*add_into)(void* x, const void* y, int64_t n, int b16);
+    void (*mul_to)(void* out, const void* a, const void* b, int64_t n, int b16);
+    void (*rope)(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const void* sin, int b16);
+} kernel_ops;
+
+extern kernel_ops ops; /* module.c: the level's kernels, set between calls, never during one */
+
+/* ------------------------------------------------------------------ each level's kernels */
+
+/* portable C (level 0) */
+void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
+void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
+                    int64_t p_hi, void* out, int64_t N, int64_t bf16);
+extern const scores_fn scores_c[MAX_NH + 1];
+extern const wsum_fn wsum_c[MAX_NH + 1];
+void softmax_c(float* s, int64_t L, float scale);
+void rms_rows_c(const void* x, int64_t m_lo, int64_t m_hi, int64_t K, const void* w, float eps, int64_t form,
+                void* out, int b16);
+void add_into_c(void* x, const void* y, int64_t n, int b16);
+void mul_to_c(void* out, const void* a, const void* b, int64_t n, int b16);
+void rope_c(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const void* sin, int b16);
+
+#if HAVE_X86_KERNELS
+/* AVX2 + FMA (level 1 and up; arch/x86) */
+void pack_x_avx2(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
+void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
+                       int64_t p_hi, void* out, int64_t N, int64_t bf16);
+extern const scores_fn scores_avx2[MAX_NH + 1];
+extern const wsum_fn wsum_avx2[MAX_NH + 1];
+void softmax_avx2(float* s, int64_t L, float scale);
+void tile_scores_avx2(const pass_t* P);
+void tile_values_avx2(const pass_t* P);
+void rms_rows_avx2(const void* x, int64_t m_lo, int64_t m_hi, int64_t K, const void* w, float eps, int64_t form,
+                   void* out, int b16);
+void add_into_avx2(void* x, const void* y, int64_t n, int b16);
+void mul_to_avx2(void* out, const void* a, const void* b, int64_t n, int b16);
+void rope_avx2(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const void* sin, int b16);
+#endif
+#if HAVE_AVX512BF16_KERNELS
+/* AVX-512 BF16 (level 2's bf16 scores; arch/x86/attention_avx512bf16.c) */
+extern const scores_bf16_fn scores_dpbf16[MAX_NH + 1];
+#endif
+
+/* ------------------------------------------------------------------ threads (threads.c) */
+
+typedef void (*task_fn)(void* ctx, int64_t part);
+
+/* fn(ctx, p) for p = 0 .. parts-1 on up to `threads` threads, the caller one of them */
+void run_parallel(task_fn fn, void* ctx, int64_t parts, int64_t threads);
+void pool_after_fork_child(void);
+
+#pragma GCC visibility pop
+
+/* ------------------------------------------------------------------ entry points (ctypes) */
+
+EXPORT int64_t linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t N, void* out,
+                      int64_t bf16, int64_t threads);
+EXPORT int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const void* k_cache,
+                      const void* v_cache, int64_t H_kv, const int64_t* kv_slots, int64_t Lk, const int64_t* seq,
+                      const int64_t* run_lo, const int64_t* run_hi, const int64_t* extra_off, const int64_t* extra,
+                      float scale, float softcap, void* out, int64_t bf16, int64_t threads);
+EXPORT int64_t rms_norm(const void* x, int64_t M, int64_t K, const void* w, float eps, int64_t form, void* out,
+                        int64_t bf16, int64_t threads);
+EXPORT int64_t layer_phases(int64_t on, int64_t* out);
+EXPORT int64_t uses_avx2(void);
+EXPORT int64_t simd_level(void);
+EXPORT int64_t set_simd_level(int64_t level);
+/* layer_attention and layer_mlp: layers.c, with their structs */
+
+#endif
