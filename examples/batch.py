@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import hf_plookup
-from hf_plookup.embedded import add_threads_option, apply_threads, default_example_model, encode_prompts, is_instruct, resolve_model
+from hf_plookup.embedded import encode_prompts, example_model, example_parser, is_instruct
 
 REQUESTS = [
     "Rewrite this sentence in the past tense: The committee meets on Tuesday and approves the budget for the new library.",
@@ -36,23 +36,15 @@ BASE_PROMPTS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=default_example_model(),
-                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="(default: %(default)s)")
-    p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens (default: %(default)s)")
+    p = example_parser(__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="also run HF greedy and compare the outputs")
-    add_threads_option(p)
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    apply_threads(p, args.threads)
-
-    model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
-    tokenizer.padding_side = "left"  # generation continues from the right edge of every row
+    model, tokenizer = example_model(p, args)
     wrapped = hf_plookup.wrap(model)  # the same object, its generate now on hf_plookup's engine
 
     inputs = encode_prompts(tokenizer, REQUESTS, BASE_PROMPTS, is_instruct(args.model, tokenizer))

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 
 import hf_plookup
-from hf_plookup.embedded import add_threads_option, apply_threads, default_example_model, encode_prompts, is_instruct, resolve_model
+from hf_plookup.embedded import encode_prompts, example_model, example_parser, is_instruct
 
 TEXT = (
     "The Harwick Vale council approved a new footbridge over the Orrin River on Tuesday. "
@@ -24,21 +23,13 @@ TEXT = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=default_example_model(),
-                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="(default: %(default)s)")
-    p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens: draft tokens per step (default: %(default)s)")
-    add_threads_option(p)
-    return p
+    return example_parser(__doc__.splitlines()[0], "prompt_lookup_num_tokens: draft tokens per step")
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    apply_threads(p, args.threads)
-
-    model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
+    model, tokenizer = example_model(p, args)
     model = hf_plookup.wrap(model)  # same model; generate() now runs on hf_plookup's engine
 
     inputs = encode_prompts(tokenizer, [f"Summarize in one sentence:\n\n{TEXT}"],

@@ -16,15 +16,11 @@ import argparse
 import torch
 
 import hf_plookup
-from hf_plookup.embedded import add_threads_option, apply_threads, default_example_model, encode_prompts, is_instruct, resolve_model
+from hf_plookup.embedded import encode_prompts, example_model, example_parser, is_instruct
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=default_example_model(),
-                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="(default: %(default)s)")
-    p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens (default: %(default)s)")
+    p = example_parser(__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=2, help="how many samples to draw (one seed each) (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
     p.add_argument("--top-p", type=float, default=0.9, help="(default: %(default)s)")
@@ -33,16 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request for an instruct model (default: %(default)s)")
     p.add_argument("--base-prompt", default="Three good names for a small bakery that sells bread, and why each suits it:\n1.",
                    help="plain-text prompt for a base model (default: %(default)s)")
-    add_threads_option(p)
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    apply_threads(p, args.threads)
-
-    model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
+    model, tokenizer = example_model(p, args)
     model = hf_plookup.wrap(model)
     inputs = encode_prompts(tokenizer, [args.prompt], [args.base_prompt], is_instruct(args.model, tokenizer))
 

@@ -11,33 +11,25 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from transformers import TextStreamer
 
 import hf_plookup
-from hf_plookup.embedded import add_threads_option, apply_threads, default_example_model, encode_prompts, is_instruct, resolve_model
+from hf_plookup.embedded import encode_prompts, example_model, example_parser, is_instruct
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=default_example_model(),
-                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="(default: %(default)s)")
-    p.add_argument("--k", type=int, default=4, help="prompt_lookup_num_tokens (default: %(default)s)")
+    p = example_parser(__doc__.splitlines()[0])
     p.add_argument("--prompt", default="Write a short note to a neighbour about a parcel that was delivered to the wrong house.",
                    help="request for an instruct model (default: %(default)s)")
     p.add_argument("--base-prompt", default="Article: A parcel for number 12 was delivered to number 21 by mistake on Monday. The neighbour at number 21 carried it over in the evening and left a note.\n\nSummary:",
                    help="plain-text prompt for a base model (default: %(default)s)")
-    add_threads_option(p)
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    apply_threads(p, args.threads)
-
-    model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
+    model, tokenizer = example_model(p, args)
     model = hf_plookup.wrap(model)
     inputs = encode_prompts(tokenizer, [args.prompt], [args.base_prompt], is_instruct(args.model, tokenizer))
 

@@ -56,6 +56,8 @@ __all__ = [
     "load_embedded",
     "resolve_model",
     "default_example_model",
+    "example_parser",
+    "example_model",
     "is_instruct",
     "encode_prompts",
 ]
@@ -191,6 +193,30 @@ def apply_threads(parser, threads: int | None) -> None:
         set_threads(threads)
     except ValueError as e:
         parser.error(str(e))
+
+
+def example_parser(description: str, k_help: str = "prompt_lookup_num_tokens"):
+    """The parser of an example script with the options every example takes: --model (an embedded
+    alias or an HF id/path; default_example_model), --max-new-tokens, --k and --threads."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default=default_example_model(),
+                   help="embedded alias (smollm2-135m, gemma3-270m) or HF id/path (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="(default: %(default)s)")
+    p.add_argument("--k", type=int, default=4, help=f"{k_help} (default: %(default)s)")
+    add_threads_option(p)
+    return p
+
+
+def example_model(parser, args) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """An example's plain HF model and tokenizer from its parsed `args` (example_parser's
+    options): threads set, the model loaded in float32 on the CPU, the tokenizer padding on the
+    left (generation continues from the right edge of every row)."""
+    apply_threads(parser, args.threads)
+    model, tokenizer = resolve_model(args.model, dtype=torch.float32, device="cpu")
+    tokenizer.padding_side = "left"
+    return model, tokenizer
 
 
 def default_example_model() -> str:
