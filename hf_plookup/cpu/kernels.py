@@ -98,8 +98,8 @@ def serial_torch():
     In a decode step the kernels do the heavy work on their own pool; what torch computes besides
     (activations, residuals, RoPE on a few dozen rows) is too small to gain from threads, yet from
     32,768 elements (22 rows of SmolLM2's 1,536-wide MLP) torch hands it to its OpenMP threads,
-    which then spin beside the kernels' workers for the cores. At batch 8 a 23-row step took 130 ms
-    where a 20-row one took 84. Process-wide, as torch's setting is; nested uses are no-ops."""
+    which then spin beside the kernels' workers for the cores: a step just past that size took far
+    longer than one just below it. Process-wide, as torch's setting is; nested uses are no-ops."""
     n = torch.get_num_threads()
     if n <= 1 or getattr(_local, "threads", None):
         yield
