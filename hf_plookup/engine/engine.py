@@ -8,6 +8,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -20,7 +21,7 @@ from ..cpu import kernels as cpu_kernels
 from ..cpu.head import head_chooser
 from ..cpu.huge_pages import to_huge_pages
 from ..cpu.invariant_linears import CAPTURED_INVARIANT_BACKENDS, InvariantLinears, resolve_invariant
-from ..cuda.graphs import GraphRunner
+from ..cuda.graphs import GraphRunner, batch_bucket
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import history_free
 from ..drafting.tree import TreeProposer
@@ -32,6 +33,7 @@ from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_spec
 from .prefix import PrefixPool, copy_caller_kv
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .widths import StepCosts, candidate_widths
 from .sequence import DecodeConfig
 
 logger = logging.getLogger("hf_plookup")
@@ -166,6 +168,11 @@ def resolve_compile(requested: bool | str, devices: list[torch.device], backend:
     return bool(requested)
 
 
+def layout_is_decode(chunks) -> bool:
+    """A step of decode chunks only (the ones a uniform width applies to)."""
+    return bool(chunks) and not any(c.is_prefill for c in chunks)
+
+
 def warn_eager(stats: SpecStats, min_steps: int = EAGER_WARN_MIN_STEPS) -> bool:
     """Log one line when most of a call's decode steps (at least `min_steps` of them) ran eagerly
     although CUDA graphs or compiled steps are on: the call then ran at eager speed. True if it did.
@@ -222,6 +229,10 @@ class Engine:
         self.tree_min_score = TREE_MIN_SCORE.get(devices[0].type, 0.0) if auto else options.tree_min_score
         self.step_fixed_tokens = STEP_FIXED_TOKENS.get(devices[0].type) if auto else None  # batch scaling
         self._graphs: GraphRunner | None = None
+        # uniform verify steps in CUDA graphs take one width per step, from what steps of each width
+        # measured to cost (engine.widths); chains only: a tree's size is its node budget
+        self.width_policy = self.use_graphs
+        self.step_costs = StepCosts()
         # CPU: the LM head's faster matmul layout for multi-row steps (timed, so not under tensor parallel)
         self.head = None if self.tensor_parallel else head_chooser(model)
         self._capacity: int | None = None
@@ -387,6 +398,8 @@ class Engine:
         else:  # the caller's past_key_values still spare their prefill
             sched.on_admit = functools.partial(copy_caller_kv, batch, blocks, cache)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
+        if self.width_policy and batch.proposer is not None and not batch.tree:
+            batch.widths, batch.step_costs, batch.bucket_of = candidate_widths(cfg.k), self.step_costs, batch_bucket
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
                              graphs, self.head, self.invariant, self.embedders, self.mixers)
         batch.add(own)
@@ -403,12 +416,19 @@ class Engine:
                     if sched.done:
                         self._batch = None
                         break
+                batch.step_width = None
                 chunks = sched.schedule(batch.propose)
-                layout = runner.layout(chunks, batch.history, batch.parents if batch.tree else None, batch.pads)
+                layout = runner.layout(chunks, batch.history, batch.parents if batch.tree else None, batch.pads,
+                                       batch.step_width if layout_is_decode(chunks) else None)
+                t0, first_runs = time.perf_counter(), graphs and graphs.compile_seconds + graphs.capture_seconds
                 logits = runner.run(layout)  # [N, V] at layout.keep
                 for call in batch.postprocess(chunks, layout, logits, runner.last_path, runner.last_reason):
                     if call is not own:
                         call.done.set()  # a joiner returns as soon as its rows are done
+                if (batch.step_width is not None and runner.last_path != "eager"
+                        and first_runs == graphs.compile_seconds + graphs.capture_seconds):
+                    # a uniform step that compiled and captured nothing: what its width costs
+                    self.step_costs.record(layout.max_query_len, batch_bucket(layout.num_seqs), time.perf_counter() - t0)
         except BaseException as e:
             with self._state_lock:
                 pending, self._pending, self._batch = self._pending, [], None

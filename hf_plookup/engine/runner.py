@@ -50,24 +50,26 @@ class ModelRunner:
         self.last_path = "eager"
         self.last_reason: str | None = None
 
-    def layout(self, chunks: list[ScheduledChunk], history: np.ndarray,
-               parents: np.ndarray | None = None, pads: np.ndarray | None = None) -> StepLayout:
+    def layout(self, chunks: list[ScheduledChunk], history: np.ndarray, parents: np.ndarray | None = None,
+               pads: np.ndarray | None = None, pad_to: int | None = None) -> StepLayout:
         """Lay out one step. `history`: [B_all, L] int64 token rows (drafts already written after
         each row's last token). `parents`: [B_all, K] int64, the batch's draft-node parents (a
         row's first `num_tokens - 1` entries are its chunk's; chunk indices), or None for chains.
         With parents, every decode chunk is a tree (a chain is the tree whose node j has parent
         j - 1) and the step carries a tree mask; prompt chunks stay chains. `pads`: [B_all] int64
-        each row's left pads in its call's input, for `embed_positions` (with `embedders` only)."""
+        each row's left pads in its call's input, for `embed_positions` (with `embedders` only).
+        `pad_to`: this step's width where the runner pads decode steps (default: its own)."""
         bs = self.blocks.block_size
         scratch = self.cache.scratch_block
         pad_page = scratch if scratch is not None else 0
         n_real = np.array([c.num_tokens for c in chunks], dtype=np.int64)  # [B]
         prefill = np.array([c.is_prefill for c in chunks], dtype=bool)  # [B]
         n = n_real
-        if not prefill.any() and self.pad_to is not None:
-            if (n_real > self.pad_to).any():
-                raise ValueError(f"a decode chunk feeds {int(n_real.max())} tokens, more than pad_to={self.pad_to}")
-            n = np.full_like(n_real, self.pad_to)
+        width = pad_to if pad_to is not None and self.pad_to is not None else self.pad_to
+        if not prefill.any() and width is not None:
+            if (n_real > width).any():
+                raise ValueError(f"a decode chunk feeds {int(n_real.max())} tokens, more than pad_to={width}")
+            n = np.full_like(n_real, width)
         start = np.array([c.start for c in chunks], dtype=np.int64)  # [B]
         ctx = start + n  # [B]
         b, tq, lk = len(chunks), int(n.max()), int(ctx.max())

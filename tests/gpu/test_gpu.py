@@ -81,6 +81,19 @@ def test_compiled_step_writes_pages_in_place():
     assert w.last_stats.decode_steps_by_path == {"graph": w.last_stats.decode_steps}
 
 
+def test_step_widths_from_measured_costs_fp32():
+    """CUDA graphs pick each verify step's width from what steps measured to cost (engine.widths):
+    several widths are captured and tried, and the tokens stay HF greedy's."""
+    model = tiny_model("llama").cuda()
+    w = wrap_copy(model, max_cache_tokens=8192, attn_backend="sdpa", compile=False)
+    assert w._engine.width_policy
+    for batch in (1, 4):
+        assert torch.equal(_hf(model, batch, 5), _generate(w, batch, 8, 5)), batch
+    widths = {q for q, _ in w._engine.step_costs.seconds}
+    assert len(widths) >= 2 and widths <= {1, 5, 9}
+    assert {key[0] for key in w._engine._graphs.graphs} >= widths
+
+
 def test_graph_replay_identical_to_eager_fp32():
     """sdpa in fp32: captured and eager padded steps give the same tokens."""
     model = tiny_model("mistral").cuda()

@@ -1,0 +1,91 @@
+"""engine.widths: the width of uniform verify steps from measured step costs, on literal cases, and
+in the engine (its static-buffer step path, run on CPU: the one CUDA graphs replay)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hf_plookup.cuda.graphs import GraphRunner, batch_bucket
+from hf_plookup.engine.widths import StepCosts, candidate_widths, choose_width, expected_tokens
+from tests.conftest import left_padded, tiny_model, wrap_copy
+
+
+def test_candidates_and_expected_tokens():
+    assert candidate_widths(8) == (1, 5, 9) and candidate_widths(4) == (1, 3, 5) and candidate_widths(2) == (1, 3)
+    assert candidate_widths(1) == (1, 2)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        candidate_widths(0)
+    assert expected_tokens(np.array([0.5, 0.8]), np.array([4, 1]), 3) == pytest.approx(3.55)
+    assert expected_tokens(np.array([0.5, 0.8]), np.array([4, 1]), 1) == pytest.approx(2.0)  # plain decoding
+
+
+def test_step_costs_follow_their_steps():
+    c = StepCosts(weight=0.5)
+    assert c.get(5, 16) is None
+    c.record(5, 16, 4.0)
+    c.record(5, 16, 2.0)
+    assert c.get(5, 16) == pytest.approx(3.0) and c.get(5, 1) is None
+    with pytest.raises(ValueError, match="weight"):
+        StepCosts(weight=0.0)
+
+
+def test_choose_width():
+    c = StepCosts()
+    one_row = dict(rates=np.array([0.5]), drafts=np.array([8]))
+    assert choose_width(c, 1, (1, 5, 9), **one_row) == 9  # nothing measured: the widest first
+    c.record(9, 1, 4.8e-3)
+    assert choose_width(c, 1, (1, 5, 9), **one_row) == 5  # then the next one not yet measured
+    c.record(5, 1, 3.6e-3)
+    c.record(1, 1, 3.0e-3)
+    assert choose_width(c, 1, (1, 5, 9), **one_row) == 5  # 0.54 tokens a ms against 0.33 and 0.42
+    assert choose_width(c, 1, (1, 5, 9), np.array([0.95]), np.array([8])) == 9  # a row that copies
+    assert choose_width(c, 1, (1, 5, 9), np.array([0.5]), np.array([0])) == 1  # no drafts: plain decoding
+    flat = StepCosts()
+    for q in (1, 5, 9):
+        flat.record(q, 1, 3.0e-3)
+    assert choose_width(flat, 1, (1, 5, 9), np.array([0.9]), np.array([6])) == 9  # 6 drafts: width 9 holds them
+    assert choose_width(c, 16, (1, 5, 9), **one_row) == 9  # another bucket: measured apart
+
+
+def _engine_with_widths(model, costs=None):
+    w = wrap_copy(model, max_cache_tokens=4096, block_size=16, pad_drafts=True)
+    eng = w._engine
+    eng._graphs = GraphRunner(w, eng.cache(), "sdpa", eng.options.max_num_seqs, capture=False)
+    eng.width_policy = True
+    if costs is not None:
+        eng.step_costs = costs
+    return w
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_engine_steps_take_the_chosen_width_and_stay_exact(batch):
+    model = tiny_model("llama")
+    ids, mask = left_padded(batch, seed=7)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    kw = dict(attention_mask=mask, max_new_tokens=24, prompt_lookup_num_tokens=8)
+
+    w = _engine_with_widths(model)  # nothing measured: each width is tried, then judged
+    assert torch.equal(w.generate(ids, **kw), ref)
+    measured = {q for q, b in w._engine.step_costs.seconds if b == batch_bucket(batch)}
+    assert len(measured) >= 2 and measured <= {1, 5, 9}
+
+    # tables that the run's own steps (CPU: wider ones cost more) barely move, so they decide alone
+    wide_is_dear = StepCosts(weight=1e-12)
+    for q, s in ((1, 1.0), (5, 100.0), (9, 100.0)):
+        wide_is_dear.record(q, batch_bucket(batch), s)
+    w = _engine_with_widths(model, wide_is_dear)
+    assert torch.equal(w.generate(ids, **kw), ref)
+    assert w.last_stats.drafted == 0 and w.last_stats.decode_steps_by_path == {"static": w.last_stats.decode_steps}
+
+    wide_is_cheap = StepCosts(weight=1e-12)
+    for q in (1, 5, 9):
+        wide_is_cheap.record(q, batch_bucket(batch), 1.0)
+    w = _engine_with_widths(model, wide_is_cheap)
+    assert torch.equal(w.generate(ids, **kw), ref)
+    plain = wrap_copy(model, max_cache_tokens=4096, block_size=16, pad_drafts=True)
+    plain.generate(ids, **kw)
+    # wide steps cost no more: every step feeds all its rows' drafts, as without the policy
+    assert w.last_stats.drafted == plain.last_stats.drafted > 0
+    assert {key[0] for key in w._engine._graphs.graphs} <= {1, 5, 9}
