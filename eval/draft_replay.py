@@ -8,7 +8,12 @@ exactly as the engine would accept them, and reports tokens per forward and the 
 per step. A live run of `eval/bench.py` gives the same tokens per forward for the engine's own
 steps.
 
+The within-document oracle beside them bounds what any drafter of the row's own text can reach:
+at each step it knows the true continuation and feeds the longest run of it (up to k tokens) that
+follows some earlier position of the row's prompt and output, so it accepts all of it.
+
     python eval/draft_replay.py --model smollm2-135m --k 4 8 --tree-nodes 8 16 32
+    python eval/draft_replay.py --model smollm2-135m --dataset cnn_dailymail --num-prompts 24 --max-new-tokens 64
     python eval/draft_replay.py --model gemma3-270m --k 4 8 --tree-nodes 8 16 32
 """
 
@@ -25,7 +30,7 @@ from eval.lib.batching import eos_ids, pad_id
 from eval.lib.calls import run_plookup
 from eval.lib.cli import DTYPES, add_threads_option, parse_dtype, set_threads, show_defaults
 from eval.lib.models import load_model
-from eval.lib.prompts import builtin_prompts
+from eval.lib.prompts import SUMMARY_REQUEST, builtin_prompts, dataset_prompts
 from eval.lib.report import report, write_json
 
 
@@ -35,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--device", default=None)
     add_threads_option(p)
+    p.add_argument("--dataset", default="builtin", choices=["builtin", "cnn_dailymail", "billsum"],
+                   help="builtin: the benchmarks' requests for the builtin documents; cnn_dailymail, billsum: the "
+                        "main job's requests for the samples shipped in eval/data/ (default: %(default)s)")
+    p.add_argument("--max-doc-tokens", type=int, default=None,
+                   help="cnn_dailymail, billsum: each document cut to its first this many tokens (default: whole)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="prompt_lookup_num_tokens values")
@@ -110,6 +120,34 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
     return total, forwards, spent, fed
 
 
+def oracle(prompt: list[int], out: list[int], k: int, max_new_tokens: int | None = None) -> tuple[int, int]:
+    """(new tokens, forwards) of decoding `out` after `prompt` with the within-document oracle's
+    drafts: at each step the longest run of the true continuation, at most k tokens (and no more
+    than the row may still emit, as the engine caps drafts), that follows an earlier position of
+    the text so far; verification accepts all of it. The first token comes from the prefill.
+
+    Example: prompt [5, 6, 7, 5], out [6, 7, 9], k 4: after the prefill (6) the text is
+    5 6 7 5 6, whose position 2 holds 7 and is followed by 5, not 9: one draft (7) is fed and
+    accepted, then 9 comes from the same forward; 2 forwards for 3 tokens."""
+    full = np.asarray(prompt + out, dtype=np.int64)
+    n0, total = len(prompt), len(out)
+    limit = total if max_new_tokens is None else max_new_tokens
+    t, forwards = 1, 1
+    while t < total:
+        length = n0 + t
+        want = full[length : length + min(k, limit - t - 1, total - t)]  # the drafts that would pay
+        best = 0
+        if len(want):
+            text = full[:length]
+            # match[p, j]: the text's token at p + j equals the j-th wanted token (inside the text)
+            idx = np.arange(length)[:, None] + np.arange(len(want))[None, :]
+            match = (idx < length) & (text[np.minimum(idx, length - 1)] == want[None, :])
+            best = int(np.cumprod(match, axis=1).sum(axis=1).max())
+        t += best + 1
+        forwards += 1
+    return total, forwards
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -122,7 +160,10 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model, parse_dtype(args.dtype), args.device)
     wrapped = hf_plookup.wrap(copy.copy(model))
     pad = pad_id(model, tokenizer)
-    prompts = builtin_prompts(tokenizer, args.num_prompts)
+    if args.dataset == "builtin":
+        prompts = builtin_prompts(tokenizer, args.num_prompts)
+    else:  # the main job's requests (eval/summarize.py)
+        prompts = dataset_prompts(tokenizer, args.dataset, args.num_prompts, args.max_doc_tokens, SUMMARY_REQUEST)
     eos = eos_ids(model)
     outs = []
     for p in prompts:
@@ -140,20 +181,30 @@ def main(argv=None) -> int:
             tok = fw = fed = 0
             spent = 0.0
             for p, o in zip(prompts, outs):
-                a, b, s, f = replay(p, o, proposer, ms)
+                a, b, s, f = replay(p, o, proposer, ms, args.max_new_tokens)
                 tok, fw, spent, fed = tok + a, fw + b, spent + s, fed + f
             steps = max(fw - len(prompts), 1)
             rows.append({"k": k, "drafter": name, "tokens": tok, "forwards": fw, "tokens_per_forward": tok / fw,
                          "drafts_per_step": fed / steps, "propose_ms_per_step": 1000 * spent / steps})
-    chain = {r["k"]: r["tokens_per_forward"] for r in rows if r["drafter"] == "chain"}
+        results = [oracle(p, o, k, args.max_new_tokens) for p, o in zip(prompts, outs)]
+        tok, fw = sum(r[0] for r in results), sum(r[1] for r in results)
+        rows.append({"k": k, "drafter": "within-document oracle", "tokens": tok, "forwards": fw,
+                     "tokens_per_forward": tok / fw, "drafts_per_step": None, "propose_ms_per_step": None})
+    chain = {}  # each k's first chain row: the reference of the "x chain" column
+    for r in rows:
+        if r["drafter"].startswith("chain"):
+            chain.setdefault(r["k"], r["tokens_per_forward"])
     lens = [len(p) for p in prompts]
-    print(f"model {args.model} ({args.dtype}), {len(prompts)} builtin prompts ({min(lens)}-{max(lens)} tokens), "
-          f"{sum(len(o) for o in outs)} greedy tokens (eos {sorted(eos)} ends a row), ngram {args.ngram}")
+    print(f"model {args.model} ({args.dtype}), {len(prompts)} {args.dataset} prompts ({min(lens)}-{max(lens)} tokens), "
+          f"{sum(len(o) for o in outs)} greedy tokens (eos {sorted(eos)} ends a row), ngram {args.ngram}, "
+          f"max_new_tokens {args.max_new_tokens}")
     print("| k | drafter | tokens/forward | x chain | drafts fed/step | proposer ms/step |")
     print("|---|---|---|---|---|---|")
     for r in rows:
+        fed = "–" if r["drafts_per_step"] is None else f"{r['drafts_per_step']:.1f}"
+        ms = "–" if r["propose_ms_per_step"] is None else f"{r['propose_ms_per_step']:.3f}"
         print(f"| {r['k']} | {r['drafter']} | {r['tokens_per_forward']:.3f} | {r['tokens_per_forward'] / chain[r['k']]:.3f} "
-              f"| {r['drafts_per_step']:.1f} | {r['propose_ms_per_step']:.3f} |")
+              f"| {fed} | {ms} |")
     if args.json:
         write_json(args.json, report("draft_replay", argv, args, args.device or "cpu", rows))
     return 0

@@ -107,10 +107,12 @@ def builtin_prompts(tokenizer, n: int) -> list[list[int]]:
 DATASET_FILES = {"cnn_dailymail": ("cnn_dailymail.jsonl", "article"), "billsum": ("billsum.jsonl", "text")}
 
 
-def dataset_prompts(tokenizer, dataset: str, n: int, max_doc_tokens: int | None = None) -> list[list[int]]:
+def dataset_prompts(tokenizer, dataset: str, n: int, max_doc_tokens: int | None = None,
+                    request: str = CHAT_INSTRUCTION) -> list[list[int]]:
     """Token ids of summary requests for the first `n` documents of a shipped sample (DATASET_FILES;
-    each cut to its first `max_doc_tokens` tokens): the chat template when the tokenizer has one,
-    else the few-shot prompt. Documents differ in length, so the prompts do."""
+    each cut to its first `max_doc_tokens` tokens): the chat template when the tokenizer has one
+    (the user turn `request`: the benchmarks', or SUMMARY_REQUEST, the main job's), else the
+    few-shot prompt. Documents differ in length, so the prompts do."""
     from .documents import DATA_DIR
 
     if dataset not in DATASET_FILES:
@@ -121,7 +123,7 @@ def dataset_prompts(tokenizer, dataset: str, n: int, max_doc_tokens: int | None 
         raise ValueError(f"n={n} documents asked for, {name} holds {len(docs)}")
     chat = has_chat_template(tokenizer)
     return [encode_prompt(tokenizer, build_prompt(tokenizer, truncate_document(tokenizer, d["document"], max_doc_tokens),
-                                                  chat), chat) for d in docs[:n]]
+                                                  chat, request), chat) for d in docs[:n]]
 
 
 def synthetic_prompts(vocab_ids: list[int], n: int, length: int, seed: int = 0) -> list[list[int]]:

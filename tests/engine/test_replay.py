@@ -146,3 +146,14 @@ def test_smollm2_live_tokens_per_forward_equal_replay():
         tokens, forwards, fed = _replayed([prompt], outs, k, nodes, 64)
         assert (stats.new_tokens, stats.row_steps, stats.drafted) == (tokens, forwards, fed), (k, nodes, stats.as_dict())
         assert stats.tokens_per_forward > 1.5
+
+
+def test_within_document_oracle_literal_cases():
+    from eval.draft_replay import oracle
+
+    assert oracle([5, 6, 7, 5], [6, 7, 9], k=4) == (3, 2)  # the docstring's example
+    assert oracle([1, 2, 3, 4, 1], [2, 3, 4, 1, 2], k=8) == (5, 2)  # all four drafts from position 1
+    assert oracle([1, 2, 3, 4, 1], [2, 3, 4, 1, 2], k=2) == (5, 3)  # two at a time
+    assert oracle([1, 2, 3], [4, 5, 6], k=4) == (3, 3)  # nothing repeats: one token a forward
+    # a row's last token is not drafted past its limit: 2 tokens left, at most 1 draft
+    assert oracle([1, 2, 3, 1], [2, 3], k=4, max_new_tokens=2) == (2, 2)
