@@ -460,6 +460,10 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
         print(line, flush=True)
     gr = engine._graphs if engine else None
     info["graphs_captured"] = sorted(list(key) for key in gr.graphs) if gr is not None else []
+    # what the default engine's uniform steps measured to cost, per (width, batch bucket): the
+    # costs its verify steps chose their widths by (engine.widths)
+    info["step_costs_s"] = ({f"width {q}, bucket {b}": s for (q, b), s in sorted(engine.step_costs.seconds.items())}
+                            if engine else {})
     del engines, engine, gr, model
     gc.collect()
     if device.type == "cuda":
