@@ -26,7 +26,7 @@ if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 # The package as installed where no C compiler was found (pyproject.toml's optional extension):
-# set by tests/cpu/test_without_c_kernels.py for the child session it runs
+# set by tests/cpu/test_without_c_kernels.py for the child pytest run it starts
 if os.environ.get("HF_PLOOKUP_TEST_WITHOUT_C") == "1":
     import sys
 

