@@ -297,13 +297,15 @@ def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dic
     The ratio to HF greedy compares best-of figures at the same batch size; decode_step_s is the
     median over the decode steps of those fastest calls."""
     skipped, errors, first_calls = skipped or {}, errors or {}, first_calls or {}
+    fastest: dict[tuple[str, int], dict] = {}  # (variant, batch) -> its fastest call
+    for c in calls:
+        key = (c["variant"], c["batch"])
+        if key not in fastest or c["seconds"] < fastest[key]["seconds"]:
+            fastest[key] = c
     rows = []
     for name in names:
         mine = [c for c in calls if c["variant"] == name]
-        best: dict[int, dict] = {}
-        for c in mine:
-            if c["batch"] not in best or c["seconds"] < best[c["batch"]]["seconds"]:
-                best[c["batch"]] = c
+        best = {b: c for (v, b), c in fastest.items() if v == name}
         best_seconds = sum(c["seconds"] for c in best.values())
         best_tokens = sum(c["tokens"] for c in best.values())
         seconds = sum(c["seconds"] for c in mine)
@@ -339,15 +341,10 @@ def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dic
             "step_paths": _sum_paths([c.get("step_paths") for c in mine]),
         })
     # each variant against HF greedy on the batches both ran (hf-static runs on the first only)
-    base = {c["batch"]: c for c in calls if c["variant"] == HF_GREEDY}
-    fastest = {}
-    for c in calls:
-        key = (c["variant"], c["batch"])
-        if key not in fastest or c["seconds"] < fastest[key]["seconds"]:
-            fastest[key] = c
     for r in rows:
-        mine = [fastest[r["variant"], b] for b in r["batches"] if b in base]
-        ref = [fastest[HF_GREEDY, b] for b in r["batches"] if b in base]
+        shared = [b for b in r["batches"] if (HF_GREEDY, b) in fastest]
+        mine = [fastest[r["variant"], b] for b in shared]
+        ref = [fastest[HF_GREEDY, b] for b in shared]
         if mine and r["tokens_per_second"]:
             ref_rate = sum(c["tokens"] for c in ref) / sum(c["seconds"] for c in ref)
             r["ratio_to_hf_greedy"] = (sum(c["tokens"] for c in mine) / sum(c["seconds"] for c in mine)) / ref_rate

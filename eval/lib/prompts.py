@@ -98,9 +98,17 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
 def builtin_prompts(tokenizer, n: int) -> list[list[int]]:
     """Token ids of summary requests for the first `n` builtin documents (at most the 28 there):
     the chat template when the tokenizer has one, else the few-shot prompt."""
-    docs = load_jsonl(BUILTIN_PATH)
+    return requests(tokenizer, [d["document"] for d in load_jsonl(BUILTIN_PATH)[:n]])
+
+
+def requests(tokenizer, documents: list[str], max_doc_tokens: int | None = None,
+             request: str = CHAT_INSTRUCTION) -> list[list[int]]:
+    """Token ids of a summary request for each document (cut to its first `max_doc_tokens`
+    tokens): the chat template with the user turn `request` when the tokenizer has one, else the
+    few-shot prompt."""
     chat = has_chat_template(tokenizer)
-    return [encode_prompt(tokenizer, build_prompt(tokenizer, d["document"], chat), chat) for d in docs[:n]]
+    return [encode_prompt(tokenizer, build_prompt(tokenizer, truncate_document(tokenizer, d, max_doc_tokens), chat,
+                                                  request), chat) for d in documents]
 
 
 # the shipped samples the benchmarks read: file in eval/data/, the article's field
@@ -121,9 +129,7 @@ def dataset_prompts(tokenizer, dataset: str, n: int, max_doc_tokens: int | None 
     docs = load_jsonl(DATA_DIR / name, text_field=field, summary_field=None)
     if n > len(docs):
         raise ValueError(f"n={n} documents asked for, {name} holds {len(docs)}")
-    chat = has_chat_template(tokenizer)
-    return [encode_prompt(tokenizer, build_prompt(tokenizer, truncate_document(tokenizer, d["document"], max_doc_tokens),
-                                                  chat, request), chat) for d in docs[:n]]
+    return requests(tokenizer, [d["document"] for d in docs[:n]], max_doc_tokens, request)
 
 
 def synthetic_prompts(vocab_ids: list[int], n: int, length: int, seed: int = 0) -> list[list[int]]:

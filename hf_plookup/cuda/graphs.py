@@ -26,7 +26,7 @@ inductor's fused kernels from one graph. The seconds spent in first calls of new
 up in `compile_seconds` (compile plus warm-up) and `capture_seconds` (the capture; with an eager
 forward, its warm-up too).
 
-`invariant` (an cpu.invariant_linears.InvariantLinears): every step runs in invariant mode on its
+`invariant` (a cpu.invariant_linears.InvariantLinears): every step runs in invariant mode on its
 padded layout; the mode's linears and attention are custom ops, opaque to the compiler. Which
 backends' invariant form a graph can capture: cpu.invariant_linears.CAPTURED_INVARIANT_BACKENDS.
 """
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -171,7 +171,7 @@ class GraphRunner:
         # guards again; else the whole forward, one compiled call per step (and, on CPU, frozen weights)
         self._compiled_forward = None  # the whole forward compiled
         self._regional = None  # cuda.regional: one compiled decoder layer for all layers
-        self.invariant = invariant  # an cpu.invariant_linears.InvariantLinears: every step in invariant mode
+        self.invariant = invariant  # a cpu.invariant_linears.InvariantLinears: every step in invariant mode
         if invariant is not None and capture:
             check_capturable(backend)
         # CPU: the LM head's faster layout (not in invariant mode: the linears are its own)
@@ -211,9 +211,6 @@ class GraphRunner:
         if not len(layout.keep):
             return "no row keeps logits"
         return None
-
-    def supports(self, layout: StepLayout) -> bool:
-        return self.unsupported(layout) is None
 
     def _static(self, padded: StepLayout) -> _Graph:
         inputs = step_tensors(padded, self.device)

@@ -4,6 +4,7 @@ row belongs to (calls that arrive while a loop runs join it; see engine.Engine.g
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import time
@@ -22,7 +23,6 @@ from ..stats import SpecStats
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import DecodeConfig, Sequence
 from .stopping import BatchCriteria
-from .widths import choose_width
 
 
 @dataclass(slots=True)
@@ -78,11 +78,10 @@ class Batch:
         self.sched = sched
         self.cache = cache  # the engine's PagedKVCache (tree paths move in it; past_key_values read from it)
         self.register = None  # the prefix pool's hook: a sequence's prefilled prompt pages enter the pool
-        # uniform verify steps (CUDA graphs): one width per step, chosen from measured step costs
-        # (engine.widths); set by the engine where it applies. step_width: the next step's, or None
-        self.widths: tuple[int, ...] | None = None
-        self.step_costs = None  # widths.StepCosts
-        self.bucket_of = None  # batch size -> the bucket whose costs apply (cuda.graphs.batch_bucket)
+        # uniform verify steps (CUDA graphs): (rates [B], drafts [B]) -> the step's width, from
+        # measured step costs (engine.widths), set by the engine where it applies; step_width: the
+        # width the last propose chose (None: the runner's own)
+        self.width_of: Callable[[np.ndarray, np.ndarray], int] | None = None
         self.step_width: int | None = None
         self._ids = ids  # itertools.count shared by the engine: unique sequence ids
         self.width_drafts = max(cfg.k, proposer.budget if self.tree else 0, 1)  # K: draft slots per row
@@ -189,9 +188,8 @@ class Batch:
             # by the trees' budget (tree_min_score, raised with the batch): all of them when it is 0
             min_score = batch_min_score(self.tree_min_score, len(rows), self.cfg.k, self.step_fixed_tokens)
             nd = np.minimum(nd, chain_budget(self.accept_rate(rows), min_score))
-            if self.widths is not None:  # one width for the uniform step, the drafts cut to it
-                self.step_width = choose_width(self.step_costs, self.bucket_of(len(rows)), self.widths,
-                                               self.accept_rate(rows), nd)
+            if self.width_of is not None:  # one width for the uniform step, the drafts cut to it
+                self.step_width = self.width_of(self.accept_rate(rows), nd)
                 nd = np.minimum(nd, self.step_width - 1)
             self.parents[rows, : d.shape[1]] = chain_parents(d.shape[1])
         spent = time.perf_counter() - t0
@@ -253,7 +251,7 @@ class Batch:
         rows save their keys/values (past_key_values), give back their blocks, and the others
         drop the blocks of rejected drafts. `layout`: the step as the runner laid it out (its
         kept rows and their depths). Returns the calls whose rows are now all done (their
-        results set). `path` and `reason`: how the forward ran and why not captured, counted in
+        results set). `path` and `reason`: how the forward ran and why eagerly, counted in
         each call's stats (SpecStats.count_forward).
 
         Example: a chain row with 3 drafts and 200 cached tokens whose first two drafts are

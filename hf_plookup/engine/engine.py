@@ -33,8 +33,8 @@ from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_spec
 from .prefix import PrefixPool, copy_caller_kv
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .widths import StepCosts, candidate_widths
 from .sequence import DecodeConfig
+from .widths import StepCosts, candidate_widths, choose_width
 
 logger = logging.getLogger("hf_plookup")
 
@@ -166,11 +166,6 @@ def resolve_compile(requested: bool | str, devices: list[torch.device], backend:
     if requested == "auto":
         return reason is None and COMPILE_AUTO.get(devices[0].type, False)
     return bool(requested)
-
-
-def layout_is_decode(chunks) -> bool:
-    """A step of decode chunks only (the ones a uniform width applies to)."""
-    return bool(chunks) and not any(c.is_prefill for c in chunks)
 
 
 def warn_eager(stats: SpecStats, min_steps: int = EAGER_WARN_MIN_STEPS) -> bool:
@@ -399,7 +394,9 @@ class Engine:
             sched.on_admit = functools.partial(copy_caller_kv, batch, blocks, cache)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
         if self.width_policy and batch.proposer is not None and not batch.tree:
-            batch.widths, batch.step_costs, batch.bucket_of = candidate_widths(cfg.k), self.step_costs, batch_bucket
+            widths = candidate_widths(cfg.k)
+            batch.width_of = lambda rates, drafts: choose_width(self.step_costs, batch_bucket(len(drafts)), widths,
+                                                                rates, drafts)
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
                              graphs, self.head, self.invariant, self.embedders, self.mixers)
         batch.add(own)
@@ -416,18 +413,19 @@ class Engine:
                     if sched.done:
                         self._batch = None
                         break
-                batch.step_width = None
+                batch.step_width = None  # set by propose, which decode steps alone call
                 chunks = sched.schedule(batch.propose)
                 layout = runner.layout(chunks, batch.history, batch.parents if batch.tree else None, batch.pads,
-                                       batch.step_width if layout_is_decode(chunks) else None)
-                t0, first_runs = time.perf_counter(), graphs and graphs.compile_seconds + graphs.capture_seconds
+                                       batch.step_width)
+                timed = batch.step_width is not None  # a width chosen by cost: time the step for the next choices
+                if timed:
+                    t0, known = time.perf_counter(), len(graphs.graphs)
                 logits = runner.run(layout)  # [N, V] at layout.keep
                 for call in batch.postprocess(chunks, layout, logits, runner.last_path, runner.last_reason):
                     if call is not own:
                         call.done.set()  # a joiner returns as soon as its rows are done
-                if (batch.step_width is not None and runner.last_path != "eager"
-                        and first_runs == graphs.compile_seconds + graphs.capture_seconds):
-                    # a uniform step that compiled and captured nothing: what its width costs
+                if timed and runner.last_path != "eager" and len(graphs.graphs) == known:
+                    # a uniform step that built no new bucket (no compile, no capture): what its width costs
                     self.step_costs.record(layout.max_query_len, batch_bucket(layout.num_seqs), time.perf_counter() - t0)
         except BaseException as e:
             with self._state_lock:

@@ -65,7 +65,7 @@ class ModelRunner:
         n_real = np.array([c.num_tokens for c in chunks], dtype=np.int64)  # [B]
         prefill = np.array([c.is_prefill for c in chunks], dtype=bool)  # [B]
         n = n_real
-        width = pad_to if pad_to is not None and self.pad_to is not None else self.pad_to
+        width = self.pad_to if pad_to is None else pad_to
         if not prefill.any() and width is not None:
             if (n_real > width).any():
                 raise ValueError(f"a decode chunk feeds {int(n_real.max())} tokens, more than pad_to={width}")

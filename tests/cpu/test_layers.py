@@ -10,7 +10,7 @@ import torch
 from hf_plookup.api import _state
 from hf_plookup.cpu import kernels as cpu_kernels
 from hf_plookup.cpu.layers import llama_form
-from tests.conftest import PAD, greedy_logits, left_pad, repeat_prompts, tiny_model, wrap_copy
+from tests.conftest import greedy_logits, left_pad, repeat_prompts, tiny_model, wrap_copy
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
 
