@@ -58,6 +58,7 @@ from eval.lib.cli import DTYPES, INVARIANT, add_threads_option, default_device, 
 from eval.lib.models import SHAPES, check_name, is_random, label, load_model
 from eval.lib.prompts import builtin_prompts, dataset_prompts, plain_vocab, random_vocab, synthetic_prompts
 from eval.lib.report import cell, report, write_json
+from eval.lib.machine import available_bytes, rss_bytes
 from eval.lib.timing import StepTimer, copy_bandwidth, count_kernels, top_kernels
 from eval.lib.variants import ENGINE_OPTIONS, FAMILIES, HF_GREEDY, engine_of, k_of, tree_of, variant_names
 
@@ -218,12 +219,14 @@ def _is_oom(e: BaseException) -> bool:
     return "out of memory" in msg or "kv cache holds" in msg
 
 
-def bench_batch_size(args, model, engines: dict, prompts: list[list[int]], pad: int, batch_size: int) -> list[dict]:
-    """Rows (one per variant) for one batch size."""
+def bench_batch_size(args, model, engines: dict, prompts: list[list[int]], pad: int, batch_size: int,
+                     hf_skip: str | None = None) -> list[dict]:
+    """Rows (one per variant) for one batch size. `model` runs the HF variants (a plain copy where
+    `wrap` packed the engines' weights in place: `hf_model_for`)."""
     names = variant_names(args.variants, args.k, args.tree_nodes, batch_size, args.hf_pl_k)
     groups = workload(prompts, args.num_prompts or batch_size, batch_size)
     calls: list[dict] = []
-    skipped: dict[str, str] = {}
+    skipped: dict[str, str] = {n: hf_skip for n in names if hf_skip and n.startswith("hf")}
     errors: dict[str, str] = {}
     first: dict[str, float] = {}
 
@@ -242,6 +245,8 @@ def bench_batch_size(args, model, engines: dict, prompts: list[list[int]], pad: 
 
     first_paths: dict[str, dict | None] = {}
     for name in names:  # warm-up (not timed, but its time is reported: compiles, captures)
+        if name in skipped:
+            continue
         t0 = time.perf_counter()
         # on CUDA hf_plookup warms up on the full length too: its steps are captured (or compiled) per
         # context bucket, and a short warm-up would leave the longer contexts' buckets to the timed calls
@@ -381,6 +386,20 @@ def step_kernels(engines: dict, name: str, batch: int, q: int | None, device) ->
 
 
 # -- one model ------------------------------------------------------------------------------------
+def hf_model_for(model, args, device) -> tuple[object, str | None]:
+    """The model HF's variants run (and why they cannot run, or None). On CPU `wrap` packs the linear
+    weights of the modules it is given in place (cpu.packed_weight), and the engines here share
+    `model`'s modules: HF's variants get a deep copy taken before, where two copies fit in memory;
+    where they do not, no HF variant runs (eval/cpu_memory.py measures such models one after the other)."""
+    if device.type != "cpu" or not any(v.startswith("hf") for v in args.variants):
+        return model, None
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = available_bytes()
+    if free is not None and need > 0.8 * free:
+        return model, f"no memory for the plain copy HF's variants need ({need / 2**30:.1f} GiB of {free / 2**30:.1f})"
+    return copy.deepcopy(model), None
+
+
 def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = float("inf")) -> tuple[dict, list[dict]]:
     """One model's (info, rows). `on_rows(rows)` runs after every batch size with the rows so far
     (partial results survive a kill); batch sizes not started before `deadline` (perf_counter
@@ -405,6 +424,7 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
     lens = [len(p) for p in prompts]
 
     inv = INVARIANT[args.invariant]
+    hf_model, hf_skip = hf_model_for(model, args, device)
     wanted = {engine_of(v) for b in args.batch_sizes
               for v in variant_names(args.variants, args.k, args.tree_nodes, b, args.hf_pl_k)} - {None}
     # the extra engines get a cache sized for the run: sized from free memory, as the default
@@ -413,8 +433,10 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
     sized = args.engine_cache == "sized"
     options = {e: dict(o, max_cache_tokens=need + need // 4) if e != "default" and sized else o
                for e, o in ENGINE_OPTIONS.items()}
+    rss_before, t0 = rss_bytes(), time.perf_counter()
     engines = {e: hf_plookup.wrap(copy.copy(model), attn_backend=args.attn_backend, invariant=inv, **options[e])
                for e in ENGINE_OPTIONS if e in wanted}
+    wrap_s, rss_wrapped = time.perf_counter() - t0, rss_bytes()
     engine = engines["default"]._engine if "default" in engines else None
     info = {
         "model": tag, "name": name, "weights": "random" if is_random(name) else "pretrained", "dtype": args.dtype,
@@ -422,6 +444,7 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
         "copy_bandwidth_Bps": bw, "bandwidth_bound_step_s": weight_bytes / bw, "prompt_source": source, "prompt_tokens": lens,
         "attn_backend": engine.options.attn_backend if engine else None, "block_size": engine.options.block_size if engine else None,
         "cuda_graphs": engine.use_graphs if engine else None, "compile": engine.use_compile if engine else None,
+        "wrap_s": wrap_s, "rss_before_wrap": rss_before, "rss_after_wrap": rss_wrapped, "hf_variants_skipped": hf_skip,
     }
     print(f"\n== {tag} ({info['weights']} weights, {info['num_params'] / 1e9:.2f}B params, {weight_bytes / 2**30:.2f} GiB), "
           f"{args.dtype} on {device}, {torch.get_num_threads()} threads; {source} prompts (n={len(prompts)}, "
@@ -435,7 +458,8 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
             row = {"model": tag, "batch_size": bs, "variant": None, "skipped": f"time budget {args.time_budget}s spent", "error": None}
             new = [row]
         else:
-            new = [{"model": tag, **r} for r in bench_batch_size(args, model, engines, prompts, pad, bs)]
+            new = [{"model": tag, **r} for r in bench_batch_size(args, hf_model, engines, prompts, pad, bs, hf_skip)]
+            info.setdefault("rss_after_first_batch", rss_bytes())
             for r in new:
                 if r["variant"].startswith("plk") and r["q"] is not None:
                     r["kernels_per_step"] = step_kernels(engines, r["variant"], bs, r["q"], device)
@@ -461,7 +485,7 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
     # costs its verify steps chose their widths by (engine.widths)
     info["step_costs_s"] = ({f"width {q}, bucket {b}": s for (q, b), s in sorted(engine.step_costs.seconds.items())}
                             if engine else {})
-    del engines, engine, gr, model
+    del engines, engine, gr, model, hf_model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

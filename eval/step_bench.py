@@ -55,8 +55,9 @@ from hf_plookup.attention.metadata import StepLayout
 from hf_plookup.attention.ops import COMPILABLE_BACKENDS
 from hf_plookup.attention.registry import register
 from hf_plookup.cuda.graphs import GraphRunner, batch_bucket, context_bucket
-from hf_plookup.cpu import kernels as cpu_kernels
+from hf_plookup.cpu import huge_pages
 from hf_plookup.cpu.huge_pages import to_huge_pages
+from hf_plookup.cpu.packed_weight import pack_linears
 from hf_plookup.engine.engine import EngineOptions
 from hf_plookup.engine.kv_cache import PagedKVCache, default_num_tokens, layer_specs
 from hf_plookup.engine.runner import ModelRunner
@@ -444,9 +445,9 @@ def main(argv=None) -> int:
     result = report("step_bench", argv, args, device, [], models=[])
     for name in args.models:
         model = random_model(name, DTYPES[args.dtype], device, args.seed)
-        huge = device.type == "cpu" and to_huge_pages(model)  # as the engine does for its CPU steps
-        if huge:
-            cpu_kernels.pack_linears(model)  # (the engine packs the linear weights there too)
+        # the engine packs a CPU model's linear weights in place on 2 MB pages for its invariant eager
+        # steps (cpu.packed_weight); the other modes run plain weights, so they run first, below
+        huge = device.type == "cpu" and huge_pages.available()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bound = weight_bytes / copy_bandwidth(device)
         read_bound = weight_bytes / read_bandwidth(device)
@@ -472,18 +473,28 @@ def main(argv=None) -> int:
             k.normal_()
             v.normal_()
         rows = []
-        for backend in args.attn_backends:
-            for mode in args.modes:
-                if "compiled" in mode and backend not in COMPILABLE_BACKENDS:
-                    print(f"  {mode}/{backend}: skipped (compiled steps run attn_backend {COMPILABLE_BACKENDS})")
-                    continue
-                rows += bench_mode(model, mode, backend, args, device, cache)
-                if args.both_scopes and "compiled" in mode:
-                    rows += bench_mode(model, mode, backend, args, device, cache, swap_scope=True)
-                if args.invariant and not ("graphs" in mode and backend != "triton"):  # sdpa's form is not captured
-                    rows += bench_mode(model, mode, backend, args, device, cache, invariant=True)
+        runs = [(backend, mode) for backend in args.attn_backends for mode in args.modes]
+        for backend, mode in runs:
+            if "compiled" in mode and backend not in COMPILABLE_BACKENDS:
+                print(f"  {mode}/{backend}: skipped (compiled steps run attn_backend {COMPILABLE_BACKENDS})")
+                continue
+            rows += bench_mode(model, mode, backend, args, device, cache)
+            if args.both_scopes and "compiled" in mode:
+                rows += bench_mode(model, mode, backend, args, device, cache, swap_scope=True)
         if args.hf_static:
             rows += bench_hf_static(model, args, device)
+        # invariant modes: compiled ones on plain weights (as the engine compiles), then the weights
+        # packed in place, as the engine's eager CPU steps read them
+        invariant_runs = [(b, m) for b, m in runs if args.invariant and not ("compiled" in m and b not in COMPILABLE_BACKENDS)
+                          and not ("graphs" in m and b != "triton")]  # sdpa's form is not captured
+        for backend, mode in sorted(invariant_runs, key=lambda r: "compiled" not in r[1]):
+            if "compiled" not in mode and device.type == "cpu":
+                pack_linears(model)
+                to_huge_pages(model)
+            rows += bench_mode(model, mode, backend, args, device, cache, invariant=True)
+        if device.type == "cpu" and (args.small_pages or args.breakdown or args.kernels):
+            pack_linears(model)
+            to_huge_pages(model)
         if args.small_pages and huge:
             rows += bench_pages(model, args, device, cache)
         elif args.small_pages:

@@ -12,6 +12,7 @@ from dataclasses import fields
 import torch
 
 from .attention.registry import register
+from .cpu.packed_weight import unpack_linears
 from .engine.engine import Engine, EngineOptions
 from .generation import GENERATE_ARGS, OWN_ARGS, resolve
 from .outputs import PlookupGenerateOutput, assemble  # noqa: F401  (PlookupGenerateOutput: public name)
@@ -250,8 +251,9 @@ def wrap(model, **options):
 
 
 def unwrap(model):
-    """The plain HF model again (same object, its own class); hf_plookup's state is dropped.
-    A model that is not wrapped is returned as is."""
+    """The plain HF model again (same object, its own class, plain parameters where `wrap` packed its
+    CPU linear weights: cpu.packed_weight); hf_plookup's state is dropped. A model that is not
+    wrapped is returned as is."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(model, PlookupModel):
@@ -261,4 +263,5 @@ def unwrap(model):
     with engine.exclusive() if engine is not None else contextlib.nullcontext():
         model.__class__ = getattr(type(model), _BASE)
         model.__dict__.pop(_STATE, None)
+        unpack_linears(model)
     return model

@@ -107,7 +107,7 @@ LAYERS = [
     ["hf_plookup.generation", "hf_plookup.outputs", "hf_plookup.embedded"],
     ["hf_plookup.engine"],
     ["hf_plookup.cuda.graphs", "hf_plookup.cuda.regional"],
-    ["hf_plookup.cpu.invariant_linears", "hf_plookup.cpu.layers", "hf_plookup.cpu.head"],
+    ["hf_plookup.cpu.invariant_linears", "hf_plookup.cpu.layers", "hf_plookup.cpu.head", "hf_plookup.cpu.packed_weight"],
     ["hf_plookup.cuda.triton_linear"],
     ["hf_plookup.attention"],
     ["hf_plookup.mixers"],

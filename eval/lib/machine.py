@@ -81,3 +81,24 @@ def busy_warning(load: float | None = None, cores: int | None = None) -> str | N
             "they use every core); ratios against HF hold better than absolute times. Pass --threads 1 to take "
             "one core, or run when the machine is quieter.")
 
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc/self/statm; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def available_bytes() -> int | None:
+    """Memory the system can still give (MemAvailable of /proc/meminfo), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None

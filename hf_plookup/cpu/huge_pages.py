@@ -64,7 +64,7 @@ def huge_buffer(nbytes: int) -> mmap.mmap | None:
 
 def _moved(model: torch.nn.Module) -> bool:
     mapping = getattr(model, "_hf_plookup_huge_pages", None)
-    return mapping is not None and all(_within(p, mapping) for p in model.parameters())
+    return mapping is not None and all(_within(p, mapping) for p in model.parameters() if type(p) is torch.nn.Parameter)
 
 
 def _within(p: torch.Tensor, mapping: tuple[int, int]) -> bool:

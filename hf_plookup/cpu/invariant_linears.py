@@ -53,6 +53,7 @@ from ..attention.invariant import build_layout, current_layout, invariant_layout
 from . import kernels as cpu_kernels, row_linear
 from .kernels import rms_eps, rms_form
 from .layers import CpuLayers
+from .packed_weight import dense
 
 # Where invariant="auto" turns the mode on, by (device type, dtype). On CPU the mode runs decode
 # and verify steps through cpu.kernels, which are faster than torch's kernels for every row
@@ -210,6 +211,7 @@ def merge_safe(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
                 break
             cuts.append(cuts[-1] + n)
         x = torch.randn(cuts[-1], weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        weight = dense(weight)
         with torch.inference_mode():
             ref = torch.cat([F.linear(x[a:b], weight, bias) for a, b in zip(cuts, cuts[1:])])
             spans = [(0, b) for b in cuts[2:]] + [(a, cuts[-1]) for a in cuts[1:-2]]
@@ -237,7 +239,13 @@ def _merged(groups, weight: torch.Tensor, bias: torch.Tensor | None) -> list[lis
     return calls
 
 
-_CALLS = {"cpu": cpu_kernels.linear, "gemm": F.linear, "rows": invariant_rows}
+def _gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch's call on a prompt chunk; a weight held packed (cpu.packed_weight) is unpacked for it
+    into the thread's scratch, the same values in the same layout, so the same bits."""
+    return F.linear(x2d, dense(weight), bias)
+
+
+_CALLS = {"cpu": cpu_kernels.linear, "gemm": _gemm, "rows": invariant_rows}
 
 
 def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -9,11 +9,11 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
 - `linear(x, weight, bias)`: each weight is streamed once per call for all rows, and each output
   is one FMA chain over k = 0 .. K-1 in order, so row i of an M-row call is bitwise that row
   alone, at any M and thread count. float32 and bfloat16 (widened exactly, fp32 accumulation,
-  rounded once at the output). The kernel reads a packed copy of the weight (`pack`: panels of 8
-  output columns, their values for one k side by side), made once and kept while the weight lives
-  and is unchanged (`packed`): a second copy of every linear weight it runs, for tiles that need
-  no horizontal sums and read each panel as one stream (docs/results.md, "...: weights packed by
-  output column").
+  rounded once at the output). The kernel reads the weight packed (`pack`: panels of 8 output
+  columns, their values for one k side by side), for tiles that need no horizontal sums and read
+  each panel as one stream (docs/results.md, "...: weights packed by output column"). Under the
+  engine the packed layout is the weight itself (cpu.packed_weight: one copy); a plain weight
+  gets a packed copy made once and kept while it lives and is unchanged (`packed`).
 - `rms_norm(x, weight, eps, form)`: RMS normalization of each row alone, its sum of squares in
   the same fixed lane order (the two forms HF's RMSNorm modules take, `RMS_FORMS`); a prompt
   chunk's rows go over the threads in blocks of 64.
@@ -73,6 +73,8 @@ def _load():
         lib.simd_level.restype = i64
         lib.set_simd_level.restype = i64
         lib.set_simd_level.argtypes = [i64]
+        lib.pack_weight.restype = None
+        lib.pack_weight.argtypes = [ptr, i64, i64, i64, ptr, i64, i64]
         lib.rms_norm.restype = i64
         lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, i64, ptr, i64, i64]
         return lib
@@ -150,8 +152,16 @@ def torch_bf16_is_native() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _own_packing(t: torch.Tensor) -> torch.Tensor | None:
+    """The packed values a weight carries itself (a cpu.packed_weight.PackedWeight), else None."""
+    got = t.__dict__.get("packed") if hasattr(t, "__dict__") else None
+    return got if isinstance(got, torch.Tensor) else None
+
+
 def _plain(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+    """A CPU tensor the kernels may read: a plain tensor or parameter, or a weight packed in place
+    (not another tensor subclass, such as a sharded DTensor)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) or _own_packing(t) is not None) and t.device.type == "cpu"
 
 
 def supported(weight: torch.Tensor) -> bool:
@@ -161,11 +171,12 @@ def supported(weight: torch.Tensor) -> bool:
     return _plain(weight) and weight.dtype in DTYPES and weight.dim() == 2 and available()
 
 
-def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_reference(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """weight [N, K] in the layout `linear` reads: panels of 8 output columns, P = ceil(N / 8) of them,
     zeros past N. float32: [P, K, 8], element [p, k, c] = weight[8p + c, k]. bfloat16: [P, K2 / 2, 8, 2]
     (K2: K rounded up to even, zeros past K), element [p, j, c, h] = weight[8p + c, 2j + h], so that
     one 32-bit lane holds values k and k + 1 of a column. `out`: a tensor of that shape to write to.
+    In torch ops, one thread: the reference `pack` (C, threaded) is tested against.
 
     Example (float32): weight [[1, 2], [3, 4]] (N = 2, K = 2) packs to shape [1, 2, 8], the one panel
     [[1, 3, 0, 0, 0, 0, 0, 0], [2, 4, 0, 0, 0, 0, 0, 0]]: for each k, the 8 columns side by side."""
@@ -182,10 +193,69 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return out.copy_(src)
 
 
-def _packed_shape(weight: torch.Tensor) -> tuple[int, ...]:
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`pack_reference(weight, out)` by the C code (`csrc/pack.c`): one pass over the weight at memory
+    speed, on the kernels' threads; the same values in the same places."""
+    if _own_packing(weight) is not None:
+        weight = weight.unpacked()
+    if not available() or not _plain(weight):
+        return pack_reference(weight, out)
+    w = weight.detach()
+    w = w if w.is_contiguous() else w.contiguous()
+    if out is None:
+        out = torch.empty(packed_shape(w), dtype=w.dtype)
+    if out.shape != packed_shape(w) or out.dtype != w.dtype or not out.is_contiguous():
+        raise ValueError(f"pack: out {tuple(out.shape)} {out.dtype} is not the packed form of {tuple(w.shape)} {w.dtype}")
+    _pack_c(w.data_ptr(), w.shape[0], w.shape[1], w.dtype, out.data_ptr(), 0)
+    return out
+
+
+def _pack_c(w_ptr: int, n: int, k: int, dtype: torch.dtype, packed_ptr: int, unpack: int) -> None:
+    # bf16 with K even is fp32's layout with K/2 32-bit pairs (a pair is values 2j, 2j + 1 of a row):
+    # moved as 32-bit words, twice as fast as 16-bit ones
+    bf16 = dtype == torch.bfloat16
+    if bf16 and k % 2 == 0:
+        bf16, k = False, k // 2
+    _LIB.pack_weight(w_ptr, n, k, bf16, packed_ptr, unpack, threads())
+
+
+def unpack(packed: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The [n, k] weight that `pack` packed into `packed` (a new contiguous tensor, or written into
+    `out`). Example: the panel of `pack`'s example unpacks to [[1, 2], [3, 4]]."""
+    if out is None:
+        out = torch.empty(n, k, dtype=packed.dtype)
+    if out.shape != (n, k) or not out.is_contiguous() or out.dtype != packed.dtype:
+        raise ValueError(f"unpack: out {tuple(out.shape)} {out.dtype} is not a contiguous [{n}, {k}] {packed.dtype}")
+    if available():
+        _pack_c(out.data_ptr(), n, k, packed.dtype, packed.contiguous().data_ptr(), 1)
+        return out
+    p = packed.shape[0]
+    if packed.dtype == torch.bfloat16:
+        return out.copy_(packed.permute(0, 2, 1, 3).reshape(8 * p, -1)[:n, :k])
+    return out.copy_(packed.permute(0, 2, 1).reshape(8 * p, k)[:n])
+
+
+def packed_rows(packed: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the [N, k] weight packed in `packed` ([*ids.shape, k]): an embedding lookup in a
+    table that is also a packed LM head. Example: `packed_rows(pack(w), w.shape[1], torch.tensor([2, 0]))`
+    equals `w[[2, 0]]`."""
+    p, c = torch.div(ids, 8, rounding_mode="floor"), ids % 8
+    if packed.dtype == torch.bfloat16:  # [P, K2/2, 8, 2]: row n is [n // 8, :, n % 8, :]
+        rows = packed.permute(0, 2, 1, 3)[p, c].flatten(-2)
+        return rows[..., :k] if rows.shape[-1] != k else rows
+    return packed.permute(0, 2, 1)[p, c]
+
+
+def packed_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """The shape `pack` gives `weight` (see there)."""
     n, k = weight.shape
     p = -(-n // 8)
     return (p, (k + 1) // 2, 8, 2) if weight.dtype == torch.bfloat16 else (p, k, 8)
+
+
+def packed_numel(weight: torch.Tensor) -> int:
+    """Elements of `pack(weight)`."""
+    return int(np.prod(packed_shape(weight)))
 
 
 # id(weight) -> (a weak reference to it, its address and version counter when packed, the packed copy)
@@ -216,6 +286,9 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     """`pack(weight)`, made once and kept while `weight` lives, at the same address and with the
     same version counter (an in-place change, such as `load_state_dict` or merging an adapter, bumps
     it; a new `.data` moves it): then packed again."""
+    got = _own_packing(weight)
+    if got is not None:  # a PackedWeight: the packed values are the weight itself
+        return got
     got = _current(weight)
     if got is None:
         with _PACK_LOCK:
@@ -224,32 +297,6 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
                 got = pack(weight)
                 _keep(weight, got)
     return got
-
-
-def pack_linears(model: torch.nn.Module) -> int:
-    """Pack every weight of `model`'s plain `nn.Linear` layers that `linear` takes, at once, into one
-    mapping on 2 MB pages (cpu.huge_pages: the kernels stream them faster from there), ahead of the
-    first step; returns how many it packed. Weights packed already stay as they are."""
-    from .huge_pages import aligned, huge_buffer
-
-    weights, seen = [], set()
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if type(m) is torch.nn.Linear and supported(w) and id(w) not in seen and _current(w) is None:
-            seen.add(id(w))
-            weights.append(w)
-    sizes = [aligned(int(np.prod(_packed_shape(w))) * w.element_size()) for w in weights]
-    buf = huge_buffer(sum(sizes)) if weights else None
-    if buf is None:  # no 2 MB pages or no room for them here: each weight is packed on its first call instead
-        return 0
-    with _PACK_LOCK:
-        off = 0
-        for w, size in zip(weights, sizes):
-            shape = _packed_shape(w)
-            out = torch.frombuffer(buf, dtype=w.dtype, count=int(np.prod(shape)), offset=off).view(shape)
-            _keep(w, pack(w, out))
-            off += size
-    return len(weights)
 
 
 def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

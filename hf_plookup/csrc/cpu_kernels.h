@@ -284,6 +284,8 @@ void pool_after_fork_child(void);
 
 EXPORT int64_t linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t N, void* out,
                       int64_t bf16, int64_t threads);
+EXPORT void pack_weight(const void* w, int64_t N, int64_t K, int64_t bf16, void* packed, int64_t unpack,
+                        int64_t threads);
 EXPORT int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const void* k_cache,
                       const void* v_cache, int64_t H_kv, const int64_t* kv_slots, int64_t Lk, const int64_t* seq,
                       const int64_t* run_lo, const int64_t* run_hi, const int64_t* extra_off, const int64_t* extra,

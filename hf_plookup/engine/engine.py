@@ -17,9 +17,9 @@ import torch
 from ..attention.ops import COMPILABLE_BACKENDS
 from ..attention.positions import position_embedders
 from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS, resolve_backend, resolve_block_size
-from ..cpu import kernels as cpu_kernels
 from ..cpu.head import head_chooser
 from ..cpu.huge_pages import to_huge_pages
+from ..cpu.packed_weight import pack_linears, packing_bytes, unpack_linears
 from ..cpu.invariant_linears import CAPTURED_INVARIANT_BACKENDS, InvariantLinears, resolve_invariant
 from ..cuda.graphs import GraphRunner, batch_bucket
 from ..drafting.ngram import NgramProposer
@@ -29,7 +29,7 @@ from ..mixers.recurrent import RecurrentMixers
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
 from .distributed import agree_min, agree_seed, tensor_parallel
-from .kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
+from .kv_cache import BlockManager, PagedKVCache, check_cpu_memory, default_num_tokens, layer_specs
 from .prefix import PrefixPool, copy_caller_kv
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -189,7 +189,9 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, options: EngineOptions):
         self.model = model
+        parts = [("start", time.perf_counter())]  # wrap's parts, logged at debug level
         self.specs = layer_specs(model)
+        parts.append(("probe", time.perf_counter()))
         devices = sorted({s.device for s in self.specs}, key=str)
         dtypes = sorted({s.dtype for s in self.specs}, key=str)
         backend = resolve_backend(options.attn_backend, devices, dtypes, sdpa_only_reason(self.specs))
@@ -213,11 +215,25 @@ class Engine:
         self.tensor_parallel = tensor_parallel(model)  # ranks must agree on every decision (engine.distributed)
         invariant = resolve_invariant(options.invariant, devices, dtypes, backend, compiled=self.use_compile,
                                       hooked=hooked, distributed=self.tensor_parallel)
-        if invariant and devices[0].type == "cpu" and len(devices) == 1 and not hooked:
-            to_huge_pages(model)  # the C kernels read weights faster from 2 MB pages (cpu.huge_pages)
-            cpu_kernels.pack_linears(model)  # ... and their packed copies, made here once (cpu.kernels)
+        packs = invariant and devices[0].type == "cpu" and len(devices) == 1 and not hooked and not self.use_compile
+        if devices[0].type == "cpu":  # a cache (and packing) that cannot fit is said now, not by the OOM killer
+            tokens = options.num_blocks * self.options.block_size if options.num_blocks else options.max_cache_tokens
+            check_cpu_memory(self.specs, tokens, packing_bytes(model) if packs else 0,
+                             sum(p.numel() * p.element_size() for p in model.parameters()))
+        parts.append(("setup", time.perf_counter()))
+        if packs:
+            # the C kernels' packed layout becomes the linear weights' only copy (cpu.packed_weight)
+            pack_linears(model)
+            parts.append(("packing", time.perf_counter()))
+            # the other parameters copied off the memory they shared with the linears' originals (a
+            # checkpoint's file mapping is then let go), onto 2 MB pages (cpu.huge_pages)
+            to_huge_pages(model)
+            parts.append(("other weights to 2 MB pages", time.perf_counter()))
+        elif self.use_compile:
+            unpack_linears(model)  # compiled steps trace plain parameters; their packed copies come on first use
         self.prefill_unit = min(PREFILL_UNIT, options.max_batch_tokens) if invariant else None
         self.invariant = InvariantLinears(model, self.prefill_unit) if invariant else None
+        parts.append(("invariant mode's checks", time.perf_counter()))
         if invariant and backend not in CAPTURED_INVARIANT_BACKENDS:
             self.use_graphs = False
         auto = options.tree_min_score is None
@@ -230,6 +246,9 @@ class Engine:
         self.step_costs = StepCosts()
         # CPU: the LM head's faster matmul layout for multi-row steps (timed, so not under tensor parallel)
         self.head = None if self.tensor_parallel else head_chooser(model)
+        parts.append(("the rest", time.perf_counter()))
+        logger.debug("hf_plookup engine built in %.2f s: %s", parts[-1][1] - parts[0][1],
+                     ", ".join(f"{name} {t - t0:.2f} s" for (_, t0), (name, t) in zip(parts, parts[1:])))
         self._capacity: int | None = None
         self._cache: PagedKVCache | None = None
         self.blocks: BlockManager | None = None  # the cache's blocks; all free between calls
@@ -379,6 +398,8 @@ class Engine:
             if self.tensor_parallel:
                 # every rank samples with rank 0's seed, so the ranks draw the same tokens
                 own.seed = agree_seed(own.seed)
+        if self.use_compile:  # compiled steps trace plain parameters: weights another engine of the
+            unpack_linears(self.model)  # same modules packed in place are made plain again (cpu.packed_weight)
         cache = self.cache()
         blocks = self.blocks
         graphs = self.graph_runner()

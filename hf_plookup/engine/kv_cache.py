@@ -105,6 +105,43 @@ def default_num_tokens(
     return max(int(free * fraction) // per_token, 1)
 
 
+def available_memory() -> int | None:
+    """Bytes the system can still give this process (Linux MemAvailable: free memory plus what the
+    kernel can reclaim, such as clean file pages), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_cpu_memory(specs: list[LayerSpec], tokens: int | None, transient: int, weights: int,
+                     available: int | None = None) -> None:
+    """Raise a ValueError naming the figures, before anything is allocated, when a CPU KV cache of
+    `tokens` tokens (None: sized later from what is left, `default_num_tokens`) and `transient` bytes
+    that `wrap` needs for a while (packing one weight at a time: cpu.packed_weight) do not fit in the
+    memory available now (`available`, default `available_memory()`); `weights`: the model's bytes,
+    for the message. A process killed for memory loses everything; this says why first.
+
+    Example: 28 layers of 8 KV heads of 128 values in bf16 take 114,688 bytes a token, so
+    `tokens=100_000` needs 10.7 GiB: with 8 GiB available this raises."""
+    available = available_memory() if available is None else available
+    if available is None:
+        return
+    cache = (tokens or 0) * sum(s.bytes_per_token() for s in specs)
+    if cache + transient > available:
+        gib = 2**30
+        raise ValueError(
+            f"hf_plookup.wrap: a KV cache of {tokens} tokens needs {cache / gib:.2f} GiB"
+            + (f" and packing the weights {transient / gib:.2f} GiB more for a while" if transient else "")
+            + f", but {available / gib:.2f} GiB of memory are available (the model's weights, already loaded, "
+            f"take {weights / gib:.2f} GiB); lower `max_cache_tokens` (or `num_blocks`), or leave it unset to size "
+            "the cache from the memory left")
+
+
 def free_cuda_memory_after_warmup(model: torch.nn.Module, device: torch.device, num_tokens: int,
                                   logits_rows: int | None = None) -> int:
     """Bytes left on `device` for the KV cache: free memory after a warm-up forward of

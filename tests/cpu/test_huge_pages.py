@@ -1,5 +1,6 @@
 """cpu.huge_pages: a CPU model's parameters copied onto memory advised for 2 MB pages keep their
-values, aliasing and strides, save and load as before, and generate the same tokens."""
+values, aliasing and strides, save and load as before, and generate the same tokens; under the
+engine, the linear weights packed on such pages (cpu.packed_weight), the rest copied there."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from hf_plookup.api import _state
 from hf_plookup.cpu import huge_pages, kernels as cpu_kernels
+from hf_plookup.cpu.packed_weight import PackedWeight
 from tests.conftest import left_padded, tiny_model, wrap_copy
 
 
@@ -62,9 +64,13 @@ def test_engine_moves_cpu_weights_and_tokens_stay_hf_greedy():
     wrapped = wrap_copy(hf)  # invariant mode, the CPU default
     got = wrapped.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=4)
     assert torch.equal(got, want)
+    linears = [m.weight for m in wrapped.modules() if type(m) is torch.nn.Linear]
+    assert linears and all(isinstance(w, PackedWeight) for w in linears)  # the packed layout is the weight
     if huge_pages.available():
         lo, hi = wrapped._hf_plookup_huge_pages
-        assert all(lo <= s < hi for s in _storages(wrapped))
+        plain = [p for p in wrapped.parameters() if type(p) is torch.nn.Parameter]
+        assert plain and all(lo <= p.untyped_storage().data_ptr() < hi for p in plain)
+        assert all("hg" in _vma_flags(w.packed.data_ptr()) for w in linears)
     layers = _state(wrapped).engine.invariant.layers
     assert layers is not None and layers.on  # the C layers took the moved weights
     # weights moved again under a running engine (another wrap of the same modules): its next call

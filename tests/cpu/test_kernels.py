@@ -124,23 +124,6 @@ def test_packed_copy_follows_the_weight():
     assert torch.equal(ck.linear(x, w, None), ck.linear(x, w.detach().clone(), None))
 
 
-def test_pack_linears_packs_each_weight_once():
-    """`pack_linears` packs a model's linear weights ahead (one mapping on 2 MB pages where the
-    kernel offers them), tied weights once, and `linear` then reads those copies."""
-    from hf_plookup.cpu import huge_pages
-
-    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.ReLU(), torch.nn.Linear(24, 40, bias=False))
-    model.append(torch.nn.Linear(24, 40, bias=False))
-    model[3].weight = model[2].weight  # tied
-    n = ck.pack_linears(model)
-    assert n == (2 if huge_pages.available() else 0)
-    assert ck.pack_linears(model) == 0  # packed already
-    for m in (model[0], model[2]):
-        assert torch.equal(ck.packed(m.weight), ck.pack(m.weight))
-    x = torch.randn(5, 40)
-    assert torch.equal(ck.linear(x, model[0].weight, model[0].bias), ck.linear(x, model[0].weight.detach().clone(), model[0].bias))
-
-
 def test_linear_rejects_mixed_dtypes():
     with pytest.raises(TypeError, match="x is torch.float32, weight is torch.bfloat16"):
         ck.linear(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_plookup.engine.kv_cache import BlockManager, PagedKVCache, default_num_tokens, layer_specs
+from hf_plookup.engine.kv_cache import BlockManager, PagedKVCache, check_cpu_memory, default_num_tokens, layer_specs
 from hf_plookup.engine.scheduler import Scheduler
 from hf_plookup.engine.sequence import Sequence
 from tests.conftest import tiny_model
@@ -103,3 +103,35 @@ def test_scheduler_aligned_prefill_takes_whole_units():
     assert first_step(1) == [(0, 100, 28), (1, 0, 128), (2, 0, 50)]
     with pytest.raises(ValueError, match="units_per_chunk"):
         Scheduler(BlockManager(4, 4), 300, 8, aligned_prefill=128, units_per_chunk=0)
+
+
+def test_check_cpu_memory_literal():
+    """The docstring's case: 28 layers of 8 KV heads of 128 bf16 values, 114,688 bytes a token."""
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(bytes_per_token=lambda: 2 * 8 * 128 * 2)
+    specs = [spec] * 28
+    gib = 2**30
+    check_cpu_memory(specs, 50_000, 0, 16 * gib, available=8 * gib)  # 5.3 GiB: fits
+    check_cpu_memory(specs, None, gib, 16 * gib, available=8 * gib)  # sized later from what is left
+    with pytest.raises(ValueError, match=r"100000 tokens needs 10.68 GiB, but 8.00 GiB .* take 16.00 GiB.*max_cache_tokens"):
+        check_cpu_memory(specs, 100_000, 0, 16 * gib, available=8 * gib)
+    with pytest.raises(ValueError, match=r"packing the weights 3.00 GiB more"):
+        check_cpu_memory(specs, 50_000, 3 * gib, 16 * gib, available=8 * gib)
+
+
+def test_wrap_refuses_a_cache_beyond_memory_and_leaves_the_model_as_it_was():
+    import hf_plookup
+    from hf_plookup.engine.kv_cache import available_memory
+
+    model = tiny_model("llama")
+    before = {n: (type(p), p.detach().clone()) for n, p in model.named_parameters()}
+    cls = type(model)
+    free = available_memory()
+    if free is None:
+        pytest.skip("no /proc/meminfo here: the check has nothing to read")
+    per_token = sum(s.bytes_per_token() for s in layer_specs(model))
+    with pytest.raises(ValueError, match="max_cache_tokens"):
+        hf_plookup.wrap(model, max_cache_tokens=2 * free // per_token)
+    assert type(model) is cls  # not wrapped, and not one weight packed
+    assert all(type(p) is before[n][0] and torch.equal(p, before[n][1]) for n, p in model.named_parameters())
