@@ -1,4 +1,4 @@
-"""Decode steps of Llama-form models on CPU in two C calls a layer (invariant mode).
+"""Decode steps of Llama- and Gemma-form models on CPU in two C calls a layer (invariant mode).
 
 Through HF's modules a 1-token step of SmolLM2-135M makes some 12,000 Python-level calls, which on
 a 2-core CPU cost more than its attention (docs/results.md, "A step's cost on this CPU"). `CpuLayers` runs a decode
@@ -10,9 +10,13 @@ so its bits are torch's. The embedding, the rotary tables, the final norm and th
 module path. Prompt steps keep the modules.
 
 Which models: a decoder of `model.model.layers` whose layers hold exactly an input and a
-post-attention RMSNorm, `self_attn` with `q_proj`, `k_proj`, `v_proj`, `o_proj` (and optional
-per-head `q_norm`, `k_norm`) and `mlp` with `gate_proj`, `up_proj`, `down_proj` and an
-activation module (Llama, Mistral, Qwen2, Qwen3, SmolLM, ...), every norm one `cpu_kernels.rms_norm` reproduces
+post-attention RMSNorm (Llama, Mistral, Qwen2, Qwen3, SmolLM, ...) or Gemma 2/3's four norms
+(input, on the attention's output, before the MLP, on the MLP's output: `LAYER_NORMS`),
+`self_attn` with `q_proj`, `k_proj`, `v_proj`, `o_proj` (and optional per-head `q_norm`,
+`k_norm`) and `mlp` with `gate_proj`, `up_proj`, `down_proj` and an activation module (SiLU,
+Gemma's tanh GELU), with rotary tables per kind of layer where the model has them (Gemma 3's
+local and global layers) and soft-capped logits where the config says so (Gemma 2); every norm one
+`cpu_kernels.rms_norm` reproduces
 and every linear on the "cpu" kernel (`llama_form` says why a model is not taken). Structure
 does not show everything a forward does (a multiplier on the embeddings, a scaled residual), so
 the first decode step is run both ways (`CpuLayers.run`): the C path is used from then on only
@@ -28,6 +32,7 @@ h += down_proj(y * u).
 from __future__ import annotations
 
 import ctypes
+import inspect
 
 import numpy as np
 import torch
@@ -49,7 +54,10 @@ class _Layer(ctypes.Structure):
     _fields_ = ([(n, _P) for n in ("ln1", "ln2", "q_norm", "k_norm", "wq", "wk", "wv", "wo", "wg", "wu", "wd",
                                    "bq", "bk", "bv", "bo", "bg", "bu", "bd", "k_cache", "v_cache")]
                 + [(n, _F) for n in ("eps1", "eps2", "eps_qk", "scale", "softcap")]
-                + [(n, _I) for n in ("form1", "form2", "form_qk")])
+                + [(n, _I) for n in ("form1", "form2", "form_qk")]
+                + [(n, _P) for n in ("ln_attn_out", "ln_mlp_out")]
+                + [(n, _F) for n in ("eps_attn_out", "eps_mlp_out")]
+                + [(n, _I) for n in ("form_attn_out", "form_mlp_out")])
 
 
 class _Step(ctypes.Structure):
@@ -95,6 +103,25 @@ def norm_forms(model: torch.nn.Module) -> dict:
     return {m: rms_form(m) for m in model.modules()}
 
 
+# a layer's norms by form: Llama's two (input, and before the MLP), or Gemma 2/3's four (input, on the
+# attention's output, before the MLP, on the MLP's output); each tuple: the C path's (ln1, ln2,
+# ln_attn_out, ln_mlp_out), None where the form has none
+LAYER_NORMS = {
+    "llama": ("input_layernorm", "post_attention_layernorm", None, None),
+    "gemma": ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),
+}
+
+
+def layer_norms(layer: torch.nn.Module) -> tuple | None:
+    """The layer's norm modules in the C path's order (`LAYER_NORMS`), or None where its parts are
+    neither form's."""
+    kids = {n for n, m in layer.named_children() if any(True for _ in m.parameters())}
+    for names in LAYER_NORMS.values():
+        if kids == {"self_attn", "mlp", *(n for n in names if n)}:
+            return tuple(getattr(layer, n) if n else None for n in names)
+    return None
+
+
 def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
     """Why `CpuLayers` cannot take `model` (None: it can; the first decode step still checks it).
     `forms`: `norm_forms(model)` where the caller has it (invariant.InvariantLinears does)."""
@@ -105,8 +132,8 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
     parts = [getattr(inner, n, None) for n in ("embed_tokens", "layers", "norm", "rotary_emb")]
     if inner is None or any(p is None for p in parts) or not _linear(head):
         return "not a decoder of model.model.{embed_tokens, layers, norm, rotary_emb} and model.lm_head"
-    if type(parts[0]) is not torch.nn.Embedding or not len(parts[1]):
-        return "its embedding is not a plain nn.Embedding, or it has no layers"
+    if not isinstance(parts[0], torch.nn.Embedding) or not len(parts[1]):
+        return "its embedding is not an nn.Embedding, or it has no layers"
     params = list(model.parameters())
     if len({p.dtype for p in params}) != 1 or params[0].dtype not in cpu_kernels.DTYPES or any(
             not cpu_kernels._plain(p) for p in params):
@@ -116,9 +143,9 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
     d = getattr(config, "head_dim", None) or config.hidden_size // h
     for i, layer in enumerate(parts[1]):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        kids = {n for n, m in layer.named_children() if any(True for _ in m.parameters())}
-        if kids != {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"}:
-            return f"layer {i} holds {sorted(kids)}, not a Llama layer's four parts"
+        if layer_norms(layer) is None:
+            kids = sorted(n for n, m in layer.named_children() if any(True for _ in m.parameters()))
+            return f"layer {i} holds {kids}, not a Llama layer's four parts or a Gemma layer's six"
         akids = {n for n, m in attn.named_children() if any(True for _ in m.parameters())}
         mkids = {n for n, m in mlp.named_children() if any(True for _ in m.parameters())}
         if not ({"q_proj", "k_proj", "v_proj", "o_proj"} <= akids <= {"q_proj", "k_proj", "v_proj", "o_proj",
@@ -137,8 +164,8 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
                 or o.in_features != h * d or g.out_features != u.out_features or dn.in_features != g.out_features
                 or d % 2):
             return f"layer {i}'s projections do not fit {h} heads of {d} over {h_kv} KV heads"
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [getattr(attn, n) for n in ("q_norm", "k_norm")
-                                                                           if n in akids]
+        norms = [n for n in layer_norms(layer) if n is not None] + [getattr(attn, n) for n in ("q_norm", "k_norm")
+                                                                  if n in akids]
         if any(forms.get(m) is None for m in norms):
             return f"layer {i} has a norm cpu_kernels.rms_norm does not reproduce"
     if forms.get(parts[2]) is None:
@@ -164,8 +191,15 @@ class CpuLayers:
         d = attn0.q_proj.out_features // h
         self.shape = _Shape(hidden=config.hidden_size, H=h, H_kv=attn0.k_proj.out_features // d, D=d,
                             inter=mlp0.gate_proj.out_features, bf16=int(self.dtype == torch.bfloat16))
-        self.forms = [(forms[la.input_layernorm], forms[la.post_attention_layernorm],
-                       forms[la.self_attn.q_norm] if hasattr(la.self_attn, "q_norm") else None) for la in self.layers]
+        self.norms = [layer_norms(la) for la in self.layers]  # (ln1, ln2, ln_attn_out, ln_mlp_out) each
+        self.forms = [tuple(forms[n] if n is not None else None for n in norms)
+                      + (forms[la.self_attn.q_norm] if hasattr(la.self_attn, "q_norm") else None,)
+                      for la, norms in zip(self.layers, self.norms)]
+        # Gemma 3's rotary tables differ by kind of layer (local and global attention): one call each
+        types = getattr(config, "layer_types", None)
+        per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters and types is not None
+        self.layer_types = list(types[: len(self.layers)]) if per_type else [None] * len(self.layers)
+        self.softcap = getattr(config, "final_logit_softcapping", None)  # Gemma 2: tanh on the logits
         self.acts = [la.mlp.act_fn for la in self.layers]
         # the modules whose forward the C path does not call (the embedding, rotary and activation
         # modules it does call)
@@ -219,21 +253,28 @@ class CpuLayers:
             self.on = False
             return None
         structs, windows = [], []
-        for la, (f1, f2, fqk) in zip(self.layers, self.forms):
+        for la, norms, (f1, f2, fa, fm, fqk) in zip(self.layers, self.norms, self.forms):
             attn, mlp = la.self_attn, la.mlp
             rec = self.attention[attn.layer_idx]
             k_cache, v_cache = cache.layer(attn.layer_idx)
             lin = {n: getattr(attn, p) for n, p in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj"))}
             lin.update({n: getattr(mlp, p) for n, p in (("g", "gate_proj"), ("u", "up_proj"), ("d", "down_proj"))})
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            s = _Layer(ln1=_ptr(la.input_layernorm.weight), ln2=_ptr(la.post_attention_layernorm.weight),
+            ln1, ln2, ln_a, ln_m = norms
+            s = _Layer(ln1=_ptr(ln1.weight), ln2=_ptr(ln2.weight),
                        q_norm=_ptr(qn.weight) if qn is not None else None,
                        k_norm=_ptr(kn.weight) if kn is not None else None,
                        k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
-                       eps1=rms_eps(la.input_layernorm), eps2=rms_eps(la.post_attention_layernorm),
+                       eps1=rms_eps(ln1), eps2=rms_eps(ln2),
                        eps_qk=rms_eps(qn) if qn is not None else 0.0, scale=rec["scale"], softcap=rec["softcap"] or 0.0,
                        form1=cpu_kernels.RMS_FORMS[f1], form2=cpu_kernels.RMS_FORMS[f2],
-                       form_qk=cpu_kernels.RMS_FORMS[fqk] if fqk else 0)
+                       form_qk=cpu_kernels.RMS_FORMS[fqk] if fqk else 0,
+                       ln_attn_out=_ptr(ln_a.weight) if ln_a is not None else None,
+                       ln_mlp_out=_ptr(ln_m.weight) if ln_m is not None else None,
+                       eps_attn_out=rms_eps(ln_a) if ln_a is not None else 0.0,
+                       eps_mlp_out=rms_eps(ln_m) if ln_m is not None else 0.0,
+                       form_attn_out=cpu_kernels.RMS_FORMS[fa] if fa else 0,
+                       form_mlp_out=cpu_kernels.RMS_FORMS[fm] if fm else 0)
             for n, m in lin.items():
                 w = cpu_kernels.packed(m.weight)
                 tensors.append(w)
@@ -296,15 +337,21 @@ class CpuLayers:
         with cpu_kernels.serial_torch():
             threads = cpu_kernels.threads()
             h = self.embed(input_ids).contiguous()  # [T, hidden]
-            cos, sin = (c[0].contiguous() for c in self.rotary(h[None], positions[None]))  # [T, D] each
+            tables = {}  # layer type -> its rotary tables [T, D] (and the tensors they point into)
+            for lt in set(self.layer_types):
+                args = (h[None], positions[None]) + ((lt,) if lt is not None else ())
+                cs = [c[0].contiguous() for c in self.rotary(*args)]
+                tables[lt] = (cs[0].data_ptr(), cs[1].data_ptr(), cs)
             hd, kvd = shape.H * shape.D, shape.H_kv * shape.D
             x = h.new_empty(t, shape.hidden)
             q, a = h.new_empty(t, hd), h.new_empty(t, hd)
             k, v = h.new_empty(t, kvd), h.new_empty(t, kvd)
             g, u = h.new_empty(t, shape.inter), h.new_empty(t, shape.inter)
-            step = _Step(t, threads, slots.ctypes.data, *(z.data_ptr() for z in (cos, sin, h, x, q, k, v, a, g, u)))
+            cos, sin, _ = tables[self.layer_types[0]]
+            step = _Step(t, threads, slots.ctypes.data, cos, sin, *(z.data_ptr() for z in (h, x, q, k, v, a, g, u)))
             ps, pp = ctypes.addressof(shape), ctypes.addressof(step)
-            for s, w, act in zip(structs, windows, self.acts):
+            for s, w, act, lt in zip(structs, windows, self.acts, self.layer_types):
+                step.cos, step.sin, _ = tables[lt]
                 if _LIB.layer_attention(ps, ctypes.addressof(s), pp, ctypes.addressof(keys[w][0])):
                     raise MemoryError("cpu_layers: no memory for a layer's scratch")
                 y = act(g)
@@ -312,4 +359,7 @@ class CpuLayers:
                     raise MemoryError("cpu_layers: no memory for a layer's scratch")
             rows = h.index_select(0, keep)
             rows = cpu_kernels.rms_norm(rows, self.norm.weight, rms_eps(self.norm), self.norm_form)
-            return cpu_kernels.linear(rows, self.head.weight, self.head.bias)
+            logits = cpu_kernels.linear(rows, self.head.weight, self.head.bias)
+            if self.softcap is not None:  # as Gemma's forward does: (logits / cap).tanh() * cap
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            return logits

@@ -65,6 +65,11 @@ typedef struct { /* one layer's tensors (NULL: absent) */
     void *k_cache, *v_cache;                      /* the layer's pages, [slots, H_kv, D] */
     float eps1, eps2, eps_qk, scale, softcap;
     int64_t form1, form2, form_qk; /* rms_norm forms */
+    /* Gemma 2/3's sandwich norms (NULL in a Llama layer): on the attention's and the MLP's outputs,
+     * before each is added to the residual stream; ln2 is then the MLP's input norm */
+    const void *ln_attn_out, *ln_mlp_out;
+    float eps_attn_out, eps_mlp_out;
+    int64_t form_attn_out, form_mlp_out;
 } dec_layer;
 
 typedef struct { /* one step of T tokens */
@@ -104,8 +109,9 @@ int64_t layer_phases(int64_t on, int64_t* out) {
 }
 
 /* First half of a layer: x = norm1(h); q, k, v = its projections (q and k normed per head where the
- * layer has those norms); RoPE; k and v stored at the tokens' slots; a = attention; h += o_proj(a);
- * x = norm2(h); g, u = gate and up projections of x. The caller then computes y = act(g). */
+ * layer has those norms); RoPE; k and v stored at the tokens' slots; a = attention; h += o_proj(a)
+ * (normed first where the layer has ln_attn_out); x = norm2(h); g, u = gate and up projections of x.
+ * The caller then computes y = act(g). */
 EXPORT int64_t layer_attention(const dec_shape* S, const dec_layer* L, const dec_step* P, const dec_keys* K) {
     int64_t T = P->T, hid = S->hidden, D = S->D, qn = S->H * D, kn = S->H_kv * D, b16 = S->bf16;
     int64_t esz = b16 ? 2 : 4, phase_t = phase_on ? now_ns() : 0;
@@ -132,6 +138,7 @@ EXPORT int64_t layer_attention(const dec_shape* S, const dec_layer* L, const dec
     PHASE(2);
     if (linear(P->a, T, L->wo, qn, L->bo, hid, P->x, b16, P->threads)) return -1;
     PHASE(3);
+    if (L->ln_attn_out) rms_norm(P->x, T, hid, L->ln_attn_out, L->eps_attn_out, L->form_attn_out, P->x, b16, P->threads);
     ops.add_into(P->h, P->x, T * hid, (int)b16);
     rms_norm(P->h, T, hid, L->ln2, L->eps2, L->form2, P->x, b16, P->threads);
     PHASE(0);
@@ -144,7 +151,8 @@ EXPORT int64_t layer_attention(const dec_shape* S, const dec_layer* L, const dec
     return failed;
 }
 
-/* Second half, y [T, inter] being act(g): g = y * u (rounded as torch's product); h += down_proj(g). */
+/* Second half, y [T, inter] being act(g): g = y * u (rounded as torch's product); h += down_proj(g)
+ * (normed first where the layer has ln_mlp_out). */
 EXPORT int64_t layer_mlp(const dec_shape* S, const dec_layer* L, const dec_step* P, const void* y) {
     int64_t T = P->T, n = T * S->inter;
     int b16 = (int)S->bf16;
@@ -153,6 +161,8 @@ EXPORT int64_t layer_mlp(const dec_shape* S, const dec_layer* L, const dec_step*
     PHASE(0);
     if (linear(P->g, T, L->wd, S->inter, L->bd, S->hidden, P->x, S->bf16, P->threads)) return -1;
     PHASE(5);
+    if (L->ln_mlp_out)
+        rms_norm(P->x, T, S->hidden, L->ln_mlp_out, L->eps_mlp_out, L->form_mlp_out, P->x, S->bf16, P->threads);
     ops.add_into(P->h, P->x, T * S->hidden, b16);
     PHASE(0);
     return 0;

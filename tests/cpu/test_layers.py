@@ -1,4 +1,4 @@
-"""cpu.layers: decode steps of Llama-form models in C give bitwise the logits of the same
+"""cpu.layers: decode steps of Llama- and Gemma-form models in C give bitwise the logits of the same
 steps through HF's modules (invariant mode), and the first decode step's check keeps the modules
 wherever they differ."""
 
@@ -14,7 +14,10 @@ from tests.conftest import greedy_logits, left_pad, repeat_prompts, tiny_model, 
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
 
-TAKEN = ["llama", "mistral", "qwen2", "qwen3"]  # mistral with a sliding window of 8, qwen3 with per-head q/k norms
+# mistral with a sliding window of 8, qwen3 with per-head q/k norms; gemma2 and gemma3_text with norms on
+# the attention's and the MLP's outputs, scaled embeddings, sliding layers (gemma3_text: their own
+# rotary tables), gemma2 with soft-capped attention and logits
+TAKEN = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
 
 
 def _layers(model):
