@@ -4,10 +4,14 @@ and verified in one forward.
 A row's tree has `n` draft nodes (node 0, the root, is the row's last token and is not stored
 here). Node i (1-based) holds `tokens[i-1]` and hangs under `parents[i-1]` (0 = the root); a
 parent always comes before its children, so node order is a topological order. The candidates
-come from every earlier occurrence of the row's suffix (matched over up to max_ngram tokens, as
-the chain proposer matches): their continuations form a trie in which each node counts the
-occurrences passing through it, and the tree keeps the best-scoring nodes (`TreeProposer`).
-Shared prefixes are fed once; each path is at most `k` tokens long (`prompt_lookup_num_tokens`).
+are the earlier occurrences of the row's last token, each with its match length (how many
+tokens ending there equal the row's suffix, measured as the chain drafter measures it,
+drafting.ngram), and substitution candidates (the row's second-to-last token matched, its last
+token not: the row reworded one token of a passage it goes on copying). Their continuations
+form a trie in which each node adds up the votes of the candidates passing through it
+(drafting.ngram.vote: the longest matches decide, shorter ones break ties and fill the budget),
+and the tree keeps the best-scoring nodes (`TreeProposer`). Shared prefixes are fed once; each
+path is at most `k` tokens long (`prompt_lookup_num_tokens`).
 
 Verification feeds node i at position `start + depth(i)` and lets it attend to the cached
 context and to its ancestors only (`ancestor_mask`); the accepted path's keys/values are then
@@ -16,10 +20,14 @@ moved to the positions a chain would have used (`compaction`).
 The kernel runs per row in three stages over the records below: `_find_candidates`,
 `_build_trie`, `_keep_best`.
 
-Example (k=2, 4 nodes, max_ngram 2): the row `5 6 7 5 6 8 5 6` ends in `5 6`, which occurred
-at positions 0-1 and 3-4, followed by `7 5` and `8 5`. The newest, `8 5`, is the chain drafter's
-path and comes first; `7 5` holds half the votes (score 0.5, its `5` 0.5 * 0.8). Output:
-tokens `[8, 5, 7, 5]`, parents `[0, 1, 0, 3]` (node 2 under node 1, node 4 under node 3).
+Example (k=2, 4 nodes): the row `1 5 6 7 2 5 6 8 3 5 6 8 1 5 6` ends in `1 5 6`. The `6` at
+position 2 matches all three tokens and was followed by `7 2`; those at 6 and 10 match two
+(`5 6`) and were followed by `8 3` and `8 1`. A match one token short votes 0.135 of a full one
+(every position here is recent, so each vote is tripled alike): `7` and its `2` hold 3 / 3.81
+of the votes (scores 0.79 and 0.79 * 0.8 = 0.63 with decay 0.8), `8` holds 0.81 / 3.81 (0.21),
+and `8 1` and `8 3` half of that times 0.8 (0.085 each; the first created, `1`, is kept).
+Output: tokens `[7, 2, 8, 1]`, parents `[0, 1, 0, 3]`. The voted path `7 2` is also the chain
+drafter's draft; HF's rule (the newest match of `5 6`) would give `8 1`.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
+from .ngram import RECENT_WEIGHT, RECENT_WINDOW, SHORT_WEIGHT, match_cap, vote
 from .suffix import SuffixIndex, _slot
 
 __all__ = ["TreeProposer", "accept_tree", "acceptance_estimate", "ancestor_mask",
@@ -40,8 +49,19 @@ __all__ = ["TreeProposer", "accept_tree", "acceptance_estimate", "ancestor_mask"
 MAX_CANDIDATES = 64
 MIN_CANDIDATES = 8
 CANDIDATE_WORK = 6144
-# a node on the chain drafter's path scores CHAIN_SCORE + (k - depth): above every voted score (<= 1)
-CHAIN_SCORE = 2.0
+# past its newest max_candidates own occurrences, the walk goes on to RECORD_SCAN times as many,
+# keeping only those matching more tokens than any newer one: the longest match often lies
+# further back than a common token's newest occurrences, and it decides the vote
+RECORD_SCAN = 2
+# substitution candidates (the row's second-to-last token matched, its last token not: the row
+# reworded one token of text it goes on copying) vote SUB_WEIGHT times a regular vote, so they
+# fill the budget the regular candidates leave; those matching fewer than SUB_MIN_MATCH tokens
+# vote 0, so their nodes only take budget nothing else wants (and only with a min score of 0)
+SUB_WEIGHT = 0.02
+SUB_MIN_MATCH = 2
+# a row walks max_candidates // SUB_SHARE substitution candidates: each adds a branch that rarely
+# pays, and inserting it walks the trie's sibling lists
+SUB_SHARE = 4
 # the trie's integer fields per node, rows of Scratch.trie [T, TRIE_FIELDS, nodes]
 TOKEN = 0         # the token it drafts
 PARENT = 1        # its parent trie node (-1: the root)
@@ -49,7 +69,7 @@ DEPTH = 2         # 1 for the root's children
 FIRST_CHILD = 3   # children are a list in creation order: the first child ...
 NEXT_SIBLING = 4  # ... and each child's next sibling (-1: none)
 OUTPUT_NODE = 5   # its node number in the output tree (1-based), once kept
-ON_CHAIN = 6      # 1 on the chain drafter's path
+ON_CHAIN = 6      # 1 on the voted path (the chain drafter's rule, drafting.ngram)
 FRONTIER = 7      # not a per-node field: the list of candidate nodes while keeping the best
 TRIE_FIELDS = 8
 
@@ -60,20 +80,22 @@ class TreeParams(NamedTuple):
     k: int                # the longest path (prompt_lookup_num_tokens)
     budget: int           # the most draft nodes per row
     max_candidates: int   # earlier occurrences per row and kind of source
-    max_ngram: int        # the longest suffix matched
+    longest: int          # the longest suffix match measured (drafting.ngram.match_cap)
     min_ngram: int        # the shortest match an occurrence needs
-    short_weight: float   # an occurrence's vote when its match is shorter than the best one
+    short_weight: float   # an occurrence's vote per token its match falls short of the best one
+    recent_window: int    # own occurrences among the row's last this many tokens ...
+    recent_weight: float  # ... vote this many times more (drafting.ngram.vote)
     min_score: float      # nodes scoring below it are left out
 
 
 class Scratch(NamedTuple):
     """Working arrays, one slice per parallel task t (small: each stays in its core's cache)."""
 
-    cand_source: np.ndarray     # [T, 2C] a candidate occurrence's source
-    cand_start: np.ndarray      # [T, 2C] the position of the token after it (its continuation)
-    cand_match: np.ndarray      # [T, 2C] how many suffix tokens it matches
-    trie: np.ndarray            # [T, TRIE_FIELDS, 2C * k] int64 fields above
-    trie_weight: np.ndarray     # [T, 2C * k] the votes through each trie node
+    cand_source: np.ndarray     # [T, N] a candidate occurrence's source (N: TreeProposer._buffers)
+    cand_start: np.ndarray      # [T, N] the position of the token after it (its continuation)
+    cand_match: np.ndarray      # [T, N] how many suffix tokens it matches
+    trie: np.ndarray            # [T, TRIE_FIELDS, N * k] int64 fields above
+    trie_weight: np.ndarray     # [T, N * k] the votes through each trie node
     decay_at_depth: np.ndarray  # [T, k] decay ** (depth - 1)
 
 
@@ -101,11 +123,11 @@ def _source_length(sources, s):
 
 
 @numba.njit(cache=True, nogil=True)
-def _match(sources, row, length, s, pos, max_ngram):
-    """How many tokens ending at position `pos` of source `s` equal the row's suffix (>= 1: `pos`
-    holds the row's last token), at most max_ngram."""
+def _match(sources, row, length, s, pos, longest):
+    """How many tokens ending at position `pos` of source `s` equal the row's first `length`
+    tokens' suffix (>= 1: `pos` holds the token at length - 1), at most `longest`."""
     m = 1
-    while m < max_ngram and pos - m >= 0 and length - 1 - m >= 0 and \
+    while m < longest and pos - m >= 0 and length - 1 - m >= 0 and \
             _source_token(sources, s, pos - m) == sources.history[row, length - 1 - m]:
         m += 1
     return m
@@ -114,96 +136,153 @@ def _match(sources, row, length, s, pos, max_ngram):
 @numba.njit(cache=True, nogil=True)
 def _find_candidates(sources, params, row, length, scratch, t):
     """Stage 1: earlier occurrences of the row's last token matching at least min_ngram suffix
-    tokens, newest first: the row's own (up to max_candidates), then other sources' (as many
-    again). Returns (how many, the longest match, which one is the chain drafter's: the newest
-    own occurrence with the longest match)."""
-    found, best_match, chain = 0, 0, -1
+    tokens, newest first: the row's own (up to max_candidates; then, among the next ones up to
+    RECORD_SCAN * max_candidates occurrences walked in all, those matching more tokens than any
+    newer one), then other sources' (up to max_candidates); then, if there were any, the
+    substitution candidates (up to max_candidates // SUB_SHARE, own row): occurrences of the
+    row's second-to-last token matching at least min_ngram tokens there and followed by another
+    token than the row's last, their continuation starting after that token. Returns (how many,
+    how many of them are regular ones (before the substitutions), the longest regular match)."""
+    found, best_match, walked = 0, 0, 0
     pos = sources.prev_own[row, length - 1]
-    while pos >= 0 and found < params.max_candidates:
-        m = _match(sources, row, length, row, pos, params.max_ngram)
-        if m >= params.min_ngram:
+    while pos >= 0 and walked < RECORD_SCAN * params.max_candidates:
+        if found >= params.max_candidates and best_match >= params.longest:
+            break  # nothing further back can match more
+        m = _match(sources, row, length, row, pos, params.longest)
+        if m >= params.min_ngram and (found < params.max_candidates or m > best_match):
             scratch.cand_source[t, found] = row
             scratch.cand_start[t, found] = pos + 1
             scratch.cand_match[t, found] = m
-            if m > best_match:
-                best_match, chain = m, found
+            best_match = max(best_match, m)
             found += 1
+        walked += 1
         pos = sources.prev_own[row, pos]
-    if not sources.cross:
-        return found, best_match, chain
     last = sources.history[row, length - 1]
-    h = _slot(sources.any_keys, last)
-    entry = sources.any_vals[h] if sources.any_keys[h] == last else -1
-    own = found
-    while entry >= 0 and found < own + params.max_candidates:
-        s, pos = sources.entry_source[entry], sources.entry_pos[entry]
-        if s != row and pos + 1 < _source_length(sources, s):
-            m = _match(sources, row, length, s, pos, params.max_ngram)
+    if sources.cross:
+        h = _slot(sources.any_keys, last)
+        entry = sources.any_vals[h] if sources.any_keys[h] == last else -1
+        own = found
+        while entry >= 0 and found < own + params.max_candidates:
+            s, pos = sources.entry_source[entry], sources.entry_pos[entry]
+            if s != row and pos + 1 < _source_length(sources, s):
+                m = _match(sources, row, length, s, pos, params.longest)
+                if m >= params.min_ngram:
+                    scratch.cand_source[t, found] = s
+                    scratch.cand_start[t, found] = pos + 1
+                    scratch.cand_match[t, found] = m
+                    found += 1
+                    best_match = max(best_match, m)
+            entry = sources.entry_prev[entry]
+    regular = found
+    if regular == 0 or length < 3:
+        return found, regular, best_match
+    pos = sources.prev_own[row, length - 2]
+    while pos >= 0 and found < regular + max(params.max_candidates // SUB_SHARE, 1):
+        if sources.history[row, pos + 1] != last:  # pos + 1 <= length - 2: inside the row
+            m = _match(sources, row, length - 1, row, pos, params.longest)
             if m >= params.min_ngram:
-                scratch.cand_source[t, found] = s
-                scratch.cand_start[t, found] = pos + 1
+                scratch.cand_source[t, found] = row
+                scratch.cand_start[t, found] = pos + 2
                 scratch.cand_match[t, found] = m
                 found += 1
-                best_match = max(best_match, m)
-        entry = sources.entry_prev[entry]
-    return found, best_match, chain
+        pos = sources.prev_own[row, pos]
+    return found, regular, best_match
 
 
 @numba.njit(cache=True, nogil=True)
-def _build_trie(sources, params, row, length, depth_cap, found, best_match, chain, scratch, t):
-    """Stage 2: the trie of the candidates' continuations (up to depth_cap tokens each). Every
-    candidate votes for the nodes on its path: 1 with the longest match, short_weight with a
-    shorter one; the chain drafter's path is marked ON_CHAIN. Returns (the root's first child,
-    the sum of the votes)."""
+def _insert(sources, row, length, depth_cap, s, start, w, n_nodes, root_first, scratch, t):
+    """Add one candidate's continuation (up to depth_cap tokens of source s from `start`) to the
+    trie with its vote `w`. Returns (the trie's node count, the root's first child)."""
     trie, weight = scratch.trie, scratch.trie_weight
+    node = -1  # the root
+    end = length if s == row else _source_length(sources, s)
+    for d in range(min(depth_cap, end - start)):
+        tok = _source_token(sources, s, start + d)
+        child = root_first if node < 0 else trie[t, FIRST_CHILD, node]
+        prev_sibling = -1
+        while child >= 0 and trie[t, TOKEN, child] != tok:
+            prev_sibling = child
+            child = trie[t, NEXT_SIBLING, child]
+        if child < 0:  # a new node, last among its siblings
+            child = n_nodes
+            n_nodes += 1
+            trie[t, TOKEN, child] = tok
+            trie[t, PARENT, child] = node
+            trie[t, DEPTH, child] = d + 1
+            trie[t, FIRST_CHILD, child] = -1
+            trie[t, NEXT_SIBLING, child] = -1
+            trie[t, ON_CHAIN, child] = 0
+            weight[t, child] = 0.0
+            if prev_sibling >= 0:
+                trie[t, NEXT_SIBLING, prev_sibling] = child
+            elif node < 0:
+                root_first = child
+            else:
+                trie[t, FIRST_CHILD, node] = child
+        weight[t, child] += w
+        node = child
+    return n_nodes, root_first
+
+
+@numba.njit(cache=True, nogil=True)
+def _mark_voted_path(root_first, scratch, t):
+    """Mark ON_CHAIN the path that takes, from the root, the child with the most votes at every
+    level (ties: the first created, i.e. the newest candidate's token)."""
+    trie, weight = scratch.trie, scratch.trie_weight
+    node = root_first
+    while node >= 0:
+        q, q_w = node, weight[t, node]
+        child = trie[t, NEXT_SIBLING, node]
+        while child >= 0:
+            if weight[t, child] > q_w:
+                q, q_w = child, weight[t, child]
+            child = trie[t, NEXT_SIBLING, child]
+        trie[t, ON_CHAIN, q] = 1
+        node = trie[t, FIRST_CHILD, q]
+
+
+@numba.njit(cache=True, nogil=True)
+def _build_trie(sources, params, row, length, depth_cap, found, regular, best_match, scratch, t):
+    """Stage 2: the trie of the candidates' continuations (up to depth_cap tokens each). Every
+    candidate votes for the nodes on its path: drafting.ngram.vote (short_weight ** (best_match
+    - its match length), more for the row's recent tokens); substitutions SUB_WEIGHT times that
+    (their match counted up to best_match, never recent), or 0 below SUB_MIN_MATCH. Before the
+    substitutions vote, the path that takes the child with the most votes at every level (ties:
+    the first created) is marked ON_CHAIN: the chain drafter's rule over the regular candidates.
+    Returns (the root's first child, the sum of the votes)."""
     n_nodes = 0
     total = 0.0
     root_first = -1
+    need = max(SUB_MIN_MATCH, params.min_ngram)
     for j in range(found):
+        if j == regular:  # the regular candidates are all in: mark the voted path
+            _mark_voted_path(root_first, scratch, t)
         s, start = scratch.cand_source[t, j], scratch.cand_start[t, j]
-        vote = 1.0 if scratch.cand_match[t, j] == best_match else params.short_weight
-        if vote <= 0.0 and j != chain:
-            continue
-        total += vote
-        node = -1  # the root
-        end = length if s == row else _source_length(sources, s)
-        for d in range(min(depth_cap, end - start)):
-            tok = _source_token(sources, s, start + d)
-            child = root_first if node < 0 else trie[t, FIRST_CHILD, node]
-            prev_sibling = -1
-            while child >= 0 and trie[t, TOKEN, child] != tok:
-                prev_sibling = child
-                child = trie[t, NEXT_SIBLING, child]
-            if child < 0:  # a new node, last among its siblings
-                child = n_nodes
-                n_nodes += 1
-                trie[t, TOKEN, child] = tok
-                trie[t, PARENT, child] = node
-                trie[t, DEPTH, child] = d + 1
-                trie[t, FIRST_CHILD, child] = -1
-                trie[t, NEXT_SIBLING, child] = -1
-                trie[t, ON_CHAIN, child] = 0
-                weight[t, child] = 0.0
-                if prev_sibling >= 0:
-                    trie[t, NEXT_SIBLING, prev_sibling] = child
-                elif node < 0:
-                    root_first = child
-                else:
-                    trie[t, FIRST_CHILD, node] = child
-            weight[t, child] += vote
-            if j == chain:
-                trie[t, ON_CHAIN, child] = 1
-            node = child
+        shortfall = best_match - min(scratch.cand_match[t, j], best_match)
+        if j < regular:
+            w = vote(params.short_weight, shortfall, start - 1 if s == row else -1, length - params.recent_window,
+                     params.recent_weight)
+            if w <= 0.0:
+                continue
+        elif scratch.cand_match[t, j] >= need:
+            w = SUB_WEIGHT * vote(params.short_weight, shortfall, -1, 0, 1.0)
+        else:  # a substitution matching too little: its nodes only fill budget nothing else wants
+            w = 0.0
+        total += w
+        n_nodes, root_first = _insert(sources, row, length, depth_cap, s, start, w, n_nodes, root_first, scratch, t)
+    if found == regular:
+        _mark_voted_path(root_first, scratch, t)
     return root_first, total
 
 
 @numba.njit(cache=True, nogil=True)
 def _keep_best(params, depth_cap, budget, decay, root_first, total, scratch, t, trees, i):
-    """Stage 3: score every node (its share of the votes times decay per level below the first;
-    the chain's path CHAIN_SCORE + k - depth, ahead of all) and keep the best `budget` scoring at
-    least min_score, best first (ties: creation order), as output row i. A child never outscores
-    its parent and is created after it, so the next best node is always a child of a kept one:
-    it is picked from the frontier of the kept nodes' children. Returns the nodes kept."""
+    """Stage 3: score every node (its share of the votes times decay per level below the first)
+    and keep the best `budget` scoring at least min_score, best first (ties: creation order), as
+    output row i; the voted path (ON_CHAIN) is kept whatever min_score says, so a tree never
+    feeds less than the chain drafter would. A child never outscores its parent and is created
+    after it, so the next best node is always a child of a kept one: it is picked from the
+    frontier of the kept nodes' children. Returns the nodes kept."""
     trie = scratch.trie
     for d in range(depth_cap):  # a power, as the reference computes it
         scratch.decay_at_depth[t, d] = decay ** d
@@ -215,17 +294,18 @@ def _keep_best(params, depth_cap, budget, decay, root_first, total, scratch, t, 
         child = trie[t, NEXT_SIBLING, child]
     n = 0
     while n < budget and n_front > 0:
-        best, best_score = -1, -1.0
+        best, best_score, on_chain = -1, -1.0, -1
         for f in range(n_front):
             q = trie[t, FRONTIER, f]
             if trie[t, ON_CHAIN, q] == 1:
-                score = CHAIN_SCORE + params.k - trie[t, DEPTH, q]
-            else:
-                score = scratch.trie_weight[t, q] / total * scratch.decay_at_depth[t, trie[t, DEPTH, q] - 1]
+                on_chain = f
+            score = scratch.trie_weight[t, q] / total * scratch.decay_at_depth[t, trie[t, DEPTH, q] - 1]
             if score > best_score or (score == best_score and q < trie[t, FRONTIER, best]):
                 best, best_score = f, score
         if best_score < params.min_score:
-            break
+            if on_chain < 0:
+                break
+            best = on_chain
         q = trie[t, FRONTIER, best]
         n_front -= 1
         trie[t, FRONTIER, best] = trie[t, FRONTIER, n_front]
@@ -253,10 +333,10 @@ def _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratc
     budget = min(params.budget, max_depth[i])  # no more nodes than tokens the row may still emit
     if depth_cap <= 0 or budget <= 0 or length < 2:
         return
-    found, best_match, chain = _find_candidates(sources, params, row, length, scratch, t)
+    found, regular, best_match = _find_candidates(sources, params, row, length, scratch, t)
     if found == 0:
         return
-    root_first, total = _build_trie(sources, params, row, length, depth_cap, found, best_match, chain, scratch, t)
+    root_first, total = _build_trie(sources, params, row, length, depth_cap, found, regular, best_match, scratch, t)
     trees.num_nodes[i] = _keep_best(params, depth_cap, budget, decay[i], root_first, total, scratch, t, trees, i)
 
 
@@ -278,19 +358,23 @@ def propose_tree_serial(sources, params, rows, lengths, max_depth, decay, trees,
 
 class TreeProposer:
     """Candidate trees for a whole batch: at most `budget` draft nodes per row, paths of at most
-    `k` tokens, matches as `NgramProposer` finds them (HF's `max_matching_ngram_size`).
+    `k` tokens, matches measured as `NgramProposer` measures them (up to match_cap(max_ngram)
+    tokens, at least min_ngram).
 
-    Every earlier occurrence of the row's suffix (up to `candidates(batch)` per kind of source,
-    own row then the others, newest first) votes for
-    its continuation: occurrences with the longest match weigh 1, shorter matches
-    `short_weight`. A node's score is the share of the votes that pass through it times
-    `decay` per level below the first (an estimate of the chance that verification reaches
-    it), and the tree keeps the `budget` best-scoring nodes, those scoring at least
-    `min_score` (the per-step budget: see `propose`). The chain drafter's draft (the newest own
-    occurrence with the longest match) is pinned ahead of every voted node and kept whatever
-    `min_score` says, so the tree always holds it as its first path."""
+    Every earlier occurrence of the row's last token (up to `candidates(batch)` per kind of
+    source, own row then the others, newest first, and the row's longer matches further back)
+    votes for its continuation: `short_weight` ** (how many tokens its match falls short of the
+    longest one), RECENT_WEIGHT times that among the row's last RECENT_WINDOW tokens
+    (drafting.ngram.vote), so the longest matches decide and shorter ones break ties and fill
+    the budget; substitution candidates (`_find_candidates`) vote SUB_WEIGHT times that. A
+    node's score is the share of the votes that pass through it times `decay` per level below
+    the first (an estimate of the chance that verification reaches it), and the tree keeps the
+    `budget` best-scoring nodes, those scoring at least `min_score` (the per-step budget: see
+    `propose`). The voted path (the child with the most votes at every level: `NgramProposer`'s
+    draft where both see the same occurrences) is kept whatever `min_score` says."""
 
-    def __init__(self, k: int, budget: int, max_ngram: int = 2, min_ngram: int = 1, short_weight: float = 0.25,
+    def __init__(self, k: int, budget: int, max_ngram: int = 2, min_ngram: int = 1,
+                 short_weight: float = SHORT_WEIGHT,
                  decay: float = 0.8, max_candidates: int = MAX_CANDIDATES):
         from .ngram import PARALLEL_MIN_BATCH, _check_int
 
@@ -313,11 +397,13 @@ class TreeProposer:
         self.propose(hist, np.full(PARALLEL_MIN_BATCH, 5, dtype=np.int64))
 
     def _buffers(self) -> Scratch:
-        """The scratch, one slice per parallel task (numba's thread count), for 2 * max_candidates
-        candidates and a trie of their continuations (at most k nodes each)."""
+        """The scratch, one slice per parallel task (numba's thread count), for 3 * max_candidates
+        candidates (own, other sources', substitutions: at most that many) and the own longer
+        matches further back (at most one per match length), and a trie of their continuations
+        (at most k nodes each)."""
         threads = numba.get_num_threads()
         if self._scratch is None or self._scratch.cand_source.shape[0] != threads:
-            c = 2 * self.max_candidates
+            c = 3 * self.max_candidates + match_cap(self.max_ngram)
             n = c * self.k
             self._scratch = Scratch(cand_source=np.empty((threads, c), np.int64),
                                     cand_start=np.empty((threads, c), np.int64),
@@ -330,7 +416,8 @@ class TreeProposer:
     def candidates(self, batch: int, cross: bool = False) -> int:
         """Candidates per row and kind of source for a step of `batch` rows: `max_candidates`,
         fewer when the batch would exceed CANDIDATE_WORK (counting both kinds when other sources
-        are indexed), at least MIN_CANDIDATES."""
+        are indexed; the substitutions, a SUB_SHARE-th as many, are not counted), at least
+        MIN_CANDIDATES."""
         fair = CANDIDATE_WORK // (max(batch, 1) * (2 if cross else 1))
         return min(self.max_candidates, max(MIN_CANDIDATES, fair))
 
@@ -362,7 +449,9 @@ class TreeProposer:
         trees = Trees(np.empty((batch, self.budget), dtype=np.int64), np.empty((batch, self.budget), dtype=np.int64),
                       np.empty(batch, dtype=np.int64))
         params = TreeParams(k=self.k, budget=self.budget, max_candidates=self.candidates(batch, index.cross),
-                            max_ngram=self.max_ngram, min_ngram=self.min_ngram, short_weight=self.short_weight,
+                            longest=match_cap(self.max_ngram), min_ngram=self.min_ngram,
+                            short_weight=self.short_weight, recent_window=RECENT_WINDOW,
+                            recent_weight=float(RECENT_WEIGHT),
                             min_score=float(min_score))
         kernel = propose_tree_batch if batch >= self._parallel_min else propose_tree_serial
         kernel(index.sources(history), params, rows, lengths, max_depth, decay, trees, self._buffers())

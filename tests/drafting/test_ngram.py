@@ -1,28 +1,65 @@
-"""NgramProposer against a literal plain-Python reference, plus hand-written cases."""
+"""NgramProposer against a literal plain-Python reference, plus hand-written cases (among them
+where the vote of the longest matches departs from HF's most-recent-match rule)."""
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_plookup.drafting.ngram import NgramProposer, propose_batch
+from hf_plookup.drafting.ngram import (
+    CHAIN_CANDIDATES,
+    CHAIN_SCAN,
+    RECENT_WEIGHT,
+    RECENT_WINDOW,
+    SHORT_WEIGHT,
+    NgramProposer,
+    match_cap,
+    propose_batch,
+    vote,
+)
 
 
 def reference_row(tokens, k, max_ngram, min_ngram, max_draft):
-    """Literal spec: longest n first, most recent earlier occurrence, drafts capped."""
+    """Literal spec: every earlier occurrence of the last token with its match length (up to
+    match_cap(max_ngram), at least min_ngram), newest first, the newest CHAIN_SCAN of them; the
+    CHAIN_CANDIDATES longest vote
+    (`vote`), in recency order; the draft follows, token by token, the continuation with the most
+    votes among the voters that agree with it so far (ties: the newest voter's), capped."""
     t = list(tokens)
-    n_len = len(t)
+    n = len(t)
     cap = min(k, max_draft)
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if n >= n_len:
-            continue
-        suffix = t[n_len - n:]
-        for i in range(n_len - n - 1, -1, -1):
-            if t[i:i + n] == suffix:
-                cont = t[i + n:min(i + n + cap, n_len)]
-                if cont:
-                    return cont
-    return []
+    if cap <= 0 or n < 2:
+        return []
+    longest = match_cap(max_ngram)
+    cands = []  # (continuation start, match length), newest first, among CHAIN_SCAN occurrences
+    walked = 0
+    for c in range(n - 1, 0, -1):
+        if t[c - 1] == t[-1] and walked < CHAIN_SCAN:
+            walked += 1
+            m = 1
+            while m < min(longest, c) and t[c - 1 - m] == t[n - 1 - m]:
+                m += 1
+            if m >= min_ngram:
+                cands.append((c, m))
+    if not cands:
+        return []
+    best = max(m for _, m in cands)
+    chosen = sorted(sorted(range(len(cands)), key=lambda i: -cands[i][1])[:CHAIN_CANDIDATES])
+    voters = [cands[i] for i in chosen]
+    draft = []
+    while len(draft) < cap:
+        d = len(draft)
+        sums = {}  # token -> votes, in the order the voters (newest first) name it
+        for c, m in voters:
+            if c + d < n:
+                w = vote(SHORT_WEIGHT, best - m, c - 1, n - RECENT_WINDOW, RECENT_WEIGHT)
+                sums[t[c + d]] = sums.get(t[c + d], 0.0) + w
+        if not sums:
+            break
+        tok = max(sums, key=lambda x: sums[x])  # the first of the heaviest
+        draft.append(tok)
+        voters = [(c, m) for c, m in voters if c + d < n and t[c + d] == tok]
+    return draft
 
 
 def reference(history, lengths, k, max_ngram, min_ngram, max_drafts):
@@ -103,14 +140,49 @@ def one(tokens, k=4, max_ngram=2, min_ngram=1, max_draft=None):
 
 
 def test_most_recent_match_not_earliest():
-    # suffix [1, 2] occurs at 0 (-> 3, 4) and at 4 (-> 7, 8): the later one wins.
+    # suffix [1, 2] occurs at 0 (-> 3, 4) and at 4 (-> 7, 8): one vote each, the later one wins.
     assert one([1, 2, 3, 4, 1, 2, 7, 8, 1, 2], k=2) == ([7, 8], 2)
 
 
 def test_longest_ngram_preferred_over_more_recent_shorter():
     # bigram [5, 2] matches at 0 (-> 9); unigram [2] matches more recently at 4 (-> 6).
     assert one([5, 2, 9, 1, 2, 6, 5, 2], k=1, max_ngram=2) == ([9], 1)
-    assert one([5, 2, 9, 1, 2, 6, 5, 2], k=1, max_ngram=1) == ([6], 1)
+    # max_ngram only raises the match cap (match_cap): a smaller one still measures the bigram
+    assert one([5, 2, 9, 1, 2, 6, 5, 2], k=1, max_ngram=1) == ([9], 1)
+
+
+def test_match_measured_past_max_ngram():
+    # `7 1 2` matches three suffix tokens at 0-2 (-> 5); `8 1 2` only two, more recently (-> 6):
+    # HF's rule with max_ngram 2 sees two equal bigrams and takes the newest (6)
+    assert one([7, 1, 2, 5, 8, 1, 2, 6, 7, 1, 2], k=1, max_ngram=2) == ([5], 1)
+
+
+def test_most_votes_win_over_the_most_recent():
+    # the module docstring's example: `1 2` followed twice by `3 1`, most recently by `4 1`
+    assert one([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2], k=2) == ([3, 1], 2)
+    # the vote is per token: after `3`, the voters that drafted it vote again
+    assert one([1, 2, 3, 5, 1, 2, 3, 6, 1, 2, 3, 6, 1, 2, 4, 1, 2], k=3) == ([3, 6, 1], 3)
+
+
+def test_recent_occurrences_vote_more():
+    # `1 2` followed by 10 four times long ago, by 11 once among the last RECENT_WINDOW tokens:
+    # 4 votes to 3; three times long ago: 3 to 3, and the tie goes to the newest (11)
+    filler = list(range(100, 140))
+    assert one([1, 2, 10] * 4 + filler + [1, 2, 11, 1, 2], k=1) == ([10], 1)
+    assert one([1, 2, 10] * 3 + filler + [1, 2, 11, 1, 2], k=1) == ([11], 1)
+
+
+def test_only_the_newest_chain_scan_occurrences_are_read():
+    # `7 8 9 1 2` matches five suffix tokens at the row's start, but after CHAIN_SCAN later `2`s
+    # (each matching one token) the scan stops before it
+    for fill, want in ((CHAIN_SCAN - 1, 5), (CHAIN_SCAN, 6)):
+        assert one([7, 8, 9, 1, 2, 5] + [9, 2, 6] * fill + [7, 8, 9, 1, 2], k=1) == ([want], 1)
+
+
+def test_shorter_matches_continue_where_the_longest_ends():
+    # `0 0 0`: the longest match (ending at 1) is followed by one token before the row ends; the
+    # shorter one (ending at 0) goes on for a second draft
+    assert one([0, 0, 0], k=2) == ([0, 0], 2)
 
 
 def test_no_match_gives_zero_and_minus_one_fill():
@@ -131,7 +203,9 @@ def test_capped_by_max_drafts():
 
 def test_continuation_truncated_at_end_and_may_overlap_suffix():
     assert one([8, 1, 2, 9, 1, 2], k=5) == ([9, 1, 2, -1, -1], 3)
-    assert one([5, 5, 5, 5], k=4, max_ngram=2) == ([5, -1, -1, -1], 1)
+    # the longest match (ending at 2) has one token after it, the next (ending at 1) two and the
+    # shortest (ending at 0) three: each draft is voted by the voters left
+    assert one([5, 5, 5, 5], k=4, max_ngram=2) == ([5, 5, 5, -1], 3)
 
 
 def test_garbage_past_length_ignored_and_batch_rows_independent():

@@ -12,9 +12,19 @@ from hypothesis import strategies as st
 
 import hf_plookup
 from hf_plookup.attention.metadata import step_mask
-from hf_plookup.engine.kv_cache import PagedKVCache
+from hf_plookup.drafting.ngram import (
+    RECENT_WEIGHT,
+    RECENT_WINDOW,
+    SHORT_WEIGHT,
+    match_cap,
+    vote,
+)
 from hf_plookup.drafting.tree import (
     MAX_CANDIDATES,
+    RECORD_SCAN,
+    SUB_MIN_MATCH,
+    SUB_SHARE,
+    SUB_WEIGHT,
     TreeProposer,
     accept_tree,
     ancestor_mask,
@@ -22,6 +32,7 @@ from hf_plookup.drafting.tree import (
     compaction,
     depths,
 )
+from hf_plookup.engine.kv_cache import PagedKVCache
 from tests.conftest import ARCHS, left_padded, tiny_model, wrap_copy
 
 # ---------------------------------------------------------------------------------------------
@@ -38,45 +49,79 @@ def _match(src: list[int], p: int, row: list[int], max_ngram: int) -> int:
 
 
 def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int, max_depth: int,
-             short_weight: float = 0.25, decay: float = 0.8, min_score: float = 0.0,
+             short_weight: float = SHORT_WEIGHT, decay: float = 0.8, min_score: float = 0.0,
              others: list[list[int]] | None = None, max_candidates: int = MAX_CANDIDATES):
     """(tokens, parents) of one row's tree, built the plain way: every earlier occurrence of the
-    last token in the row (newest first), then in `others` (sources in the index's insertion
-    order; newest = last inserted first), each with its match length; a dict trie of all their
-    continuations with vote weights; nodes ranked by score (stable), the chain drafter's path
-    first; the best `budget` kept."""
+    last token in the row (newest first; past max_candidates, only those matching more than any
+    newer one, among RECORD_SCAN * max_candidates occurrences), then in `others` (sources in the index's insertion
+    order; newest = last inserted first), each with its match length; then the substitution
+    candidates (the second-to-last token's earlier occurrences in the row followed by another
+    token than the last); a dict trie of all their continuations with their votes; the voted
+    path (most votes at every level, over the regular candidates); nodes ranked by score
+    (stable), those below min_score left out except the voted path; the best `budget` kept."""
     n = len(row)
     cap, budget = min(k, max_depth), min(budget, max_depth)
     if cap <= 0 or budget <= 0 or n < 2:
         return [], []
-    cands = []  # (source tokens, continuation start, match length)
-    for p in range(n - 2, -1, -1):
-        if row[p] == row[-1] and len(cands) < max_candidates:
-            m = _match(row, p, row, max_ngram)
-            if m >= min_ngram:
-                cands.append((row, p + 1, m))
+    longest = match_cap(max_ngram)
+    cands = []  # (source tokens, continuation start, match length, position for recency: -1 none)
+    walked, best = 0, 0
+    for p in range(n - 2, -1, -1):  # the newest max_candidates, then longer matches only
+        if row[p] != row[-1]:
+            continue
+        if walked == RECORD_SCAN * max_candidates or (len(cands) >= max_candidates and best >= longest):
+            break
+        m = _match(row, p, row, longest)
+        if m >= min_ngram and (len(cands) < max_candidates or m > best):
+            cands.append((row, p + 1, m, p))
+            best = max(best, m)
+        walked += 1
     entries = [(src, p) for src in (others or []) for p in range(len(src))]
     own = len(cands)
     for src, p in reversed(entries):
         if len(cands) == own + max_candidates:
             break
         if src[p] == row[-1] and p + 1 < len(src):
-            m = _match(src, p, row, max_ngram)
+            m = _match(src, p, row, longest)
             if m >= min_ngram:
-                cands.append((src, p + 1, m))
+                cands.append((src, p + 1, m, -1))
     if not cands:
         return [], []
-    best = max(m for _, _, m in cands)
-    # the chain drafter's pick: the newest own occurrence with the longest own match
-    pin = max(range(own), key=lambda j: (cands[j][2], -j)) if own else -1
+    regular = len(cands)
+    best = max(m for _, _, m, _ in cands)
+    for p in range(n - 3, -1, -1):  # substitutions: the second-to-last token at p, then not the last
+        if len(cands) == regular + max(max_candidates // SUB_SHARE, 1):
+            break
+        if row[p] == row[-2] and row[p + 1] != row[-1]:
+            m = _match(row, p, row[:-1], longest)
+            if m >= min_ngram:
+                cands.append((row, p + 2, m, None))
     nodes = {}  # (parent node, token) -> node id (creation order)
     info = []  # node id -> [token, parent id or -1, weight, depth]
-    pinned = set()
+
+    def voted_path():
+        path, node = [], -1
+        while True:
+            kids = [q for q in range(len(info)) if info[q][1] == node]  # creation order
+            if not kids:
+                return path
+            node = max(kids, key=lambda q: info[q][2])  # the first of the heaviest
+            path.append(node)
+
     total = 0.0
-    for j, (src, c, m) in enumerate(cands):
-        w = 1.0 if m == best else short_weight
-        if w <= 0 and j != pin:
-            continue
+    voted = None
+    for j, (src, c, m, pos) in enumerate(cands):
+        if j == regular:
+            voted = voted_path()
+        shortfall = best - min(m, best)
+        if j < regular:
+            w = vote(short_weight, shortfall, pos, n - RECENT_WINDOW, RECENT_WEIGHT)
+            if w <= 0:
+                continue
+        elif m >= max(SUB_MIN_MATCH, min_ngram):
+            w = SUB_WEIGHT * vote(short_weight, shortfall, -1, 0, 1.0)
+        else:
+            w = 0.0
         total += w
         node = -1
         for d in range(min(cap, len(src) - c)):
@@ -86,14 +131,13 @@ def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int
                 info.append([src[c + d], node, 0.0, d + 1])
             node = nodes[key]
             info[node][2] += w
-            if j == pin:
-                pinned.add(node)
-    score = [2.0 + k - d if q in pinned else w / total * decay ** (d - 1) for q, (_, _, w, d) in enumerate(info)]
+    if voted is None:
+        voted = voted_path()
+    score = [w / total * decay ** (d - 1) for (_, _, w, d) in info]
     order = sorted(range(len(info)), key=lambda q: -score[q])
+    keep = [q for q in order if score[q] >= min_score] + [q for q in voted if score[q] < min_score]
     tokens, parents, out_of = [], [], {}
-    for q in order:
-        if len(tokens) == budget or score[q] < min_score:
-            break
+    for q in keep[:budget]:
         tokens.append(info[q][0])
         parents.append(0 if info[q][1] < 0 else out_of[info[q][1]])
         out_of[q] = len(tokens)
@@ -113,7 +157,8 @@ rows_strategy = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=40), m
 
 @settings(max_examples=50, deadline=None)
 @given(rows=rows_strategy, k=st.integers(1, 6), budget=st.integers(1, 12), max_ngram=st.integers(1, 3),
-       caps=st.lists(st.integers(0, 8), min_size=6, max_size=6), short_weight=st.sampled_from([0.0, 0.25, 1.0]),
+       caps=st.lists(st.integers(0, 8), min_size=6, max_size=6),
+       short_weight=st.sampled_from([0.0, SHORT_WEIGHT, 0.25, 1.0]),
        decay=st.sampled_from([0.5, 0.8, 1.0]), min_score=st.sampled_from([0.0, 0.1, 0.4]),
        max_candidates=st.sampled_from([2, 5, MAX_CANDIDATES]))
 def test_tree_builder_matches_reference(rows, k, budget, max_ngram, caps, short_weight, decay, min_score,
@@ -229,16 +274,75 @@ def test_tree_builder_parallel_batch_matches_serial():
 
 
 def test_module_docstring_example():
-    """tree.py's worked example: `5 6` followed once by `7 5` and (newest) by `8 5`."""
-    hist = np.array([[5, 6, 7, 5, 6, 8, 5, 6]], dtype=np.int64)
-    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([8]), max_depth=np.array([4]))
-    assert (t.tolist(), p.tolist(), n.tolist()) == ([[8, 5, 7, 5]], [[0, 1, 0, 3]], [4])
-    # a row that may emit 2 more tokens gets 2 nodes: the chain's path
-    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([8]))
-    assert (t.tolist(), p.tolist(), n.tolist()) == ([[8, 5, -1, -1]], [[0, 1, -1, -1]], [2])
-    # with a min score above 0.5, the voted path is left out
-    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([8]), max_depth=np.array([4]), min_score=0.6)
-    assert n.tolist() == [2]
+    """tree.py's worked example: `1 5 6` matched in full once (followed by `7 2`) and `5 6`
+    twice (followed by `8 3`, `8 1`): the full match outvotes the two shorter ones."""
+    hist = np.array([[1, 5, 6, 7, 2, 5, 6, 8, 3, 5, 6, 8, 1, 5, 6]], dtype=np.int64)
+    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([15]), max_depth=np.array([4]))
+    assert (t.tolist(), p.tolist(), n.tolist()) == ([[7, 2, 8, 1]], [[0, 1, 0, 3]], [4])
+    # a row that may emit 2 more tokens gets 2 nodes: the best two (`7`, then its `2`)
+    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([15]))
+    assert (t.tolist(), p.tolist(), n.tolist()) == ([[7, 2, -1, -1]], [[0, 1, -1, -1]], [2])
+    # with a min score of 0.7 the `2` (0.63) would be left out, but the voted path is kept whole
+    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([15]), max_depth=np.array([4]), min_score=0.7)
+    assert (t.tolist(), p.tolist(), n.tolist()) == ([[7, 2, -1, -1]], [[0, 1, -1, -1]], [2])
+    # the chain drafter drafts the voted path
+    from hf_plookup.drafting.ngram import NgramProposer
+
+    d, nd = NgramProposer(2, 2).propose(hist, np.array([15]))
+    assert (d.tolist(), nd.tolist()) == ([[7, 2]], [2])
+
+
+def test_votes_weigh_match_length_and_recency():
+    """Literal cases of the vote: a longer match outvotes shorter ones several times over, and
+    occurrences among the row's last RECENT_WINDOW tokens vote RECENT_WEIGHT times."""
+    assert vote(0.135, 0, 10, 68, 3.0) == 1.0
+    assert vote(0.135, 2, 10, 68, 3.0) == pytest.approx(0.135 ** 2)
+    assert vote(0.135, 1, 70, 68, 3.0) == pytest.approx(0.405)  # the module's example
+    assert vote(0.135, 1, 68, 68, 3.0) == pytest.approx(0.405)
+    assert vote(0.135, 1, 67, 68, 3.0) == pytest.approx(0.135)
+    assert vote(0.135, 0, -1, -27, 3.0) == 1.0  # another source's occurrence: never recent
+    assert vote(0.0, 0, 5, 68, 3.0) == 1.0 and vote(0.0, 1, 5, 68, 3.0) == 0.0
+    # `1 2` followed by 10 four times long ago, and by 11 once among the last tokens (4 votes to 3)
+    filler = list(range(100, 140))
+    row = [1, 2, 10] * 4 + filler + [1, 2, 11] + [1, 2]
+    t, p, n = TreeProposer(1, 2, 2).propose(np.array([row]), np.array([len(row)]), max_depth=np.array([2]))
+    assert (t.tolist(), p.tolist(), n.tolist()) == ([[10, 11]], [[0, 0]], [2])
+    # three times long ago: 3 votes to 3, the tie goes to the newest (11)
+    row = [1, 2, 10] * 3 + filler + [1, 2, 11] + [1, 2]
+    t, p, n = TreeProposer(1, 2, 2).propose(np.array([row]), np.array([len(row)]), max_depth=np.array([2]))
+    assert (t.tolist(), p.tolist(), n.tolist()) == ([[11, 10]], [[0, 0]], [2])
+
+
+def test_longer_match_further_back_than_the_newest_candidates():
+    """With room for 2 candidates, the walk goes past the newest two `2`s (each matching one
+    token) to the `7 1 2` that matches three, whose `5` then outvotes their `6`s; the chain
+    drafter, which scans the whole row, drafts it too."""
+    from hf_plookup.drafting.ngram import NgramProposer
+
+    row = [7, 1, 2, 5] + [9, 2, 6] * 3 + [7, 1, 2]
+    hist, length = np.array([row], dtype=np.int64), np.array([len(row)])
+    t, p, n = TreeProposer(1, 2, 2, max_candidates=2).propose(hist, length, max_depth=np.array([2]))
+    assert (t.tolist(), p.tolist(), n.tolist()) == ([[5, 6]], [[0, 0]], [2])
+    assert NgramProposer(1, 2).propose(hist, length)[0].tolist() == [[5]]
+
+
+def test_substitution_candidates_fill_the_budget():
+    """The row ends in `4 9 2` where its text had `4 9 3 7 8` (the `3` reworded as `2`): the
+    second-to-last token's earlier occurrence, followed by another token than the last, drafts
+    `7 8` after the regular candidate's `5 6` (its vote is SUB_WEIGHT of a regular one, so it
+    only takes budget the regular candidates leave)."""
+    row = [4, 9, 3, 7, 8, 1, 2, 5, 6, 0, 4, 9, 2]
+    hist = np.array([row], dtype=np.int64)
+    four = np.array([4])
+    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([len(row)]), max_depth=four)
+    assert (t.tolist(), p.tolist(), n.tolist()) == ([[5, 6, 7, 8]], [[0, 1, 0, 3]], [4])
+    # a per-step budget above their score leaves them out (the regular `2` match holds the votes)
+    t, p, n = TreeProposer(2, 4, 2).propose(hist, np.array([len(row)]), max_depth=four, min_score=0.1)
+    assert (t.tolist(), n.tolist()) == ([[5, 6, -1, -1]], [2])
+    # without a regular candidate there is no tree (a reworded token alone is too weak a sign)
+    row = [4, 9, 3, 7, 8, 1, 4, 9, 2]
+    t, p, n = TreeProposer(2, 4, 2).propose(np.array([row]), np.array([len(row)]), max_depth=four)
+    assert n.tolist() == [0]
 
 
 def test_one_occurrence_gives_the_chain():
@@ -257,11 +361,12 @@ def test_one_occurrence_gives_the_chain():
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=rows_strategy, k=st.integers(1, 6), extra=st.integers(0, 8), max_ngram=st.integers(1, 3),
+@given(rows=rows_strategy, k=st.integers(1, 6), max_ngram=st.integers(1, 3),
        min_score=st.sampled_from([0.0, 0.4, 1.0]), decay=st.sampled_from([0.3, 1.0]))
-def test_tree_holds_the_chain_drafters_draft(rows, k, extra, max_ngram, min_score, decay):
-    """Whatever the votes and the per-step budget, the chain drafter's draft is a path of the tree
-    (so a tree step never accepts fewer tokens than the chain would from the same history)."""
+def test_tree_holds_the_chain_drafters_draft(rows, k, max_ngram, min_score, decay):
+    """The tree's voted path is the chain drafter's draft (both vote the same way over the same
+    occurrences here: fewer than either's candidate cap), and it is kept whatever the per-step
+    budget says: with room for every node, the chain's draft is a path of the tree."""
     from hf_plookup.drafting.ngram import NgramProposer
 
     width = max(len(r) for r in rows) + 1
@@ -270,13 +375,16 @@ def test_tree_holds_the_chain_drafters_draft(rows, k, extra, max_ngram, min_scor
         hist[i, : len(r)] = r
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
     d, nd = NgramProposer(k, max_ngram).propose(hist, lengths)
-    t, p, n = TreeProposer(k, k + extra, max_ngram, decay=decay).propose(hist, lengths, min_score=min_score)
+    room = 3 * width * k  # more nodes than any trie here holds (max_depth caps the budget too)
+    t, p, n = TreeProposer(k, room, max_ngram, decay=decay).propose(hist, lengths, np.full(len(rows), room),
+                                                                    min_score=min_score)
     for i in range(len(rows)):
         node = 0
         for j in range(int(nd[i])):
             kids = [q + 1 for q in range(int(n[i])) if p[i, q] == node and t[i, q] == d[i, j]]
             assert len(kids) == 1, (rows[i], k, d[i], t[i], p[i])
             node = kids[0]
+        assert (n[i] > 0) == (nd[i] > 0)
 
 
 @settings(max_examples=100, deadline=None)
@@ -412,7 +520,7 @@ def test_tree_drafts_identical_to_hf_greedy(arch):
 
 def test_tree_paths_off_the_first_candidate_are_moved(monkeypatch):
     """On the branchy prompts some accepted paths leave the first candidate, so their KV is
-    moved; outputs stay identical to HF and trees score more tokens per forward than the chain."""
+    moved; outputs stay identical to HF and trees score at least the chain's tokens per forward."""
     moves = []
     orig = PagedKVCache.move_slots
 
@@ -432,7 +540,9 @@ def test_tree_paths_off_the_first_candidate_are_moved(monkeypatch):
                             prompt_lookup_tree_nodes=16)
     assert torch.equal(ref, chain) and torch.equal(ref, tree)
     assert sum(moves) > 0
-    assert wrapped.last_stats.tokens_per_forward > chain_tpf
+    # the chain's vote follows the model's own text here too (its match is longer than the
+    # copies'), so the tree can only equal it
+    assert wrapped.last_stats.tokens_per_forward >= chain_tpf
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "mistral"])

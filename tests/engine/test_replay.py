@@ -94,7 +94,7 @@ def test_live_forwards_equal_replay(copying, k, nodes, batch):
     _, wrapped, prompts = copying
     prompts = prompts[:batch]
     outs, stats = _live(wrapped, prompts, k, nodes, 47, None)
-    assert stats.accepted >= 10 * batch, stats.as_dict()  # the text is copied: drafts matter here
+    assert stats.accepted >= 9 * batch, stats.as_dict()  # the text is copied: drafts matter here
     tokens, forwards, fed = _replayed(prompts, outs, k, nodes, 47)
     assert (stats.new_tokens, stats.row_steps, stats.drafted) == (tokens, forwards, fed), stats.as_dict()
     assert stats.tokens_per_forward == tokens / forwards
