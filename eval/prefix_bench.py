@@ -182,7 +182,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     set_threads(args.threads)
     model, tok = load_model(args.model, parse_dtype(args.dtype), args.device)
-    wrapped = {True: hf_plookup.wrap(copy.copy(model)), False: hf_plookup.wrap(copy.copy(model), prefix_cache=False)}
+    # the engines share a deep copy's modules: on CPU `wrap` packs their linear weights in place
+    # (hf_plookup/cpu/packed_weight.py), and HF runs `model`, plain
+    shared = copy.deepcopy(model)
+    wrapped = {True: hf_plookup.wrap(copy.copy(shared)), False: hf_plookup.wrap(copy.copy(shared), prefix_cache=False)}
     workloads = {
         "chat": (run_chat, chat_messages(args.turns)),
         "questions": (run_calls, question_prompts(tok, args.doc_tokens)),

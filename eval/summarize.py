@@ -615,7 +615,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, parse_dtype(args.dtype), args.device)
     load_seconds = time.perf_counter() - t0
-    wrapped = hf_plookup.wrap(copy.copy(model))
+    # a deep copy: on CPU `wrap` packs the linear weights of the modules it is given in place
+    # (hf_plookup/cpu/packed_weight.py), and the HF baseline runs the plain model
+    wrapped = hf_plookup.wrap(copy.deepcopy(model))
     chat = args.prompt_style == "chat" if args.prompt_style != "auto" else use_chat(args.model, tokenizer)
     args.prompt_style = "chat" if chat else "fewshot"
 

@@ -239,13 +239,7 @@ def _merged(groups, weight: torch.Tensor, bias: torch.Tensor | None) -> list[lis
     return calls
 
 
-def _gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """torch's call on a prompt chunk; a weight held packed (cpu.packed_weight) is unpacked for it
-    into the thread's scratch, the same values in the same layout, so the same bits."""
-    return F.linear(x2d, dense(weight), bias)
-
-
-_CALLS = {"cpu": cpu_kernels.linear, "gemm": _gemm, "rows": invariant_rows}
+_CALLS = {"cpu": cpu_kernels.linear, "gemm": F.linear, "rows": invariant_rows}
 
 
 def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -258,7 +252,11 @@ def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if layout is None or x2d.shape[0] != layout.num_tokens or not layout.has_prefill:
         y = invariant_rows(x2d, weight, bias)
     else:
-        parts = [_CALLS[call](x2d[lo:hi], weight, bias) for lo, hi, call in _merged(layout.row_groups, weight, bias)]
+        calls = _merged(layout.row_groups, weight, bias)
+        # torch's calls read the weight unpacked (where it is held packed: cpu.packed_weight), once
+        # for all of them: a prompt cut into units where merging is not safe makes several
+        plain = dense(weight) if any(call == "gemm" for _, _, call in calls) else None
+        parts = [_CALLS[call](x2d[lo:hi], plain if call == "gemm" else weight, bias) for lo, hi, call in calls]
         y = torch.cat(parts) if len(parts) > 1 else parts[0]
     return y.reshape(*x.shape[:-1], -1)
 
