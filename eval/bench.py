@@ -52,13 +52,14 @@ import numpy as np
 import torch
 
 import hf_plookup
+from hf_plookup.engine.kv_cache import available_memory
 from eval.lib.batching import left_pad, pad_id, workload
 from eval.lib.calls import CallResult, run_hf, run_hf_generate_batch, run_plookup
 from eval.lib.cli import DTYPES, INVARIANT, add_threads_option, default_device, default_model, parse_dtype, set_threads, show_defaults
 from eval.lib.models import SHAPES, check_name, is_random, label, load_model
 from eval.lib.prompts import builtin_prompts, dataset_prompts, plain_vocab, random_vocab, synthetic_prompts
 from eval.lib.report import cell, report, write_json
-from eval.lib.machine import available_bytes, rss_bytes
+from eval.lib.machine import rss_bytes
 from eval.lib.timing import StepTimer, copy_bandwidth, count_kernels, top_kernels
 from eval.lib.variants import ENGINE_OPTIONS, FAMILIES, HF_GREEDY, engine_of, k_of, tree_of, variant_names
 
@@ -394,7 +395,7 @@ def hf_model_for(model, args, device) -> tuple[object, str | None]:
     if device.type != "cpu" or not any(v.startswith("hf") for v in args.variants):
         return model, None
     need = sum(p.numel() * p.element_size() for p in model.parameters())
-    free = available_bytes()
+    free = available_memory()
     if free is not None and need > 0.8 * free:
         return model, f"no memory for the plain copy HF's variants need ({need / 2**30:.1f} GiB of {free / 2**30:.1f})"
     return copy.deepcopy(model), None

@@ -91,14 +91,3 @@ def rss_bytes() -> int:
     except (OSError, ValueError):
         return 0
 
-
-def available_bytes() -> int | None:
-    """Memory the system can still give (MemAvailable of /proc/meminfo), None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None

@@ -226,9 +226,8 @@ def pack_linears(model: torch.nn.Module) -> int:
             param = torch.nn.Parameter(PackedWeight(out, w.shape), requires_grad=False)
             for m, name in owners[id(w)]:
                 m._parameters[name] = param
-                if _state_dict_hook not in getattr(m, "_hf_plookup_hooked", ()):
+                if _state_dict_hook not in m._state_dict_hooks.values():
                     m._register_state_dict_hook(_state_dict_hook)
-                    m._hf_plookup_hooked = (_state_dict_hook,)
             off += size
             nbytes += count * w.element_size()
             del w  # (the last reference here: its memory goes back unless the caller holds it)

@@ -229,8 +229,6 @@ class Engine:
             # checkpoint's file mapping is then let go), onto 2 MB pages (cpu.huge_pages)
             to_huge_pages(model)
             parts.append(("other weights to 2 MB pages", time.perf_counter()))
-        elif self.use_compile:
-            unpack_linears(model)  # compiled steps trace plain parameters; their packed copies come on first use
         self.prefill_unit = min(PREFILL_UNIT, options.max_batch_tokens) if invariant else None
         self.invariant = InvariantLinears(model, self.prefill_unit) if invariant else None
         parts.append(("invariant mode's checks", time.perf_counter()))
@@ -398,8 +396,8 @@ class Engine:
             if self.tensor_parallel:
                 # every rank samples with rank 0's seed, so the ranks draw the same tokens
                 own.seed = agree_seed(own.seed)
-        if self.use_compile:  # compiled steps trace plain parameters: weights another engine of the
-            unpack_linears(self.model)  # same modules packed in place are made plain again (cpu.packed_weight)
+        if self.use_compile:  # compiled steps trace plain parameters: weights packed in place (by
+            unpack_linears(self.model)  # another engine of the same modules: cpu.packed_weight) go plain
         cache = self.cache()
         blocks = self.blocks
         graphs = self.graph_runner()
