@@ -212,6 +212,9 @@ typedef struct {
     void (*pack_x)(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
     void (*linear_range)(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
                          int64_t p_hi, void* out, int64_t N, int64_t bf16);
+    /* a weight [N, K] into packed panels [p_lo, p_hi), or back when unpack (pack.c says the moves) */
+    void (*pack_range)(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
+                       int64_t p_hi);
     /* attention: scores and weighted sums by the number of heads (index NH, 1 .. MAX_NH), and the
      * softmax of a row of scores after multiplying them by scale */
     scores_fn scores[MAX_NH + 1];
@@ -240,6 +243,8 @@ extern kernel_ops ops; /* module.c: the level's kernels, set between calls, neve
 void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
 void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
                     int64_t p_hi, void* out, int64_t N, int64_t bf16);
+void pack_range_c(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
+                  int64_t p_hi);
 extern const scores_fn scores_c[MAX_NH + 1];
 extern const wsum_fn wsum_c[MAX_NH + 1];
 void softmax_c(float* s, int64_t L, float scale);
@@ -254,6 +259,8 @@ void rope_c(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const vo
 void pack_x_avx2(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
 void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
                        int64_t p_hi, void* out, int64_t N, int64_t bf16);
+void pack_range_avx2(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
+                     int64_t p_hi);
 extern const scores_fn scores_avx2[MAX_NH + 1];
 extern const wsum_fn wsum_avx2[MAX_NH + 1];
 void softmax_avx2(float* s, int64_t L, float scale);

@@ -21,6 +21,7 @@ static void fill_ops(int level) {
         .level = LEVEL_PORTABLE,
         .pack_x = pack_x_c,
         .linear_range = linear_range_c,
+        .pack_range = pack_range_c,
         .softmax = softmax_c,
         .rms_rows = rms_rows_c,
         .add_into = add_into_c,
@@ -35,6 +36,7 @@ static void fill_ops(int level) {
         k.level = LEVEL_AVX2;
         k.pack_x = pack_x_avx2;
         k.linear_range = linear_range_avx2;
+        k.pack_range = pack_range_avx2;
         memcpy(k.scores, scores_avx2, sizeof k.scores);
         memcpy(k.wsum, wsum_avx2, sizeof k.wsum);
         k.softmax = softmax_avx2;

@@ -3,7 +3,9 @@
  * A packed weight is the only copy of a wrapped CPU model's linear weight (cpu/packed_weight.py), so
  * packing at `wrap` and unpacking for a prompt's large GEMMs both stream whole weights: each panel's
  * 8 source rows are read side by side, one pass over the weight, the panels split over the threads.
- * Values are moved, never computed: pack then unpack gives the weight back bit for bit. */
+ * Values are moved, never computed: pack then unpack gives the weight back bit for bit. This file holds
+ * the portable loop (level 0) and the split over the threads; arch/x86/pack_avx2.c moves the same
+ * values by 8 x 8 register transposes. */
 #include "cpu_kernels.h"
 
 #include <string.h>
@@ -16,42 +18,42 @@ typedef struct {
     int64_t N, K, bf16, unpack;
 } pack_job;
 
-/* panels [PACK_PANELS u, PACK_PANELS (u + 1)): fp32 dst[p][k][c] = w[8p + c][k]; bf16 dst[p][j][c][h]
- * = w[8p + c][2j + h] (K2 = K rounded up to even); zeros past N and K. Unpacking reads the same
- * places and writes only the values within N and K. */
-static void pack_part(void* ctx, int64_t u) {
-    pack_job* j = (pack_job*)ctx;
-    int64_t N = j->N, K = j->K, P = (N + 7) / 8, p1 = (u + 1) * PACK_PANELS < P ? (u + 1) * PACK_PANELS : P;
-    for (int64_t p = u * PACK_PANELS; p < p1; p++) {
-        if (!j->bf16) {
-            float* pk = (float*)(j->unpack ? j->src : j->dst) + p * K * 8;
-            float* w = (float*)(j->unpack ? j->dst : j->src);
+/* panels [p_lo, p_hi): fp32 packed[p][k][c] = w[8p + c][k]; bf16 packed[p][j][c][h] = w[8p + c][2j + h]
+ * (K2 = K rounded up to even); zeros past N and K. Unpacking reads the same places and writes only
+ * the values within N and K. One value at a time: the portable code (level 0), and the vector code's
+ * last, partial panel. */
+void pack_range_c(const void* w_, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
+                  int64_t p_hi) {
+    for (int64_t p = p_lo; p < p_hi; p++) {
+        if (!bf16) {
+            float* pk = (float*)packed + p * K * 8;
+            float* w = (float*)w_;
             for (int c = 0; c < 8; c++) {
                 int64_t n = p * 8 + c;
                 if (n >= N) {
-                    if (!j->unpack)
+                    if (!unpack)
                         for (int64_t k = 0; k < K; k++) pk[k * 8 + c] = 0.0f;
                     continue;
                 }
                 float* row = w + n * K;
-                if (j->unpack)
+                if (unpack)
                     for (int64_t k = 0; k < K; k++) row[k] = pk[k * 8 + c];
                 else
                     for (int64_t k = 0; k < K; k++) pk[k * 8 + c] = row[k];
             }
         } else {
             int64_t K2 = K + (K & 1);
-            uint16_t* pk = (uint16_t*)(j->unpack ? j->src : j->dst) + p * K2 * 8;
-            uint16_t* w = (uint16_t*)(j->unpack ? j->dst : j->src);
+            uint16_t* pk = (uint16_t*)packed + p * K2 * 8;
+            uint16_t* w = (uint16_t*)w_;
             for (int c = 0; c < 8; c++) {
                 int64_t n = p * 8 + c;
                 if (n >= N) {
-                    if (!j->unpack)
+                    if (!unpack)
                         for (int64_t k = 0; k < K2; k++) pk[(k >> 1) * 16 + c * 2 + (k & 1)] = 0;
                     continue;
                 }
                 uint16_t* row = w + n * K;
-                if (j->unpack)
+                if (unpack)
                     for (int64_t k = 0; k < K; k++) row[k] = pk[(k >> 1) * 16 + c * 2 + (k & 1)];
                 else {
                     for (int64_t k = 0; k < K; k++) pk[(k >> 1) * 16 + c * 2 + (k & 1)] = row[k];
@@ -60,6 +62,14 @@ static void pack_part(void* ctx, int64_t u) {
             }
         }
     }
+}
+
+static void pack_part(void* ctx, int64_t u) {
+    pack_job* j = (pack_job*)ctx;
+    int64_t P = (j->N + 7) / 8, p1 = (u + 1) * PACK_PANELS < P ? (u + 1) * PACK_PANELS : P;
+    void* w = (void*)(j->unpack ? j->dst : j->src);
+    void* packed = (void*)(j->unpack ? j->src : j->dst);
+    ops.pack_range(w, packed, j->N, j->K, j->bf16, j->unpack, u * PACK_PANELS, p1);
 }
 
 /* w [N, K] (fp32, or bf16 when bf16; contiguous) into packed (the layout above, ceil(N / 8) panels),

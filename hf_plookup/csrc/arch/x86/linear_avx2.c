@@ -12,8 +12,11 @@
 
 #if HAVE_X86_KERNELS
 
+/* 4 KB ahead in both dtypes: bf16 16 KB ahead was as fast on the AMD EPYCs and slower on an Intel Xeon,
+ * whose 1-row linears then streamed the weights well below its read bandwidth (docs/results.md, "Larger
+ * models on CPU") */
 #define PACK_AHEAD_F32 4096
-#define PACK_AHEAD_BF16 16384
+#define PACK_AHEAD_BF16 4096
 /* a tile: sums over values [0, kn) of panels K values long (wp and xt at the first of them), into o
  * [MB][NP * 8], from 0 or (init) from o's sums: a chain cut at a block of K goes on bitwise */
 typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init);
@@ -163,22 +166,10 @@ void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t K2, c
  * "Linear stores and transposes: the linears' own overheads") */
 AVX2 static void transpose8(const void* x, int64_t m, int64_t K, int bf16, float* dst, int64_t ld) {
     for (int64_t k0 = 0; k0 + 8 <= K; k0 += 8) {
-        __m256 r[8], t[8], s[8];
+        __m256 r[8];
         for (int i = 0; i < 8; i++) r[i] = bf16 ? ld_bf16(x, (m + i) * K + k0) : ld_f32(x, (m + i) * K + k0);
-        for (int i = 0; i < 8; i += 2) { /* [r_i 0, r_i+1 0, r_i 1, r_i+1 1 | 4, 5], then 2, 3 | 6, 7 */
-            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-        }
-        for (int i = 0; i < 8; i += 4) { /* values 0, 1, 2, 3 (each | value + 4) of four rows */
-            s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-            s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-            s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-            s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-        }
-        for (int v = 0; v < 4; v++) {
-            _mm256_storeu_ps(dst + (k0 + v) * ld, _mm256_permute2f128_ps(s[v], s[v + 4], 0x20));
-            _mm256_storeu_ps(dst + (k0 + v + 4) * ld, _mm256_permute2f128_ps(s[v], s[v + 4], 0x31));
-        }
+        transpose8x8(r);
+        for (int v = 0; v < 8; v++) _mm256_storeu_ps(dst + (k0 + v) * ld, r[v]);
     }
 }
 AVX2 static int64_t transpose1(const void* x, int64_t m, int64_t K, int bf16, float* dst) { /* one row: as it is */

@@ -39,6 +39,26 @@ AVX2_INLINE __m256 hsum8x8_v(const __m256* v) {
 }
 AVX2 static inline void hsum8x8(const __m256* v, float* out) { _mm256_storeu_ps(out, hsum8x8_v(v)); }
 
+/* r[i] (8 rows of 8 values) transposed in place: r[v] becomes value v of rows 0..7 (the linears' x
+ * blocks, the packing of weights into panels and back) */
+AVX2_INLINE void transpose8x8(__m256* r) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 8; i += 2) { /* [r_i 0, r_i+1 0, r_i 1, r_i+1 1 | 4, 5], then 2, 3 | 6, 7 */
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* values 0, 1, 2, 3 (each | value + 4) of four rows */
+        s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int v = 0; v < 4; v++) {
+        r[v] = _mm256_permute2f128_ps(s[v], s[v + 4], 0x20);
+        r[v + 4] = _mm256_permute2f128_ps(s[v], s[v + 4], 0x31);
+    }
+}
+
 AVX2 static inline __m256 ld_f32(const void* p, int64_t i) { return _mm256_loadu_ps((const float*)p + i); }
 AVX2 static inline __m256 widen8(__m128i h) { /* 8 bf16 -> fp32, exact */
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
