@@ -22,7 +22,8 @@ keys/values):
   kernels/...      (--kernels, CPU) the C linear and attention kernels alone, each from memory
                    and from cache in the same rounds: which of them wait on memory, which on the core,
                    and their multiply-adds a second against the fp32 GEMM's (the compute bound's rate)
-Above the rows: the bandwidth bound (the weights' bytes at the copy and read bandwidth) and, on CPU,
+Above the rows: the bandwidth bound (the weights' bytes at the copy and read bandwidth, both over buffers past
+the last-level cache) and, on CPU,
 the compute bound (the step's multiply-adds, step_macs, at the rate of an fp32 GEMM from cache).
 First calls (compile, capture) are reported apart from the median of --iters timed calls, the q values
 taking turns (one call each per round), and each q's ratio to the smallest q as the median of the rounds'. On

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -161,10 +162,25 @@ def _fastest(fn, device) -> float:
     return best
 
 
+def _llc_bytes() -> int:
+    """The CPU's last-level cache in bytes as sysfs gives it (0 where it does not): on a VM this is
+    the host's whole cache, which the guest's buffers may still hit."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (d / "size").read_text().strip()
+            units = {"K": 2**10, "M": 2**20, "G": 2**30}
+            best = max(best, int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size))
+        except (OSError, ValueError):
+            continue
+    return best
+
+
 def _buffer_bytes(device: torch.device, cpu_bytes: int) -> int:
-    """A buffer well past the last-level cache: 1 GiB on a GPU, `cpu_bytes` elsewhere (CPUs here have
-    up to 32 MB of L3; a buffer that fits would time the cache, not the memory)."""
-    return 2**30 if device.type == "cuda" else cpu_bytes
+    """A buffer well past the last-level cache: 1 GiB on a GPU; elsewhere `cpu_bytes`, or the
+    last-level cache's size where that is larger (a VM can see a host's cache of hundreds of MB,
+    and a buffer that fits times the cache, not the memory)."""
+    return 2**30 if device.type == "cuda" else max(cpu_bytes, _llc_bytes())
 
 
 def read_bandwidth(device, nbytes: int | None = None) -> float:
@@ -179,11 +195,11 @@ def read_bandwidth(device, nbytes: int | None = None) -> float:
 
 
 def copy_bandwidth(device, nbytes: int | None = None) -> float:
-    """Bytes per second of a device-to-device copy of `nbytes` (default 1 GiB on a GPU, 64 MiB
-    elsewhere: source and copy together twice a 32 MB L3), counting bytes read and written: the
-    fastest of 10 copies (a bound; on a shared machine the mean moves by a third between runs)."""
+    """Bytes per second of a device-to-device copy of `nbytes` (default 1 GiB on a GPU, 256 MiB
+    or the last-level cache's size elsewhere: `_buffer_bytes`), counting bytes read and written:
+    the fastest of 10 copies (a bound; on a shared machine the mean moves by a third between runs)."""
     device = torch.device(device)
-    nbytes = nbytes or _buffer_bytes(device, 2**26)
+    nbytes = nbytes or _buffer_bytes(device, 2**28)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / _fastest(lambda: dst.copy_(src), device)
