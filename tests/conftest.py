@@ -181,11 +181,15 @@ def llama():
 def wrap_copy(model: torch.nn.Module, **options) -> torch.nn.Module:
     """`hf_plookup.wrap` on a shallow copy of `model`: the same weights and submodules (hooks and
     config shared), while `model` itself stays the plain HF model that tests compare against
-    (`wrap` swaps the class of the object it is given)."""
+    (`wrap` swaps the class of the object it is given). Every draft is fed (`tree_min_score=0`)
+    unless a test says otherwise: the default draft budget feeds what measured step costs say
+    pays (engine.budget), so what a test counts would depend on how fast the machine runs;
+    tests/engine/test_budget.py covers the budget with costs given by hand."""
     import copy
 
     import hf_plookup
 
+    options.setdefault("tree_min_score", 0.0)
     return hf_plookup.wrap(copy.copy(model), **options)
 
 

@@ -41,7 +41,7 @@ from .ngram import RECENT_WEIGHT, RECENT_WINDOW, SHORT_WEIGHT, match_cap, vote
 from .suffix import SuffixIndex, _slot
 
 __all__ = ["TreeProposer", "accept_tree", "acceptance_estimate", "ancestor_mask",
-           "batch_min_score", "chain_budget", "compaction", "depths", "walk_rejected"]
+           "chain_budget", "compaction", "depths", "walk_rejected"]
 
 # earlier occurrences ranked per row and kind of source (own row, others); each costs a few cache
 # misses, so a large batch gets fewer: at most CANDIDATE_WORK over the batch, never under
@@ -105,6 +105,7 @@ class Trees(NamedTuple):
     tokens: np.ndarray     # [B, budget] int64
     parents: np.ndarray    # [B, budget] int64, output node numbers (0: the root)
     num_nodes: np.ndarray  # [B] int64
+    scores: np.ndarray     # [B, budget] float64: each node's score (0 where unused)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -309,6 +310,7 @@ def _keep_best(params, depth_cap, budget, decay, root_first, total, scratch, t, 
         q = trie[t, FRONTIER, best]
         n_front -= 1
         trie[t, FRONTIER, best] = trie[t, FRONTIER, n_front]
+        trees.scores[i, n] = scratch.trie_weight[t, q] / total * scratch.decay_at_depth[t, trie[t, DEPTH, q] - 1]
         trees.tokens[i, n] = trie[t, TOKEN, q]
         parent = trie[t, PARENT, q]
         trees.parents[i, n] = 0 if parent < 0 else trie[t, OUTPUT_NODE, parent]
@@ -327,6 +329,7 @@ def _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratc
     """Output row i: the tree of history row rows[i], built in scratch slice t."""
     trees.tokens[i, :] = -1
     trees.parents[i, :] = -1
+    trees.scores[i, :] = 0.0
     trees.num_nodes[i] = 0
     row, length = rows[i], lengths[i]
     depth_cap = min(params.k, max_depth[i])
@@ -423,14 +426,16 @@ class TreeProposer:
 
     def propose(self, history: np.ndarray, lengths: np.ndarray, max_depth: np.ndarray | None = None,
                 min_score: float = 0.0, rows: np.ndarray | None = None, index: SuffixIndex | None = None,
-                decay: np.ndarray | None = None):
+                decay: np.ndarray | None = None, scores: np.ndarray | None = None):
         """Trees for history rows `rows` [B] (default: every row) of `history` [R, W] int64, row
         r's tokens being history[r, :lengths[i]]. max_depth [B]: the longest path and most nodes
         allowed per row (the tokens it may still emit; default k). `min_score`: leave out nodes
         scoring below it (0: fill the budget). `index`: the loop's `SuffixIndex` (brought up to
         `lengths` here); None indexes these rows afresh. `decay` [B]: per-row decay (default: the
-        proposer's), e.g. each row's measured acceptance rate. Returns (tokens [B, budget], parents
-        [B, budget], num_nodes [B]), int64, -1 where unused."""
+        proposer's), e.g. each row's measured acceptance rate. `scores` [B, budget] float64, where
+        given, gets each kept node's score (0 where unused): nodes come best first, so the scores of a
+        row never rise along its nodes, and cutting a row to its first n nodes keeps a tree. Returns
+        (tokens [B, budget], parents [B, budget], num_nodes [B]), int64, -1 where unused."""
         history = np.ascontiguousarray(history, dtype=np.int64)
         lengths = np.ascontiguousarray(lengths, dtype=np.int64)
         rows = np.arange(history.shape[0], dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
@@ -446,8 +451,11 @@ class TreeProposer:
         if index is None:
             index = SuffixIndex(history.shape[0], history.shape[1])
         index.update(history, rows, lengths)
+        if scores is not None and (scores.shape != (batch, self.budget) or scores.dtype != np.float64):
+            raise ValueError(f"scores must be a float64 array of shape ({batch}, {self.budget})")
         trees = Trees(np.empty((batch, self.budget), dtype=np.int64), np.empty((batch, self.budget), dtype=np.int64),
-                      np.empty(batch, dtype=np.int64))
+                      np.empty(batch, dtype=np.int64),
+                      scores if scores is not None else np.empty((batch, self.budget), dtype=np.float64))
         params = TreeParams(k=self.k, budget=self.budget, max_candidates=self.candidates(batch, index.cross),
                             longest=match_cap(self.max_ngram), min_ngram=self.min_ngram,
                             short_weight=self.short_weight, recent_window=RECENT_WINDOW,
@@ -458,21 +466,10 @@ class TreeProposer:
         return trees.tokens, trees.parents, trees.num_nodes
 
 
-def batch_min_score(base: float, batch: int, k: int, fixed_tokens: float | None) -> float:
-    """The per-step budget of a batch: `base` (the min score that pays at batch 1) scaled by how
-    much dearer a fed token is in a step of `batch` rows. With a step costing `fixed_tokens` + N
-    tokens' worth for N fed tokens, a node pays when its score beats the step's yield times one
-    token's share of the step; the yield grows with the batch, the share falls more slowly:
-    base * batch * (F + 1 + k) / (F + batch * (1 + k)), at most 1. None: `base` at any batch."""
-    if fixed_tokens is None or batch <= 1:
-        return base
-    return min(1.0, base * batch * (fixed_tokens + 1 + k) / (fixed_tokens + batch * (1 + k)))
-
-
 def chain_budget(rate: np.ndarray, min_score: float) -> np.ndarray:
     """[B] int64: how many drafts of a chain are worth feeding, per row: draft j is reached with
     chance `rate`**j (the row's acceptance rate, acceptance_estimate), so the chain is cut before
-    the first draft whose chance falls below `min_score` (the tree budget's rule, batch_min_score).
+    the first draft whose chance falls below `min_score` (a tree's nodes are cut by the same score).
     A `min_score` of 0 cuts nothing (the result is then larger than any chain).
 
     Example: rates [0.8, 0.5, 0.3] with min score 0.25 give [6, 2, 1]

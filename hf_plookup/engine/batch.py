@@ -16,10 +16,10 @@ from ..attention.metadata import StepLayout
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import process_scores
 from ..drafting.suffix import SuffixIndex
-from ..drafting.tree import (TreeProposer, acceptance_estimate, batch_min_score, chain_budget, compaction,
-                             walk_rejected)
+from ..drafting.tree import TreeProposer, acceptance_estimate, chain_budget, compaction, walk_rejected
 from ..drafting.verify import accept_paths, chain_parents, position_uniforms, row_seeds, sample_targets
 from ..stats import SpecStats
+from .budget import DraftBudget, choose_drafts
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import DecodeConfig, Sequence
 from .stopping import BatchCriteria
@@ -68,13 +68,13 @@ class Batch:
     each node's parent, see drafting.tree)."""
 
     def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | TreeProposer | None, sched: Scheduler, ids,
-                 cache, tree_min_score: float = 0.0, step_fixed_tokens: float | None = None):
+                 cache, tree_min_score: float = 0.0, budget: DraftBudget | None = None):
         self.cfg = cfg  # the first call's config: it sets drafting and stopping for every row
         self.proposer = proposer
         self.tree = isinstance(proposer, TreeProposer)
-        # trees leave out nodes scoring below tree_min_score, scaled up with the running batch when
-        # step_fixed_tokens is set (engine.TREE_MIN_SCORE, drafting.tree.batch_min_score)
-        self.tree_min_score, self.step_fixed_tokens = tree_min_score, step_fixed_tokens
+        # how many drafts a step feeds: with `budget` (the engine's, engine.budget), the nodes that
+        # pay for their share of the step by measured costs; else those scoring at least tree_min_score
+        self.tree_min_score, self.budget = tree_min_score, budget
         self.sched = sched
         self.cache = cache  # the engine's PagedKVCache (tree paths move in it; past_key_values read from it)
         self.register = None  # the prefix pool's hook: a sequence's prefilled prompt pages enter the pool
@@ -90,6 +90,7 @@ class Batch:
         # [B, K] each draft's parent (chunk index; drafting.tree): a chain's draft j has parent j
         self.parents = np.full((0, self.width_drafts), -1, dtype=np.int64)
         self.n_drafts = np.zeros(0, dtype=np.int64)  # [B]
+        self.scores = np.zeros((0, self.width_drafts))  # [B, K] the fed drafts' scores (budget: their acceptance is counted)
         self._index: SuffixIndex | None = None  # trees: occurrences of every source (drafting.suffix)
         # per row: drafts accepted and verify steps that rejected one (the row's acceptance rate
         # scores its trees' deeper nodes: see accept_rate)
@@ -122,6 +123,7 @@ class Batch:
         self.drafts = np.concatenate([self.drafts, np.full((b, self.drafts.shape[1]), -1, dtype=np.int64)])
         self.parents = np.concatenate([self.parents, np.full((b, self.parents.shape[1]), -1, dtype=np.int64)])
         self.n_drafts = np.concatenate([self.n_drafts, np.zeros(b, dtype=np.int64)])
+        self.scores = np.concatenate([self.scores, np.zeros((b, self.scores.shape[1]))])
         self.n_accepted = np.concatenate([self.n_accepted, np.zeros(b, dtype=np.int64)])
         self.n_rejected = np.concatenate([self.n_rejected, np.zeros(b, dtype=np.int64)])
         self.seeds = np.concatenate([self.seeds, row_seeds(call.seed, b)])  # sampling (drafting.verify)
@@ -173,25 +175,31 @@ class Batch:
         lengths = np.array([s.num_tokens for s in running], dtype=np.int64)
         cap = np.array([s.remaining - 1 for s in running], dtype=np.int64)
         t0 = time.perf_counter()
+        budget = self.budget
         if self.tree:
             index = self.suffix_index()
             seqs = [s for call in self.calls for s in call.seqs]
             if index.cross_rows:  # every row's committed tokens are a source, running or not
                 index.update(self.history, np.array([s.row for s in seqs]), np.array([s.num_tokens for s in seqs]))
-            min_score = batch_min_score(self.tree_min_score, len(rows), self.cfg.k, self.step_fixed_tokens)
-            d, par, nd = self.proposer.propose(self.history, lengths, cap, min_score=min_score, rows=rows,
-                                               index=index, decay=self.accept_rate(rows))
+            sc = np.empty((len(rows), self.proposer.budget))
+            d, par, nd = self.proposer.propose(self.history, lengths, cap, min_score=0.0 if budget else self.tree_min_score,
+                                               rows=rows, index=index, decay=self.accept_rate(rows), scores=sc)
+            if budget is not None:
+                nd = choose_drafts(budget.acceptance["tree"].chances(sc), nd, budget.costs)
             self.parents[rows, : par.shape[1]] = par
         else:
             d, nd = self.proposer.propose(self.history[rows], lengths, cap)
-            # a chain feeds the drafts whose chance to be reached pays for their share of the step,
-            # by the trees' budget (tree_min_score, raised with the batch): all of them when it is 0
-            min_score = batch_min_score(self.tree_min_score, len(rows), self.cfg.k, self.step_fixed_tokens)
-            nd = np.minimum(nd, chain_budget(self.accept_rate(rows), min_score))
+            # draft j is reached with chance rate**(j + 1) by the row's acceptance record: its score
+            sc = self.accept_rate(rows)[:, None] ** np.arange(1, d.shape[1] + 1)
+            if budget is not None:
+                nd = choose_drafts(budget.acceptance["chain"].chances(sc), nd, budget.costs)
+            else:  # the drafts whose chance to be reached is at least tree_min_score (all when 0)
+                nd = np.minimum(nd, chain_budget(self.accept_rate(rows), self.tree_min_score))
             if self.width_of is not None:  # one width for the uniform step, the drafts cut to it
                 self.step_width = self.width_of(self.accept_rate(rows), nd)
                 nd = np.minimum(nd, self.step_width - 1)
             self.parents[rows, : d.shape[1]] = chain_parents(d.shape[1])
+        self.scores[rows, : sc.shape[1]] = sc
         spent = time.perf_counter() - t0
         self.drafts[rows, : d.shape[1]], self.n_drafts[rows] = d, nd
         for call in {id(self.call_of_row[r]): self.call_of_row[r] for r in rows}.values():
@@ -314,6 +322,12 @@ class Batch:
         scores, targets = self._targets(rows, n_pos, fed_depth, gen, logits)
         drafts, parents = self.drafts[rows], self.parents[rows]  # [S, K]
         accepted, paths, final = accept_paths(targets, offsets, num_drafts, drafts, parents)
+        if self.budget is not None:  # how the fed drafts' scores fared (engine.budget.Acceptance)
+            fed = np.arange(drafts.shape[1])[None, :] < num_drafts[:, None]  # [S, K]
+            hit = np.zeros_like(fed)  # [S, K] the drafts on each row's accepted path
+            for i in range(len(seqs)):
+                hit[i, paths[i, : accepted[i]] - 1] = True
+            self.budget.acceptance["tree" if self.tree else "chain"].record(self.scores[rows][fed], hit[fed])
         move_src, move_dst = [], []
         for i, (c, seq) in enumerate(zip(active, seqs)):
             stats = self.call_of_row[seq.row].stats

@@ -34,6 +34,7 @@ from .prefix import PrefixPool, copy_caller_kv
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import DecodeConfig
+from .budget import DraftBudget
 from .widths import StepCosts, candidate_widths, choose_width
 
 logger = logging.getLogger("hf_plookup")
@@ -60,8 +61,9 @@ class EngineOptions:
     # CUDA graphs when cuda_graphs is on: True | False | "auto" (on where it measured faster: see
     # COMPILE_AUTO)
     compile: bool | str = "auto"
-    # candidate trees leave out nodes whose score (estimated chance that verification reaches
-    # them) is below this; None: TREE_MIN_SCORE of the device (each fed token costs on CPU)
+    # drafts (a chain's, a tree's nodes) whose score (estimated chance that verification reaches
+    # them) is below this are left out; None: on CPU the drafts that pay for their share of the
+    # step by what steps measured to cost (engine.budget), on CUDA every draft
     tree_min_score: float | None = None
     # every token computed bitwise as in a 1-token step (cpu.invariant_linears): True | False | "auto"
     # (on where it measured cheap: see invariant.INVARIANT_AUTO)
@@ -104,15 +106,12 @@ EAGER_WARN_MIN_STEPS = 8
 # with them than without (docs/results.md, "GPU end to end"). On CUDA, CUDA graphs of the eager
 # step won end to end; compiled steps stay opt-in (compile=True) until they win there too.
 COMPILE_AUTO = {"cuda": False, "cpu": False}
-# tree_min_score by device type. A node is worth feeding when its score beats the share of a step
-# one more token costs times the tokens a step yields. On the CPU a verify step of N fed tokens
-# costs about c (F + N), F the step's fixed cost in tokens (docs/results.md, "A step's cost on
-# this CPU"), so a fed token adds about 1/F of a 1-token step; a step yields about 2 tokens,
-# hence 0.1 at batch 1, raised with the batch by drafting.tree.batch_min_score with
-# STEP_FIXED_TOKENS = F. On CUDA a verify step's tokens cost little and graph steps are padded to
-# the whole budget anyway, so every node is fed. A tree_min_score set by the user is used as is.
-TREE_MIN_SCORE = {"cpu": 0.1, "cuda": 0.0}
-STEP_FIXED_TOKENS = {"cpu": 19.0}
+# tree_min_score=None on CUDA: every draft is fed (a verify step's tokens cost little there, and graph
+# steps are padded to the whole budget anyway); on CPU the draft budget decides (engine.budget)
+TREE_MIN_SCORE_CUDA = 0.0
+# nodes of the trees drafted by default (under the draft budget) per prompt_lookup_num_tokens: room for
+# a chain of k and as many alternatives; the budget feeds few of them where steps cost
+TREE_NODES_PER_DRAFT = 2
 # invariant mode cuts prompts into chunks at multiples of this many tokens from their start (at
 # most max_batch_tokens): a chunk's rows then come out the same whatever else runs, and a pooled
 # prefix ends where a fresh prefill's chunk would, so the rest of the prompt is chunked as without it
@@ -235,9 +234,13 @@ class Engine:
         if invariant and backend not in CAPTURED_INVARIANT_BACKENDS:
             self.use_graphs = False
         auto = options.tree_min_score is None
-        self.tree_min_score = TREE_MIN_SCORE.get(devices[0].type, 0.0) if auto else options.tree_min_score
-        self.step_fixed_tokens = STEP_FIXED_TOKENS.get(devices[0].type) if auto else None  # batch scaling
+        self.tree_min_score = TREE_MIN_SCORE_CUDA if auto else options.tree_min_score
         self._graphs: GraphRunner | None = None
+        # unpadded eager CPU steps: drafts fed by measured step costs and acceptance (kept across
+        # calls; engine.budget). Padded steps cost their width whatever is fed, and under tensor
+        # parallel the ranks would time their steps apart and disagree.
+        self.budget = (DraftBudget() if auto and devices[0].type == "cpu" and not self.tensor_parallel
+                       and self.pad_to(1) is None else None)
         # uniform verify steps in CUDA graphs take one width per step, from what steps of each width
         # measured to cost (engine.widths); chains only: a tree's size is its node budget
         self.width_policy = self.use_graphs
@@ -331,18 +334,21 @@ class Engine:
 
     def uses_trees(self, cfg: DecodeConfig) -> bool:
         """Candidate trees run when asked for (`prompt_lookup_tree_nodes`, or sources beyond the
-        row: `draft_cross_rows`, `draft_corpus`), the attention backend takes a tree mask, and no
-        logits processor looks at the tokens (a tree's branches have different histories);
-        otherwise the call drafts one chain of k from its own row. Models with recurrent mixers
-        draft chains: their states follow one chain of tokens."""
-        asked = cfg.tree_nodes > 0 or cfg.cross_rows or cfg.corpus is not None
+        row: `draft_cross_rows`, `draft_corpus`) or by default where the draft budget picks the
+        nodes (engine.budget: of a tree's nodes it feeds those that pay, a chain's first drafts
+        being among them), the attention backend takes a tree mask, and no logits processor looks
+        at the tokens (a tree's branches have different histories); otherwise the call drafts one
+        chain of k from its own row. Models with recurrent mixers draft chains: their states
+        follow one chain of tokens."""
+        asked = cfg.tree_nodes > 0 or cfg.cross_rows or cfg.corpus is not None or self.budget is not None
         return (cfg.k > 0 and asked and self.options.attn_backend in TREE_BACKENDS and history_free(cfg.processors)
                 and not self.mixers)
 
     def proposer(self, cfg: DecodeConfig) -> NgramProposer | TreeProposer | None:
         if cfg.k == 0:
             return None
-        nodes = (cfg.tree_nodes or cfg.k) if self.uses_trees(cfg) else 0
+        # a tree's nodes: as asked, else TREE_NODES_PER_DRAFT per draft of a chain
+        nodes = (cfg.tree_nodes or TREE_NODES_PER_DRAFT * cfg.k) if self.uses_trees(cfg) else 0
         key = (cfg.k, cfg.max_ngram, nodes)
         if key not in self._proposers:
             self._proposers[key] = TreeProposer(cfg.k, nodes, cfg.max_ngram) if nodes else NgramProposer(cfg.k, cfg.max_ngram)
@@ -405,7 +411,7 @@ class Engine:
         capture_before = graphs.capture_seconds if graphs is not None else 0.0
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
                           aligned_prefill=self.prefill_unit, units_per_chunk=1 if self.mixers else None)
-        batch = Batch(cfg, self.proposer(cfg), sched, self._ids, cache, self.tree_min_score, self.step_fixed_tokens)
+        batch = Batch(cfg, self.proposer(cfg), sched, self._ids, cache, self.tree_min_score, self.budget)
         if self._pool_valid():
             pool = PrefixPool(batch, blocks, cache, self.prefix_unit_pages)
             sched.on_admit, sched.defer, batch.register = pool.admit, pool.defer, pool.register
@@ -437,9 +443,14 @@ class Engine:
                 layout = runner.layout(chunks, batch.history, batch.parents if batch.tree else None, batch.pads,
                                        batch.step_width)
                 timed = batch.step_width is not None  # a width chosen by cost: time the step for the next choices
+                # an eager decode step under the draft budget: what its fed tokens cost, for the next choices
+                budgeted = self.budget is not None and batch.proposer is not None and not any(c.is_prefill for c in chunks)
+                t0 = time.perf_counter()
                 if timed:
-                    t0, known = time.perf_counter(), len(graphs.graphs)
+                    known = len(graphs.graphs)
                 logits = runner.run(layout)  # [N, V] at layout.keep
+                if budgeted:
+                    self.budget.costs.record(layout.num_tokens, time.perf_counter() - t0)
                 for call in batch.postprocess(chunks, layout, logits, runner.last_path, runner.last_reason):
                     if call is not own:
                         call.done.set()  # a joiner returns as soon as its rows are done

@@ -625,10 +625,11 @@ def test_source_arguments_checked(llama, kwargs, err, match):
 
 
 def test_tree_min_score_prunes_and_is_checked(llama):
-    """The per-device default prunes unlikely nodes on CPU (smaller trees, same tokens)."""
-    engine = wrap_copy(llama)._engine
-    assert (engine.tree_min_score, engine.step_fixed_tokens) == (0.1, 19.0)  # CPU defaults (engine.TREE_MIN_SCORE)
-    assert wrap_copy(llama, tree_min_score=0.3)._engine.step_fixed_tokens is None  # the user's value as is
+    """A min score prunes unlikely nodes (smaller trees, same tokens); with none given, CPU steps
+    take the measured budget (engine.budget), and a given value is used as it is."""
+    assert wrap_copy(llama, tree_min_score=None)._engine.budget is not None
+    engine = wrap_copy(llama, tree_min_score=0.3)._engine
+    assert (engine.tree_min_score, engine.budget) == (0.3, None)
     model = tiny_model("gemma2")
     ids = _branchy(model)
     sizes = []
@@ -642,20 +643,6 @@ def test_tree_min_score_prunes_and_is_checked(llama):
     for bad in (-0.1, 1.5, "0.2", True):
         with pytest.raises(ValueError, match="tree_min_score"):
             wrap_copy(llama, tree_min_score=bad)
-
-
-def test_batch_min_score_rises_with_the_batch():
-    """CPU budget: the batch-1 score at batch 1, rising with the batch (a fed token costs a larger
-    share of what the step yields) towards base * (F + 1 + k) / (1 + k), never above 1; unscaled
-    without a fixed cost (CUDA, or the user's own value)."""
-    from hf_plookup.drafting.tree import batch_min_score
-
-    for k in (1, 4, 8):
-        scores = [batch_min_score(0.2, b, k, 11.0) for b in range(1, 65)]
-        assert scores[0] == 0.2 and all(a < b or a == b == 1.0 for a, b in zip(scores, scores[1:]))
-        assert scores[-1] <= min(1.0, 0.2 * (11.0 + 1 + k) / (1 + k))
-        assert batch_min_score(0.2, 8, k, None) == 0.2
-    assert batch_min_score(0.9, 64, 1, 11.0) == 1.0
 
 
 def test_walk_rejected_means_the_walk_stopped_above_a_child():
