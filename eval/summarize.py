@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="prompt_lookup_num_tokens values for hf_plookup")
     p.add_argument("--ngram", type=int, default=2, help="max_matching_ngram_size (HF's default: 2)")
     p.add_argument("--with-hf-plookup", action="store_true", help="also run HF's own prompt lookup (batch size 1) for each --k")
+    p.add_argument("--draft-memory", type=int, default=0, metavar="TOKENS",
+                   help="wrap(draft_memory_tokens=TOKENS): hf_plookup drafts from what earlier calls generated, "
+                        "each variant from its own earlier calls (0: off, wrap's default)")
     p.add_argument("--out", default=None, help="directory for results.json / .md / .png (default: "
                    "results/summarize/DATASET-YYYYMMDD-HHMMSS, a new folder per run)")
     p.add_argument("--bootstrap", type=int, default=1000, help="resamples for ROUGE's 95%% interval (0: none)")
@@ -151,6 +154,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--max-input-tokens must be >= 1, got {args.max_input_tokens}")
     if args.bootstrap < 0:
         p.error(f"--bootstrap must be >= 0, got {args.bootstrap}")
+    if args.draft_memory < 0:
+        p.error(f"--draft-memory must be >= 0, got {args.draft_memory}")
     if args.num_docs is None:
         args.num_docs = DEFAULT_NUM_DOCS.get(args.dataset, 100)
     if args.out is None:
@@ -527,10 +532,14 @@ def plot_results(variants: list[dict], path, dataset: str = "") -> None:
 
 # -- running --------------------------------------------------------------------------------
 def generate_variant(spec: dict, model, wrapped, prompts: list[list[int]], pad: int, device, max_new_tokens: int, ngram: int,
-                     stops: set[int] | None = None) -> calls.CallResult:
+                     stops: set[int] | None = None, memory=None) -> calls.CallResult:
     """One variant over one batch of prompt token lists (HF prompt lookup: one row at a time);
-    `stops`: extra stop token ids (the few-shot prompt's blank line)."""
+    `stops`: extra stop token ids (the few-shot prompt's blank line); `memory`: the variant's own
+    DraftMemory (--draft-memory), so that no variant drafts from another's outputs of the same
+    documents."""
     if spec["engine"] == "plookup":
+        if memory is not None:
+            wrapped._engine.memory = memory
         ids, mask = batching.left_pad(prompts, pad, device)
         return calls.run_plookup(wrapped, ids, mask, max_new_tokens, spec["k"], ngram, pad, extra_eos=stops)
     if spec["k"]:
@@ -550,22 +559,27 @@ def run_shard(items: list[tuple[int, dict]], prompts: dict[int, list[int]], spec
     """Generate every variant on this process's documents; (doc records, batch records)."""
     from tqdm.auto import tqdm
 
+    from hf_plookup.drafting.memory import DraftMemory
+
     pad = batching.pad_id(model, tokenizer)
     stops = None if chat else paragraph_stop_ids(tokenizer)
     groups = batching.batches(items, args.batch_size)
+    # --draft-memory: each variant's own earlier calls (and one for the untimed warm-up calls)
+    memories = {s["name"]: DraftMemory(args.draft_memory) for s in specs + [{"name": "warm-up"}]}
     doc_records, batch_records = [], []
     if groups:  # warm-up: one tiny call per variant, not timed
         first = [prompts[i] for i, _ in groups[0]]
         for spec in specs:
             generate_variant(spec, model, wrapped, first[:1] if spec["k"] and spec["engine"] == "hf" else first,
-                             pad, args.device, 2, args.ngram, stops)
+                             pad, args.device, 2, args.ngram, stops, memories["warm-up"])
     bar = tqdm(total=len(groups) * len(specs), desc="generating" if world == 1 else f"generating (process {rank} of {world})", disable=not show_progress, unit="call")
     for b, group in enumerate(groups):
         batch_prompts = [prompts[i] for i, _ in group]
         order = specs[b % len(specs):] + specs[: b % len(specs)]  # rotate so drift hits all variants
         for spec in order:
             bar.set_postfix_str(spec["name"])
-            res = generate_variant(spec, model, wrapped, batch_prompts, pad, args.device, args.max_new_tokens, args.ngram, stops)
+            res = generate_variant(spec, model, wrapped, batch_prompts, pad, args.device, args.max_new_tokens, args.ngram, stops,
+                                   memories[spec["name"]])
             batch_records.append({
                 "variant": spec["name"], "rank": rank, "batch": b, "batch_size": len(group),
                 "seconds": res.seconds, "tokens": res.num_tokens, "forwards": res.forwards, "row_steps": res.row_steps,
@@ -617,7 +631,7 @@ def main(argv=None) -> int:
     load_seconds = time.perf_counter() - t0
     # a deep copy: on CPU `wrap` packs the linear weights of the modules it is given in place
     # (hf_plookup/cpu/packed_weight.py), and the HF baseline runs the plain model
-    wrapped = hf_plookup.wrap(copy.deepcopy(model))
+    wrapped = hf_plookup.wrap(copy.deepcopy(model), draft_memory_tokens=args.draft_memory)
     chat = args.prompt_style == "chat" if args.prompt_style != "auto" else use_chat(args.model, tokenizer)
     args.prompt_style = "chat" if chat else "fewshot"
 

@@ -27,6 +27,7 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)  # [k]
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
     drafter: str = ""  # "ngram" (one chain of k drafts), "ngram-tree" (candidate trees), "" (none)
+    memory_tokens: int = 0  # tokens of earlier calls' outputs the trees drafted from (drafting.memory)
     verify_steps: int = 0  # row steps that verified drafts (decode steps of drafting rows)
     accepted_hist: list[int] = field(default_factory=list)  # [k+1]: verify steps that accepted j drafts
     propose_time: float = 0.0  # seconds in the proposer
@@ -152,6 +153,7 @@ class SpecStats:
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "drafter": self.drafter,
+            "memory_tokens": self.memory_tokens,
             "verify_steps": self.verify_steps,
             "mean_tree_size": self.mean_tree_size,
             "accepted_hist": list(self.accepted_hist),

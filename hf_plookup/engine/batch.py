@@ -68,13 +68,15 @@ class Batch:
     each node's parent, see drafting.tree)."""
 
     def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | TreeProposer | None, sched: Scheduler, ids,
-                 cache, tree_min_score: float = 0.0, budget: DraftBudget | None = None):
+                 cache, tree_min_score: float = 0.0, budget: DraftBudget | None = None,
+                 memory: list[np.ndarray] | None = None):
         self.cfg = cfg  # the first call's config: it sets drafting and stopping for every row
         self.proposer = proposer
         self.tree = isinstance(proposer, TreeProposer)
         # how many drafts a step feeds: with `budget` (the engine's, engine.budget), the nodes that
         # pay for their share of the step by measured costs; else those scoring at least tree_min_score
         self.tree_min_score, self.budget = tree_min_score, budget
+        self.memory = memory or []  # earlier calls' generated rows: trees draft from them (drafting.memory)
         self.sched = sched
         self.cache = cache  # the engine's PagedKVCache (tree paths move in it; past_key_values read from it)
         self.register = None  # the prefix pool's hook: a sequence's prefilled prompt pages enter the pool
@@ -144,6 +146,7 @@ class Batch:
         call.stats.resize(cfg.k)
         call.stats.drafter = ("" if self.proposer is None else "ngram" if not self.tree else
                               "ngram-tree" + "+rows" * cfg.cross_rows + "+corpus" * (cfg.corpus is not None))
+        call.stats.memory_tokens = sum(len(d) for d in self.memory) if self.tree else 0
         for i, p in enumerate(call.prompts):
             row = first + i
             self.history[row, : len(p)] = p
@@ -162,7 +165,7 @@ class Batch:
         history grows; it re-indexes the rows' committed tokens at the next update)."""
         rows, width = self.history.shape
         if self._index is None:
-            self._index = SuffixIndex(rows, width, self.cfg.cross_rows, list(self.cfg.corpus or ()))
+            self._index = SuffixIndex(rows, width, self.cfg.cross_rows, list(self.cfg.corpus or ()) + self.memory)
         elif (self._index.rows, self._index.width) != (rows, width):
             self._index = self._index.grow(rows, width)
         return self._index

@@ -22,6 +22,7 @@ from ..cpu.huge_pages import to_huge_pages
 from ..cpu.packed_weight import pack_linears, packing_bytes, unpack_linears
 from ..cpu.invariant_linears import CAPTURED_INVARIANT_BACKENDS, InvariantLinears, resolve_invariant
 from ..cuda.graphs import GraphRunner, batch_bucket
+from ..drafting.memory import DraftMemory
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import history_free
 from ..drafting.tree import TreeProposer
@@ -72,6 +73,10 @@ class EngineOptions:
     # same way: True | False | "auto" (on where a pooled page holds the bits a fresh prefill
     # computes: with invariant mode, whose prompt chunks are cut at fixed offsets)
     prefix_cache: bool | str = "auto"
+    # tokens of earlier calls' outputs kept as a source for candidate trees (drafting.memory); 0: none.
+    # Off by default: a call then drafts from its own rows and arguments only, so the same request
+    # runs the same way whatever came before it (a benchmark's variants included)
+    draft_memory_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_cache_tokens", "num_blocks"):
@@ -94,6 +99,9 @@ class EngineOptions:
             v = getattr(self, name)
             if v not in ("auto", True, False) or not isinstance(v, (bool, str)):
                 raise ValueError(f"{name} must be 'auto', True or False, got {v!r}")
+        if (isinstance(self.draft_memory_tokens, bool) or not isinstance(self.draft_memory_tokens, int)
+                or self.draft_memory_tokens < 0):
+            raise ValueError(f"draft_memory_tokens must be an int >= 0, got {self.draft_memory_tokens!r}")
         if not 0.0 < self.cache_memory_fraction <= 1.0:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction!r}")
         if self.attn_backend not in BACKEND_CHOICES:
@@ -273,6 +281,8 @@ class Engine:
             self.prefix_cache = False
         self.prefix_unit_pages = max(unit // bs, 1)
         self._weights: tuple | None = None  # the fingerprint the pooled pages were computed under
+        # what earlier calls generated: a source of candidate trees (drafting.memory)
+        self.memory = DraftMemory(options.draft_memory_tokens)
 
     @property
     def capacity_blocks(self) -> int:
@@ -411,7 +421,8 @@ class Engine:
         capture_before = graphs.capture_seconds if graphs is not None else 0.0
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
                           aligned_prefill=self.prefill_unit, units_per_chunk=1 if self.mixers else None)
-        batch = Batch(cfg, self.proposer(cfg), sched, self._ids, cache, self.tree_min_score, self.budget)
+        batch = Batch(cfg, self.proposer(cfg), sched, self._ids, cache, self.tree_min_score, self.budget,
+                      self.memory.docs())
         if self._pool_valid():
             pool = PrefixPool(batch, blocks, cache, self.prefix_unit_pages)
             sched.on_admit, sched.defer, batch.register = pool.admit, pool.defer, pool.register
@@ -475,4 +486,7 @@ class Engine:
                 cfg.streamer.end()
         if graphs is not None:
             warn_eager(own.stats)
+        for call in batch.calls:  # what every row generated, a source for the next calls' trees
+            for seq in call.seqs:
+                self.memory.add(batch.history[seq.row, seq.prompt_len : seq.num_tokens])
         return own.result if own.result is not None else batch.result(own)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from eval import bench, summarize
@@ -93,3 +94,35 @@ def test_summarize_two_processes(tiny_ckpt, tmp_path):
     assert sorted({d["index"] for d in res["documents"]}) == [0, 1, 2, 3, 4]
     assert sorted({(b["rank"], b["batch"]) for b in res["batches"] if b["variant"] == "hf-greedy"}) == [(0, 0), (0, 1), (1, 0)]
     assert all(v["exact_match"] == 1.0 for v in res["results"])
+
+
+def test_draft_replay_with_step_costs(tiny_chat_ckpt, tmp_path, capsys):
+    """eval/draft_replay.py on a step bench's costs: the budget's drafters beside the fixed ones, and
+    every drafter's modeled decode speed over greedy (greedy itself: 1 token a step, speed 1)."""
+    from eval import draft_replay
+
+    costs = tmp_path / "steps.json"
+    costs.write_text(json.dumps({"results": [
+        {"mode": "eager+invariant", "batch": 1, "q": q, "step_s": s} for q, s in ((1, 0.020), (5, 0.024), (9, 0.030))]
+        + [{"mode": "eager", "batch": 1, "q": 1, "step_s": 0.05}]}))
+    path = tmp_path / "replay.json"
+    rc = draft_replay.main(["--model", str(tiny_chat_ckpt), "--num-prompts", "2", "--max-new-tokens", "12", "--k", "3",
+                            "--tree-nodes", "4", "--threads", "1", "--step-costs", str(costs), "--json", str(path)])
+    assert rc == 0 and "modeled decode speed x greedy" in capsys.readouterr().out
+    rows = {r["drafter"]: r for r in json.loads(path.read_text())["results"]}
+    assert {"chain (budget)", "tree 6 (budget)", "tree 4 (budget)", "chain (min score 0)"} <= set(rows)
+    for name, r in rows.items():
+        if name != "within-document oracle":
+            assert r["modeled_speed_vs_greedy"] > 0 and r["tokens_per_forward"] >= 1.0, name
+    assert draft_replay.step_costs(str(costs)).seconds(np.array([1, 9])).tolist() == [0.020, 0.030]  # invariant rows
+
+
+def test_summarize_with_draft_memory(tiny_ckpt, tmp_path):
+    """--draft-memory: each hf_plookup variant drafts from its own earlier calls; outputs unchanged."""
+    rc = summarize.main(["--model", str(tiny_ckpt), *SMALL, "--draft-memory", "256", "--check-accuracy",
+                         "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["args"]["draft_memory"] == 256 and all(v["exact_match"] == 1.0 for v in res["results"])
+    with pytest.raises(SystemExit):
+        summarize.parse_args(["--draft-memory", "-1"])
