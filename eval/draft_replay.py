@@ -12,6 +12,12 @@ The within-document oracle beside them bounds what any drafter of the row's own 
 at each step it knows the true continuation and feeds the longest run of it (up to k tokens) that
 follows some earlier position of the row's prompt and output, so it accepts all of it.
 
+With `--step-costs` (a CPU step bench's JSON at batch 1: what a step feeding q tokens costs) the
+drafters also run under the engine's draft budget (engine.budget: drafts fed by those costs and by
+their scores' acceptance, learned over the prompts as an engine learns over its calls), and every
+row gets the modeled decode speed over plain greedy: tokens times a 1-token step's cost over the
+costs of the steps it took. That is the trade between tokens per forward and speed on that machine.
+
     python eval/draft_replay.py --model smollm2-135m --k 4 8 --tree-nodes 8 16 32
     python eval/draft_replay.py --model smollm2-135m --dataset cnn_dailymail --num-prompts 24 --max-new-tokens 64
     python eval/draft_replay.py --model gemma3-270m --k 4 8 --tree-nodes 8 16 32
@@ -32,6 +38,8 @@ from eval.lib.cli import DTYPES, add_threads_option, parse_dtype, set_threads, s
 from eval.lib.models import load_model
 from eval.lib.prompts import SUMMARY_REQUEST, builtin_prompts, dataset_prompts
 from eval.lib.report import report, write_json
+from hf_plookup.engine.budget import DraftBudget
+from hf_plookup.engine.engine import TREE_NODES_PER_DRAFT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,22 +63,48 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch 1; 0: every draft)")
     p.add_argument("--max-candidates", type=int, nargs="+", default=[None],
                    help="TreeProposer max_candidates values (default: its own)")
+    p.add_argument("--step-costs", default=None, metavar="JSON",
+                   help="eval/step_bench.py's JSON (CPU, batch 1, several --q): also replay each drafter under the draft "
+                        "budget by these costs, and model every drafter's decode speed over greedy")
     p.add_argument("--json", default=None)
     return show_defaults(p)
 
 
+def step_costs(path: str):
+    """The budget's FedCosts from a step bench's JSON: its eager invariant rows (else eager) at batch 1,
+    seconds by q (the tokens a step feeds), fixed: replayed steps record nothing."""
+    import json
+
+    from hf_plookup.engine.budget import FedCosts
+
+    rows = [r for r in json.load(open(path))["results"] if r.get("batch") == 1 and r.get("step_s")]
+    mode = "eager+invariant" if any(r["mode"] == "eager+invariant" for r in rows) else "eager"
+    costs = FedCosts()
+    for r in rows:
+        if r["mode"] == mode:
+            costs.record(r["q"], r["step_s"])
+            costs.record(r["q"], r["step_s"])  # (a count counts from its second step)
+    if not costs.steps:
+        raise SystemExit(f"--step-costs {path}: no batch-1 eager rows")
+    costs.record = lambda tokens, seconds: None
+    return costs
+
+
 def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
-           max_new_tokens: int | None = None) -> tuple[int, int, float, int]:
+           max_new_tokens: int | None = None, budget=None, fed_steps: list | None = None) -> tuple[int, int, float, int]:
     """(new tokens, forwards, proposer seconds, draft tokens fed) of decoding `out` after `prompt`
     with `proposer`'s drafts, accepted as greedy verification accepts them (trees scored with the
     row's running acceptance rate, nodes below `min_score` left out, and chains cut before their
-    first draft below it: drafting.tree.chain_budget, as in the engine at batch 1). The first
-    token comes from the prefill. `max_new_tokens`: the row's length limit, which caps its drafts
-    as the engine caps them (a row may emit at most that many tokens); None: len(out), the limit of
-    a row that ran to it. A row that ended at EOS before its limit had drafts capped by the limit,
-    not by where it ended: give the limit to count its steps as the engine ran them."""
+    first draft below it: drafting.tree.chain_budget, as in the engine at batch 1; or, with
+    `budget` (an engine.budget.DraftBudget), the drafts the budget feeds, its acceptance counts
+    updated as the engine updates them). The first token comes from the prefill. `max_new_tokens`:
+    the row's length limit, which caps its drafts as the engine caps them (a row may emit at most
+    that many tokens); None: len(out), the limit of a row that ran to it. A row that ended at EOS
+    before its limit had drafts capped by the limit, not by where it ended: give the limit to count
+    its steps as the engine ran them. `fed_steps`, where given, gets each verify step's drafts fed."""
     from hf_plookup.drafting.suffix import SuffixIndex
     from hf_plookup.drafting.tree import TreeProposer, accept_tree, acceptance_estimate, chain_budget, walk_rejected
+    from hf_plookup.engine.budget import choose_drafts
 
     full = np.array(prompt + out, dtype=np.int64)[None]
     n0, total = len(prompt), len(out)
@@ -85,15 +119,24 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
         length = np.array([n0 + t], dtype=np.int64)
         cap = np.array([limit - t - 1], dtype=np.int64)  # the tokens the row may still emit, less the verified one
         t0 = time.perf_counter()
-        if isinstance(proposer, TreeProposer):
-            tokens, parents, num = proposer.propose(full, length, cap, index=index, min_score=min_score,
-                                                    decay=acceptance_estimate(np.array([n_acc]), np.array([n_rej])))
+        rate = acceptance_estimate(np.array([n_acc]), np.array([n_rej]))
+        tree = isinstance(proposer, TreeProposer)
+        if tree:
+            scores = np.empty((1, proposer.budget))
+            tokens, parents, num = proposer.propose(full, length, cap, index=index, decay=rate, scores=scores,
+                                                    min_score=0.0 if budget is not None else min_score)
         else:
             drafts, num = proposer.propose(full, length, cap)
-            num = np.minimum(num, chain_budget(acceptance_estimate(np.array([n_acc]), np.array([n_rej])), min_score))
+            scores = rate[:, None] ** np.arange(1, drafts.shape[1] + 1)  # as engine.batch scores a chain
+            if budget is None:
+                num = np.minimum(num, chain_budget(rate, min_score))
+        if budget is not None:
+            num = choose_drafts(budget.acceptance["tree" if tree else "chain"].chances(scores), num, budget.costs)
         spent += time.perf_counter() - t0
         m = int(num[0])
         fed += m
+        if fed_steps is not None:
+            fed_steps.append(m)
         if isinstance(proposer, TreeProposer):
             # the target at each node: the true token after the node's path, if the path is a prefix of it
             truth = out[t:]
@@ -109,11 +152,15 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
             path, _ = accept_tree(picks, tokens[0, :m], parents[0, :m])
             accepted = len(path)
             n_rej += walk_rejected(path, parents[0, :m])
+            hit = np.isin(np.arange(1, m + 1), path)
         else:
             accepted = 0
             while accepted < m and t + accepted < total and drafts[0, accepted] == out[t + accepted]:
                 accepted += 1
             n_rej += accepted < m  # the walk stopped at a draft that has a successor
+            hit = np.arange(m) < accepted
+        if budget is not None:
+            budget.acceptance["tree" if tree else "chain"].record(scores[0, :m], hit)
         n_acc += accepted
         t += accepted + 1
         forwards += 1
@@ -171,21 +218,36 @@ def main(argv=None) -> int:
         # prompt lookup for speed: its greedy output is HF's greedy output (tests/engine)
         res = run_plookup(wrapped, ids, torch.ones_like(ids), args.max_new_tokens, max(args.k), args.ngram, pad)
         outs.append([int(x) for x in res.tokens[0]])
+    costs = step_costs(args.step_costs) if args.step_costs else None
     rows = []
     for k in args.k:
         drafters = [(f"chain (min score {ms:g})", NgramProposer(k, args.ngram), ms) for ms in args.min_score]
         drafters += [(f"tree {n} (min score {ms:g}{'' if mc is None else f', {mc} candidates'})",
                       TreeProposer(k, n, args.ngram, **({} if mc is None else {"max_candidates": mc})), ms)
                      for n in args.tree_nodes for ms in args.min_score for mc in args.max_candidates]
+        if costs is not None:  # the budget's drafters: the chain, the default tree (2k nodes), the trees asked
+            drafters += [("chain (budget)", NgramProposer(k, args.ngram), "budget")]
+            drafters += [(f"tree {n} (budget)", TreeProposer(k, n, args.ngram), "budget")
+                         for n in dict.fromkeys([TREE_NODES_PER_DRAFT * k, *args.tree_nodes])]
         for name, proposer, ms in drafters:
             tok = fw = fed = 0
             spent = 0.0
+            budget = None
+            if ms == "budget":
+                budget = DraftBudget()
+                budget.costs = costs
+            widths: list[int] = []
             for p, o in zip(prompts, outs):
-                a, b, s, f = replay(p, o, proposer, ms, args.max_new_tokens)
+                a, b, s, f = replay(p, o, proposer, 0.0 if budget else ms, args.max_new_tokens, budget, widths)
                 tok, fw, spent, fed = tok + a, fw + b, spent + s, fed + f
             steps = max(fw - len(prompts), 1)
-            rows.append({"k": k, "drafter": name, "tokens": tok, "forwards": fw, "tokens_per_forward": tok / fw,
-                         "drafts_per_step": fed / steps, "propose_ms_per_step": 1000 * spent / steps})
+            row = {"k": k, "drafter": name, "tokens": tok, "forwards": fw, "tokens_per_forward": tok / fw,
+                   "drafts_per_step": fed / steps, "propose_ms_per_step": 1000 * spent / steps}
+            if costs is not None:  # decode steps only: each prompt's first token comes from its prefill
+                one = float(costs.seconds(np.array([1]))[0])
+                took = float(costs.seconds(1 + np.array(widths)).sum())
+                row["modeled_speed_vs_greedy"] = (tok - len(prompts)) * one / took
+            rows.append(row)
         results = [oracle(p, o, k, args.max_new_tokens) for p, o in zip(prompts, outs)]
         tok, fw = sum(r[0] for r in results), sum(r[1] for r in results)
         rows.append({"k": k, "drafter": "within-document oracle", "tokens": tok, "forwards": fw,
@@ -198,13 +260,16 @@ def main(argv=None) -> int:
     print(f"model {args.model} ({args.dtype}), {len(prompts)} {args.dataset} prompts ({min(lens)}-{max(lens)} tokens), "
           f"{sum(len(o) for o in outs)} greedy tokens (eos {sorted(eos)} ends a row), ngram {args.ngram}, "
           f"max_new_tokens {args.max_new_tokens}")
-    print("| k | drafter | tokens/forward | x chain | drafts fed/step | proposer ms/step |")
-    print("|---|---|---|---|---|---|")
+    modeled = args.step_costs is not None
+    print("| k | drafter | tokens/forward | x chain | drafts fed/step | proposer ms/step |" +
+          (" modeled decode speed x greedy |" if modeled else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if modeled else ""))
     for r in rows:
         fed = "–" if r["drafts_per_step"] is None else f"{r['drafts_per_step']:.1f}"
         ms = "–" if r["propose_ms_per_step"] is None else f"{r['propose_ms_per_step']:.3f}"
+        speed = f" {r['modeled_speed_vs_greedy']:.3f} |" if "modeled_speed_vs_greedy" in r else (" – |" if modeled else "")
         print(f"| {r['k']} | {r['drafter']} | {r['tokens_per_forward']:.3f} | {r['tokens_per_forward'] / chain[r['k']]:.3f} "
-              f"| {fed} | {ms} |")
+              f"| {fed} | {ms} |" + speed)
     if args.json:
         write_json(args.json, report("draft_replay", argv, args, args.device or "cpu", rows))
     return 0

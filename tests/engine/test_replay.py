@@ -157,3 +157,32 @@ def test_within_document_oracle_literal_cases():
     assert oracle([1, 2, 3], [4, 5, 6], k=4) == (3, 3)  # nothing repeats: one token a forward
     # a row's last token is not drafted past its limit: 2 tokens left, at most 1 draft
     assert oracle([1, 2, 3, 1], [2, 3], k=4, max_new_tokens=2) == (2, 2)
+
+
+def test_live_forwards_equal_replay_under_the_draft_budget(copying):
+    """The default CPU budget (engine.budget), with step costs given by hand so nothing depends on
+    this machine: the engine and the replay feed the same drafts and take the same forwards, the
+    acceptance record learned the same way, step by step (the default tree of 2k nodes)."""
+    from hf_plookup.engine.budget import DraftBudget, FedCosts
+
+    model, _, prompts = copying
+    costs = FedCosts()
+    for n, s in ((1, 1.0), (2, 1.04), (3, 1.09), (5, 1.3), (9, 1.9), (17, 3.4)):
+        costs.record(n, s)
+        costs.record(n, s)
+    costs.record = lambda tokens, seconds: None
+    wrapped = wrap_copy(model, max_cache_tokens=4096, block_size=8, tree_min_score=None)
+    wrapped._engine.budget.costs = costs
+    width = len(prompts[0])
+    out = wrapped.generate(torch.tensor([prompts[0]]), max_new_tokens=47, do_sample=False, prompt_lookup_num_tokens=8,
+                           eos_token_id=None, pad_token_id=PAD)[0, width:].tolist()
+    stats = wrapped.last_stats
+    assert stats.drafter == "ngram-tree" and 0 < stats.drafted and stats.accepted >= 9
+    budget = DraftBudget()
+    budget.costs = costs
+    tokens, forwards, _, fed = replay(prompts[0], out, TreeProposer(8, 16, 2), max_new_tokens=47, budget=budget)
+    assert (stats.new_tokens, stats.row_steps, stats.drafted) == (tokens, forwards, fed), stats.as_dict()
+    every = _replayed(prompts[:1], [out], 8, 16, 47)[2]
+    assert fed < every  # the budget left drafts out
+    live = wrapped._engine.budget.acceptance["tree"]
+    assert (live.fed == budget.acceptance["tree"].fed).all() and (live.accepted == budget.acceptance["tree"].accepted).all()
