@@ -137,7 +137,7 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
         fed += m
         if fed_steps is not None:
             fed_steps.append(m)
-        if isinstance(proposer, TreeProposer):
+        if tree:
             # the target at each node: the true token after the node's path, if the path is a prefix of it
             truth = out[t:]
             picks = np.full(m + 1, -1, dtype=np.int64)

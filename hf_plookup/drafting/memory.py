@@ -7,7 +7,7 @@ bounded number of tokens (the oldest rows are dropped first), and candidate tree
 they search a user's `draft_corpus` (drafting.suffix: other sources, newest first). Drafts never
 change a token (verification is exact), so the memory changes only how many tokens a forward
 accepts. Prompts are not kept: in draft replays of the shipped summaries, earlier prompts as a
-source lowered the tokens per forward that earlier outputs raised (docs/results.md, "Drafts").
+source lowered the tokens per forward that earlier outputs raised (docs/results.md, "Draft budgets").
 
 Example: capacity 5; rows [1, 2, 3] then [4, 5, 6] are added: the first is dropped (6 tokens
 would exceed 5), docs() == [[4, 5, 6]]; a row longer than the capacity keeps its last 5 tokens.
@@ -21,11 +21,10 @@ import numpy as np
 
 
 class DraftMemory:
-    """The generated tokens of earlier rows, at most `capacity` tokens in all (0: keeps nothing)."""
+    """The generated tokens of earlier rows, at most `capacity` tokens in all (0: keeps nothing;
+    `wrap`'s option `draft_memory_tokens`, checked there)."""
 
     def __init__(self, capacity: int):
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"draft_memory_tokens must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
         self._rows: deque[np.ndarray] = deque()
         self._tokens = 0
@@ -44,10 +43,6 @@ class DraftMemory:
     def docs(self) -> list[np.ndarray]:
         """The kept rows, oldest first (the suffix index then offers the newest first)."""
         return list(self._rows)
-
-    def clear(self) -> None:
-        self._rows.clear()
-        self._tokens = 0
 
     def __len__(self) -> int:
         return self._tokens

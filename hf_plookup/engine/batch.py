@@ -192,14 +192,15 @@ class Batch:
             self.parents[rows, : par.shape[1]] = par
         else:
             d, nd = self.proposer.propose(self.history[rows], lengths, cap)
+            rate = self.accept_rate(rows)
             # draft j is reached with chance rate**(j + 1) by the row's acceptance record: its score
-            sc = self.accept_rate(rows)[:, None] ** np.arange(1, d.shape[1] + 1)
+            sc = rate[:, None] ** np.arange(1, d.shape[1] + 1)
             if budget is not None:
                 nd = choose_drafts(budget.acceptance["chain"].chances(sc), nd, budget.costs)
             else:  # the drafts whose chance to be reached is at least tree_min_score (all when 0)
-                nd = np.minimum(nd, chain_budget(self.accept_rate(rows), self.tree_min_score))
+                nd = np.minimum(nd, chain_budget(rate, self.tree_min_score))
             if self.width_of is not None:  # one width for the uniform step, the drafts cut to it
-                self.step_width = self.width_of(self.accept_rate(rows), nd)
+                self.step_width = self.width_of(rate, nd)
                 nd = np.minimum(nd, self.step_width - 1)
             self.parents[rows, : d.shape[1]] = chain_parents(d.shape[1])
         self.scores[rows, : sc.shape[1]] = sc

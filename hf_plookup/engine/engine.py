@@ -29,13 +29,13 @@ from ..drafting.tree import TreeProposer
 from ..mixers.recurrent import RecurrentMixers
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
+from .budget import DraftBudget
 from .distributed import agree_min, agree_seed, tensor_parallel
 from .kv_cache import BlockManager, PagedKVCache, check_cpu_memory, default_num_tokens, layer_specs
 from .prefix import PrefixPool, copy_caller_kv
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import DecodeConfig
-from .budget import DraftBudget
 from .widths import StepCosts, candidate_widths, choose_width
 
 logger = logging.getLogger("hf_plookup")

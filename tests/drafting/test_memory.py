@@ -20,14 +20,9 @@ def test_memory_keeps_the_newest_rows_within_its_capacity():
     assert [d.tolist() for d in m.docs()] == [[15, 16, 17, 18, 19]]
     m.add(np.array([7]))  # a single token continues nothing: not kept
     assert len(m) == 5
-    m.clear()
-    assert m.docs() == [] and len(m) == 0
     none = DraftMemory(0)
     none.add(np.arange(4))
-    assert none.docs() == []
-    for bad in (-1, 2.5, True, "8"):
-        with pytest.raises(ValueError, match="draft_memory_tokens"):
-            DraftMemory(bad)
+    assert none.docs() == [] and len(none) == 0
 
 
 def test_a_second_call_drafts_what_the_first_generated():
@@ -56,6 +51,6 @@ def test_a_second_call_drafts_what_the_first_generated():
 
 def test_memory_option_checked():
     model = tiny_model("llama")
-    for bad in (-1, 1.5, True, None):
+    for bad in (-1, 1.5, True, None, "8"):
         with pytest.raises(ValueError, match="draft_memory_tokens"):
             wrap_copy(model, draft_memory_tokens=bad)
