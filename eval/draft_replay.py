@@ -79,15 +79,10 @@ def step_costs(path: str):
 
     rows = [r for r in json.load(open(path))["results"] if r.get("batch") == 1 and r.get("step_s")]
     mode = "eager+invariant" if any(r["mode"] == "eager+invariant" for r in rows) else "eager"
-    costs = FedCosts()
-    for r in rows:
-        if r["mode"] == mode:
-            costs.record(r["q"], r["step_s"])
-            costs.record(r["q"], r["step_s"])  # (a count counts from its second step)
-    if not costs.steps:
+    seconds = {r["q"]: r["step_s"] for r in rows if r["mode"] == mode}
+    if not seconds:
         raise SystemExit(f"--step-costs {path}: no batch-1 eager rows")
-    costs.record = lambda tokens, seconds: None
-    return costs
+    return FedCosts.given(seconds)
 
 
 def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,

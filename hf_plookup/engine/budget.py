@@ -91,8 +91,23 @@ class FedCosts:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep
         self.steps: dict[int, list[tuple[int, float]]] = {}  # bucket -> its last steps (fed tokens, seconds)
+        self.fixed = False  # costs given, not measured: steps recorded later are left out
+
+    @classmethod
+    def given(cls, seconds: dict[int, float]) -> "FedCosts":
+        """Costs given rather than measured (a replay by a step bench's figures; tests): seconds by fed
+        tokens, each counted as if measured, and no step recorded later changes them.
+
+        Example: FedCosts.given({1: 0.02, 5: 0.024}).seconds(np.array([3])) == [0.022]."""
+        costs = cls()
+        for tokens, s in seconds.items():
+            costs.steps[fed_bucket(int(tokens))] = [(int(tokens), float(s))] * 2  # (counted from a second step)
+        costs.fixed = True
+        return costs
 
     def record(self, tokens: int, seconds: float) -> None:
+        if self.fixed:
+            return
         last = self.steps.setdefault(fed_bucket(int(tokens)), [])
         last.append((int(tokens), float(seconds)))
         del last[: -self.keep]

@@ -12,18 +12,6 @@ from hf_plookup.engine.budget import FIXED_TOKENS, PRIOR_SLOPE, Acceptance, Draf
 from tests.conftest import left_padded, tiny_model, wrap_copy
 
 
-def _costs(table: dict[int, float], frozen: bool = True) -> FedCosts:
-    """Costs set by hand; frozen: the steps a test runs record nothing (their own seconds would
-    otherwise fill other counts and decide)."""
-    c = FedCosts()
-    for n, s in table.items():
-        c.record(n, s)
-        c.record(n, s)  # (a count counts from its second step)
-    if frozen:
-        c.record = lambda tokens, seconds: None
-    return c
-
-
 def test_fed_buckets():
     assert [fed_bucket(n) for n in (1, 9, 16, 17, 24, 25, 128, 129, 160, 161, 512, 513, 600, 641)] == \
         [1, 9, 16, 17, 17, 25, 121, 129, 129, 161, 481, 513, 513, 641]
@@ -32,10 +20,13 @@ def test_fed_buckets():
 def test_fed_costs_interpolate_and_extrapolate_by_the_prior_shape():
     c = FedCosts()
     assert c.seconds(np.array([1, 5])).tolist() == [FIXED_TOKENS + 1, FIXED_TOKENS + 5]  # nothing measured: the shape
-    c = _costs({1: 10.0, 5: 14.0})
+    c = FedCosts.given({1: 10.0, 5: 14.0})
     got = c.seconds(np.array([1, 3, 5, 9]))
     assert got[:3].tolist() == pytest.approx([10.0, 12.0, 14.0])
     assert got[3] == pytest.approx(14.0 * (FIXED_TOKENS + 9) / (FIXED_TOKENS + 5))  # past the measured counts
+    c.record(3, 99.0)  # given costs: a step recorded later changes nothing
+    assert c.seconds(np.array([3])).tolist() == pytest.approx([12.0]) and 3 not in c.steps
+    assert FedCosts.given({1: 0.02, 5: 0.024}).seconds(np.array([3])).tolist() == pytest.approx([0.022])  # the docstring's
     r = FedCosts(keep=3)
     for n, t in ((3, 1.0), (3, 4.0), (3, 50.0), (3, 3.0), (5, 1.0), (5, 2.0), (7, 9.0)):  # 50: held up
         r.record(n, t)
@@ -59,14 +50,14 @@ def test_acceptance_prior_counts_and_monotone_chances():
 
 
 def test_choose_drafts_literal_cases():
-    step = _costs({1: 10.0, 2: 11.0, 3: 12.0, 4: 16.0})
+    step = FedCosts.given({1: 10.0, 2: 11.0, 3: 12.0, 4: 16.0})
     assert choose_drafts(np.array([[0.6, 0.3, 0.1]]), np.array([3]), step).tolist() == [2]  # the docstring's example
     assert choose_drafts(np.array([[0.6, 0.3, 0.1]]), np.array([0]), step).tolist() == [0]  # nothing offered
     assert choose_drafts(np.array([[0.05, 0.01, 0.0]]), np.array([3]), step).tolist() == [0]  # nothing pays
-    flat = _costs({1: 10.0, 8: 10.0})
+    flat = FedCosts.given({1: 10.0, 8: 10.0})
     assert choose_drafts(np.array([[0.6, 0.3, 0.1]]), np.array([3]), flat).tolist() == [3]  # free: all of them
     # two rows: the most likely nodes of the batch, each row a prefix of its own
-    two = _costs({2: 10.0, 3: 10.5, 4: 11.0, 5: 11.5, 6: 20.0})
+    two = FedCosts.given({2: 10.0, 3: 10.5, 4: 11.0, 5: 11.5, 6: 20.0})
     got = choose_drafts(np.array([[0.9, 0.2, 0.1], [0.5, 0.4, 0.0]]), np.array([3, 2]), two)
     assert got.tolist() == [1, 2]  # 0.9, 0.5 and 0.4: 3.8 tokens in 11.5, more a second than any other count
     assert choose_drafts(np.zeros((0, 3)), np.zeros(0, dtype=np.int64), two).tolist() == []
@@ -95,13 +86,13 @@ def test_engine_feeds_by_the_budget_and_stays_exact(kind, extra):
     kw = dict(max_new_tokens=24, eos_token_id=None, prompt_lookup_num_tokens=6, **extra)
 
     dear = wrap_copy(model, max_cache_tokens=4096, tree_min_score=None)
-    dear._engine.budget.costs = _costs({2: 1.0, 3: 100.0})
+    dear._engine.budget.costs = FedCosts.given({2: 1.0, 3: 100.0})
     assert torch.equal(dear.generate(ids, **kw), ref)
     assert dear.last_stats.drafted == 0 and dear._engine.budget.acceptance[kind].fed.sum() == 0
     assert dear.last_stats.drafter == ("ngram-tree" if kind == "tree" else "ngram")
 
     free = wrap_copy(model, max_cache_tokens=4096, tree_min_score=None)
-    free._engine.budget.costs = _costs({2: 1.0, 26: 1.0})
+    free._engine.budget.costs = FedCosts.given({2: 1.0, 26: 1.0})
     assert torch.equal(free.generate(ids, **kw), ref)
     every = wrap_copy(model, max_cache_tokens=4096, tree_min_score=0.0)
     assert every._engine.budget is None

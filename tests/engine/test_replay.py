@@ -166,11 +166,7 @@ def test_live_forwards_equal_replay_under_the_draft_budget(copying):
     from hf_plookup.engine.budget import DraftBudget, FedCosts
 
     model, _, prompts = copying
-    costs = FedCosts()
-    for n, s in ((1, 1.0), (2, 1.04), (3, 1.09), (5, 1.3), (9, 1.9), (17, 3.4)):
-        costs.record(n, s)
-        costs.record(n, s)
-    costs.record = lambda tokens, seconds: None
+    costs = FedCosts.given({1: 1.0, 2: 1.04, 3: 1.09, 5: 1.3, 9: 1.9, 17: 3.4})
     wrapped = wrap_copy(model, max_cache_tokens=4096, block_size=8, tree_min_score=None)
     wrapped._engine.budget.costs = costs
     width = len(prompts[0])
