@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaForCausalLM, PreTrainedModel
 
 import hf_plookup
-from tests.conftest import PAD, REFUSED_ARCHS, left_padded, tiny_model
+from tests.conftest import PAD, REFUSED_ARCHS, left_padded, tiny_model, wrap_copy
 
 
 @pytest.fixture()
@@ -229,6 +229,8 @@ def test_bad_wrap_options():
         hf_plookup.wrap(model, block_size=0)
     with pytest.raises(ValueError, match="max_cache_tokens"):
         hf_plookup.wrap(model, max_cache_tokens=-5)
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        hf_plookup.wrap(model, max_batch_tokens=0)
     with pytest.raises(TypeError, match="model"):
         hf_plookup.wrap("not a model")
 
@@ -338,3 +340,12 @@ def test_wrap_keeps_torch_thread_count():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_prefill_chunk_by_device():
+    """max_batch_tokens: what the user gives, else the device type's default (engine.MAX_BATCH_TOKENS)."""
+    from hf_plookup.engine.engine import MAX_BATCH_TOKENS
+
+    model = tiny_model("llama")
+    assert wrap_copy(model, max_cache_tokens=512)._engine.options.max_batch_tokens == MAX_BATCH_TOKENS["cpu"] == 1024
+    assert wrap_copy(model, max_cache_tokens=512, max_batch_tokens=48)._engine.options.max_batch_tokens == 48

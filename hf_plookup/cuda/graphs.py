@@ -85,24 +85,25 @@ def pad_layout(layout: StepLayout, num_seqs: int, max_context_len: int, block_si
     """A uniform decode `layout` padded to `num_seqs` rows and `max_context_len` keys; its real rows
     and `keep` are the layout's own. Dummy rows feed token 0 at positions 0..q-1 as chains, keep
     their K/V in the scratch page and attend to their own q keys; spare table entries and key
-    slots point at the scratch page."""
+    slots point at the scratch page. A dummy row wider than the page (a tree of more nodes than a
+    page has slots) wraps around it: its token j writes slot j mod block_size, so dummies share
+    slots, which only they read and whose outputs nobody keeps."""
     if not layout.uniform or not layout.is_decode:
         raise ValueError("only uniform decode steps are padded to graph buckets")
     b, q, lk = layout.num_seqs, layout.max_query_len, layout.max_context_len
     bb, lkb = num_seqs, max_context_len
     if bb < b or lkb < lk or lkb % block_size:
         raise ValueError(f"bucket ({bb}, {lkb}) does not hold a step of ({b}, {lk})")
-    if q > block_size:
-        raise ValueError(f"q={q} tokens per sequence exceed the scratch page ({block_size} slots)")
     pad_slot = scratch * block_size
     j = np.arange(q, dtype=np.int64)
+    wrapped = pad_slot + j % block_size  # a dummy row's slots in the scratch page
 
     def rows(real: np.ndarray, dummy: np.ndarray) -> np.ndarray:  # the real rows, then dummies to the bucket
         return np.concatenate([real, dummy[len(real):]])
 
     kv_slots = np.full((bb, lkb), pad_slot, dtype=np.int64)
     kv_slots[:b, :lk] = layout.kv_slots
-    kv_slots[b:, :q] = pad_slot + j
+    kv_slots[b:, :q] = wrapped
     tables = np.full((bb, lkb // block_size), scratch, dtype=np.int64)
     tables[:b, : layout.block_tables.shape[1]] = layout.block_tables
     ctx = rows(layout.context_lens, np.full(bb, q, dtype=np.int64))
@@ -115,7 +116,7 @@ def pad_layout(layout: StepLayout, num_seqs: int, max_context_len: int, block_si
         input_ids=rows(layout.input_ids, np.zeros(bb * q, dtype=np.int64)),
         positions=rows(layout.positions, np.tile(j, bb)),
         depth=rows(layout.depth, np.tile(j, bb)),
-        slot_mapping=rows(layout.slot_mapping, np.tile(pad_slot + j, bb)),
+        slot_mapping=rows(layout.slot_mapping, np.tile(wrapped, bb)),
         keep=layout.keep,
         prefill=np.zeros(bb, dtype=bool),
         query_pos=rows(layout.query_pos, np.tile(j, (bb, 1))),
@@ -206,8 +207,6 @@ class GraphRunner:
             return "rows feed different numbers of tokens"
         if layout.num_seqs > self.max_batch:
             return f"more rows than the largest batch bucket ({self.max_batch})"
-        if layout.max_query_len > self.block_size:
-            return f"more tokens per row than a page holds ({self.block_size})"
         if not len(layout.keep):
             return "no row keeps logits"
         return None

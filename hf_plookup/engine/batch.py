@@ -19,10 +19,11 @@ from ..drafting.suffix import SuffixIndex
 from ..drafting.tree import TreeProposer, acceptance_estimate, chain_budget, compaction, walk_rejected
 from ..drafting.verify import accept_paths, chain_parents, position_uniforms, row_seeds, sample_targets
 from ..stats import SpecStats
-from .budget import DraftBudget, choose_drafts
+from .budget import Acceptance, DraftBudget, choose_drafts
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import DecodeConfig, Sequence
 from .stopping import BatchCriteria
+from .widths import chain_chances
 
 
 @dataclass(slots=True)
@@ -69,18 +70,21 @@ class Batch:
 
     def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | TreeProposer | None, sched: Scheduler, ids,
                  cache, tree_min_score: float = 0.0, budget: DraftBudget | None = None,
-                 memory: list[np.ndarray] | None = None):
+                 memory: list[np.ndarray] | None = None, acceptance: dict[str, Acceptance] | None = None):
         self.cfg = cfg  # the first call's config: it sets drafting and stopping for every row
         self.proposer = proposer
         self.tree = isinstance(proposer, TreeProposer)
         # how many drafts a step feeds: with `budget` (the engine's, engine.budget), the nodes that
         # pay for their share of the step by measured costs; else those scoring at least tree_min_score
         self.tree_min_score, self.budget = tree_min_score, budget
+        # how often fed drafts of each score were accepted, per drafter kind (engine.budget.Acceptance):
+        # the budget's, or the engine's where uniform steps take their width by cost (engine.widths)
+        self.acceptance = budget.acceptance if budget is not None else acceptance
         self.memory = memory or []  # earlier calls' generated rows: trees draft from them (drafting.memory)
         self.sched = sched
         self.cache = cache  # the engine's PagedKVCache (tree paths move in it; past_key_values read from it)
         self.register = None  # the prefix pool's hook: a sequence's prefilled prompt pages enter the pool
-        # uniform verify steps (CUDA graphs): (rates [B], drafts [B]) -> the step's width, from
+        # uniform verify steps (CUDA graphs): (chances [B, K], drafts [B]) -> the step's width, from
         # measured step costs (engine.widths), set by the engine where it applies; step_width: the
         # width the last propose chose (None: the runner's own)
         self.width_of: Callable[[np.ndarray, np.ndarray], int] | None = None
@@ -189,20 +193,22 @@ class Batch:
                                                rows=rows, index=index, decay=self.accept_rate(rows), scores=sc)
             if budget is not None:
                 nd = choose_drafts(budget.acceptance["tree"].chances(sc), nd, budget.costs)
+            if self.width_of is not None:
+                chances = self.acceptance["tree"].chances(sc)
             self.parents[rows, : par.shape[1]] = par
         else:
             d, nd = self.proposer.propose(self.history[rows], lengths, cap)
             rate = self.accept_rate(rows)
             # draft j is reached with chance rate**(j + 1) by the row's acceptance record: its score
-            sc = rate[:, None] ** np.arange(1, d.shape[1] + 1)
+            sc = chances = chain_chances(rate, d.shape[1])
             if budget is not None:
                 nd = choose_drafts(budget.acceptance["chain"].chances(sc), nd, budget.costs)
             else:  # the drafts whose chance to be reached is at least tree_min_score (all when 0)
                 nd = np.minimum(nd, chain_budget(rate, self.tree_min_score))
-            if self.width_of is not None:  # one width for the uniform step, the drafts cut to it
-                self.step_width = self.width_of(rate, nd)
-                nd = np.minimum(nd, self.step_width - 1)
             self.parents[rows, : d.shape[1]] = chain_parents(d.shape[1])
+        if self.width_of is not None:  # one width for the uniform step, each row's drafts cut to it
+            self.step_width = self.width_of(chances, nd)
+            nd = np.minimum(nd, self.step_width - 1)
         self.scores[rows, : sc.shape[1]] = sc
         spent = time.perf_counter() - t0
         self.drafts[rows, : d.shape[1]], self.n_drafts[rows] = d, nd
@@ -326,12 +332,12 @@ class Batch:
         scores, targets = self._targets(rows, n_pos, fed_depth, gen, logits)
         drafts, parents = self.drafts[rows], self.parents[rows]  # [S, K]
         accepted, paths, final = accept_paths(targets, offsets, num_drafts, drafts, parents)
-        if self.budget is not None:  # how the fed drafts' scores fared (engine.budget.Acceptance)
+        if self.acceptance is not None:  # how the fed drafts' scores fared (engine.budget.Acceptance)
             fed = np.arange(drafts.shape[1])[None, :] < num_drafts[:, None]  # [S, K]
             hit = np.zeros_like(fed)  # [S, K] the drafts on each row's accepted path
             for i in range(len(seqs)):
                 hit[i, paths[i, : accepted[i]] - 1] = True
-            self.budget.acceptance["tree" if self.tree else "chain"].record(self.scores[rows][fed], hit[fed])
+            self.acceptance["tree" if self.tree else "chain"].record(self.scores[rows][fed], hit[fed])
         move_src, move_dst = [], []
         for i, (c, seq) in enumerate(zip(active, seqs)):
             stats = self.call_of_row[seq.row].stats

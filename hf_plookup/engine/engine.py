@@ -29,7 +29,7 @@ from ..drafting.tree import TreeProposer
 from ..mixers.recurrent import RecurrentMixers
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
-from .budget import DraftBudget
+from .budget import Acceptance, DraftBudget
 from .distributed import agree_min, agree_seed, tensor_parallel
 from .kv_cache import BlockManager, PagedKVCache, check_cpu_memory, default_num_tokens, layer_specs
 from .prefix import PrefixPool, copy_caller_kv
@@ -48,7 +48,7 @@ class EngineOptions:
     max_cache_tokens: int | None = None  # KV capacity in tokens (None: from available memory)
     num_blocks: int | None = None  # KV capacity in blocks (overrides max_cache_tokens)
     block_size: int | None = None  # tokens per page (None: 16, or 256 with flash_attn, which needs multiples of 256)
-    max_batch_tokens: int = 1024  # token budget of one prefill step
+    max_batch_tokens: int | None = None  # token budget of one prefill step (None: MAX_BATCH_TOKENS by device)
     max_num_seqs: int = 256  # most sequences running at once
     # share of free memory for the KV cache when no capacity is given: of available RAM on CPU;
     # on CUDA of the memory left free after a warm-up forward of max_batch_tokens tokens, less
@@ -85,7 +85,7 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
         for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
             v = getattr(self, name)
-            if (v is not None or name != "block_size") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if (v is not None or name == "max_num_seqs") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         for name in ("cuda_graphs", "pad_drafts", "join_calls"):
             if not isinstance(getattr(self, name), bool):
@@ -114,9 +114,17 @@ EAGER_WARN_MIN_STEPS = 8
 # with them than without (docs/results.md, "GPU end to end"). On CUDA, CUDA graphs of the eager
 # step won end to end; compiled steps stay opt-in (compile=True) until they win there too.
 COMPILE_AUTO = {"cuda": False, "cpu": False}
-# tree_min_score=None on CUDA: every draft is fed (a verify step's tokens cost little there, and graph
-# steps are padded to the whole budget anyway); on CPU the draft budget decides (engine.budget)
+# tree_min_score=None on CUDA: every draft is offered, and the uniform step's width (engine.widths)
+# decides how many each row feeds; on CPU the draft budget decides (engine.budget)
 TREE_MIN_SCORE_CUDA = 0.0
+# max_batch_tokens=None: tokens of one prefill step by device type. On a GPU an eager step's cost is
+# mostly its kernel launches, whatever its tokens, so a batch's prompts go in few large steps (vLLM
+# and SGLang chunk prefills at 8192 tokens too); a CPU's step cost grows with its tokens, and smaller
+# chunks keep a step's activations in cache.
+MAX_BATCH_TOKENS = {"cuda": 8192, "cpu": 1024}
+# rows of logits a step keeps that the KV cache's sizing leaves memory for: a prompt chunk keeps one
+# row per sequence, a verify step one per fed token (256 sequences of 4 tokens)
+LOGITS_ROWS = 1024
 # nodes of the trees drafted by default (under the draft budget) per prompt_lookup_num_tokens: room for
 # a chain of k and as many alternatives; the budget feeds few of them where steps cost
 TREE_NODES_PER_DRAFT = 2
@@ -203,7 +211,9 @@ class Engine:
         dtypes = sorted({s.dtype for s in self.specs}, key=str)
         backend = resolve_backend(options.attn_backend, devices, dtypes, sdpa_only_reason(self.specs))
         # resolved: the backend that runs (what stats report) and its block size
-        self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size))
+        chunk = options.max_batch_tokens or MAX_BATCH_TOKENS.get(devices[0].type, MAX_BATCH_TOKENS["cpu"])
+        self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size),
+                               max_batch_tokens=chunk)
         hooked = any(hasattr(m, "_hf_hook") for m in model.modules())  # accelerate dispatch / offload
         # position embedders handed each step's positions (attention.positions)
         self.embedders = position_embedders(model)
@@ -236,7 +246,7 @@ class Engine:
             # checkpoint's file mapping is then let go), onto 2 MB pages (cpu.huge_pages)
             to_huge_pages(model)
             parts.append(("other weights to 2 MB pages", time.perf_counter()))
-        self.prefill_unit = min(PREFILL_UNIT, options.max_batch_tokens) if invariant else None
+        self.prefill_unit = min(PREFILL_UNIT, self.options.max_batch_tokens) if invariant else None
         self.invariant = InvariantLinears(model, self.prefill_unit) if invariant else None
         parts.append(("invariant mode's checks", time.perf_counter()))
         if invariant and backend not in CAPTURED_INVARIANT_BACKENDS:
@@ -250,9 +260,10 @@ class Engine:
         self.budget = (DraftBudget() if auto and devices[0].type == "cpu" and not self.tensor_parallel
                        and self.pad_to(1) is None else None)
         # uniform verify steps in CUDA graphs take one width per step, from what steps of each width
-        # measured to cost (engine.widths); chains only: a tree's size is its node budget
+        # measured to cost and how often drafts were accepted (engine.widths), chains and trees alike
         self.width_policy = self.use_graphs
         self.step_costs = StepCosts()
+        self.acceptance = {"chain": Acceptance(), "tree": Acceptance()}  # kept across calls, as the budget's
         # CPU: the LM head's faster matmul layout for multi-row steps (timed, so not under tensor parallel)
         self.head = None if self.tensor_parallel else head_chooser(model)
         parts.append(("the rest", time.perf_counter()))
@@ -291,7 +302,7 @@ class Engine:
             return o.num_blocks
         if self._capacity is None:
             tokens = o.max_cache_tokens or default_num_tokens(
-                self.specs, o.cache_memory_fraction, self.model, o.max_batch_tokens
+                self.specs, o.cache_memory_fraction, self.model, o.max_batch_tokens, LOGITS_ROWS
             )
             if self.tensor_parallel:  # every rank admits the same rows
                 tokens = agree_min(tokens)
@@ -422,17 +433,17 @@ class Engine:
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
                           aligned_prefill=self.prefill_unit, units_per_chunk=1 if self.mixers else None)
         batch = Batch(cfg, self.proposer(cfg), sched, self._ids, cache, self.tree_min_score, self.budget,
-                      self.memory.docs())
+                      self.memory.docs(), self.acceptance if self.width_policy else None)
         if self._pool_valid():
             pool = PrefixPool(batch, blocks, cache, self.prefix_unit_pages)
             sched.on_admit, sched.defer, batch.register = pool.admit, pool.defer, pool.register
         else:  # the caller's past_key_values still spare their prefill
             sched.on_admit = functools.partial(copy_caller_kv, batch, blocks, cache)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
-        if self.width_policy and batch.proposer is not None and not batch.tree:
-            widths = candidate_widths(cfg.k)
-            batch.width_of = lambda rates, drafts: choose_width(self.step_costs, batch_bucket(len(drafts)), widths,
-                                                                rates, drafts)
+        if self.width_policy and batch.proposer is not None:
+            widths = candidate_widths(cfg.k, batch.proposer.budget if batch.tree else 0)
+            batch.width_of = lambda chances, drafts: choose_width(self.step_costs, batch_bucket(len(drafts)), widths,
+                                                                  chances, drafts)
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
                              graphs, self.head, self.invariant, self.embedders, self.mixers)
         batch.add(own)

@@ -105,3 +105,18 @@ def test_graph_padded_layout_equals_eager_on_real_rows():
     assert (padded.tree_mask[b:] == np.tril(np.ones((q, q), bool))).all()
     with pytest.raises(ValueError, match="uniform decode"):
         pad_layout(runner.layout([_chunk(0, 0, 3, True, 3)], HISTORY, None), 1, 8, BS, SCRATCH)
+
+
+def test_dummy_rows_wider_than_a_page_wrap_in_the_scratch_page():
+    """A tree of 5 nodes (6 tokens a row) over pages of 4: the real row keeps its own slots, the
+    dummy rows' tokens write and read scratch slots 0, 1, 2, 3, 0, 1, never a page past it."""
+    runner = _runner({11: [3, 4, 7]}, pad_to=6)
+    parents = np.array([[-1] * 5, [0, 0, 1, 2, 2]])  # row 1's tree
+    lay = runner.layout([_chunk(1, 4, 6, False, 2)], HISTORY, parents)
+    assert lay.uniform and lay.max_query_len == 6 > BS
+    padded = pad_layout(lay, 2, context_bucket(lay.max_context_len, BS), BS, SCRATCH)
+    scratch = SCRATCH * BS + np.array([0, 1, 2, 3, 0, 1])
+    assert np.array_equal(padded.slot_mapping[:6], lay.slot_mapping)
+    assert np.array_equal(padded.slot_mapping[6:], scratch)
+    assert np.array_equal(padded.kv_slots[1, :6], scratch) and (padded.kv_slots[1, 6:] == SCRATCH * BS).all()
+    assert (padded.block_tables[1] == SCRATCH).all() and padded.context_lens.tolist() == [lay.context_lens[0], 6]

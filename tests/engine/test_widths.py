@@ -8,17 +8,26 @@ import pytest
 import torch
 
 from hf_plookup.cuda.graphs import GraphRunner, batch_bucket
-from hf_plookup.engine.widths import StepCosts, candidate_widths, choose_width, expected_tokens
+from hf_plookup.engine.widths import StepCosts, candidate_widths, chain_chances, choose_width, expected_tokens
 from tests.conftest import left_padded, tiny_model, wrap_copy
 
 
 def test_candidates_and_expected_tokens():
     assert candidate_widths(8) == (1, 5, 9) and candidate_widths(4) == (1, 3, 5) and candidate_widths(2) == (1, 3)
     assert candidate_widths(1) == (1, 2)
+    assert candidate_widths(8, nodes=16) == (1, 5, 9, 17) and candidate_widths(4, nodes=4) == (1, 3, 5)
     with pytest.raises(ValueError, match="k must be >= 1"):
         candidate_widths(0)
-    assert expected_tokens(np.array([0.5, 0.8]), np.array([4, 1]), 3) == pytest.approx(3.55)
-    assert expected_tokens(np.array([0.5, 0.8]), np.array([4, 1]), 1) == pytest.approx(2.0)  # plain decoding
+    with pytest.raises(ValueError, match="nodes must be >= 0"):
+        candidate_widths(4, nodes=-1)
+    assert np.allclose(chain_chances(np.array([0.5]), 3), [[0.5, 0.25, 0.125]])
+    chances = chain_chances(np.array([0.5, 0.8]), 4)
+    assert expected_tokens(chances, np.array([4, 1]), 3) == pytest.approx(3.55)
+    assert expected_tokens(chances, np.array([4, 1]), 1) == pytest.approx(2.0)  # plain decoding
+    # a tree's nodes, best first, by their own chances (not powers of one rate)
+    tree = np.array([[0.6, 0.3, 0.3, 0.1, 0.0]])
+    assert expected_tokens(tree, np.array([4]), 3) == pytest.approx(1.9)
+    assert expected_tokens(tree, np.array([4]), 17) == pytest.approx(2.3)
 
 
 def test_step_costs_follow_their_steps():
@@ -33,19 +42,30 @@ def test_step_costs_follow_their_steps():
 
 def test_choose_width():
     c = StepCosts()
-    one_row = dict(rates=np.array([0.5]), drafts=np.array([8]))
+    one_row = dict(chances=chain_chances(np.array([0.5]), 8), drafts=np.array([8]))
     assert choose_width(c, 1, (1, 5, 9), **one_row) == 9  # nothing measured: the widest first
     c.record(9, 1, 4.8e-3)
     assert choose_width(c, 1, (1, 5, 9), **one_row) == 5  # then the next one not yet measured
     c.record(5, 1, 3.6e-3)
     c.record(1, 1, 3.0e-3)
     assert choose_width(c, 1, (1, 5, 9), **one_row) == 5  # 0.54 tokens a ms against 0.33 and 0.42
-    assert choose_width(c, 1, (1, 5, 9), np.array([0.95]), np.array([8])) == 9  # a row that copies
-    assert choose_width(c, 1, (1, 5, 9), np.array([0.5]), np.array([0])) == 1  # no drafts: plain decoding
+    assert choose_width(c, 1, (1, 5, 9), chain_chances(np.array([0.95]), 8), np.array([8])) == 9  # a row that copies
+    assert choose_width(c, 1, (1, 5, 9), chain_chances(np.array([0.5]), 8), np.array([0])) == 1  # no drafts: plain decoding
     flat = StepCosts()
     for q in (1, 5, 9):
         flat.record(q, 1, 3.0e-3)
-    assert choose_width(flat, 1, (1, 5, 9), np.array([0.9]), np.array([6])) == 9  # 6 drafts: width 9 holds them
+    assert choose_width(flat, 1, (1, 5, 9), chain_chances(np.array([0.9]), 8), np.array([6])) == 9  # width 9 holds 6 drafts
+    # a tree of 16 nodes: width 17 pays where its step costs little more than 9 tokens' and the
+    # nodes past the eighth are likely enough, and not where it costs half as much again
+    tree = np.concatenate([np.full(8, 0.5), np.full(8, 0.3)])[None, :]
+    for q, s in ((1, 3.0e-3), (5, 3.5e-3), (9, 3.6e-3)):
+        flat.record(q, 2, s)
+    flat.record(17, 2, 3.8e-3)
+    assert choose_width(flat, 2, (1, 5, 9, 17), tree, np.array([16])) == 17  # 7.4 / 3.8 against 5 / 3.6
+    flat.record(17, 4, 5.4e-3)
+    for q, s in ((1, 3.0e-3), (5, 3.5e-3), (9, 3.6e-3)):
+        flat.record(q, 4, s)
+    assert choose_width(flat, 4, (1, 5, 9, 17), tree, np.array([16])) == 9
     assert choose_width(c, 16, (1, 5, 9), **one_row) == 9  # another bucket: measured apart
 
 
@@ -89,3 +109,24 @@ def test_engine_steps_take_the_chosen_width_and_stay_exact(batch):
     # wide steps cost no more: every step feeds all its rows' drafts, as without the policy
     assert w.last_stats.drafted == plain.last_stats.drafted > 0
     assert {key[0] for key in w._engine._graphs.graphs} <= {1, 5, 9}
+
+
+def test_trees_take_widths_wider_than_a_page_and_stay_exact():
+    """Candidate trees of 16 nodes (17 tokens a row, pages of 8) on the static-buffer step path:
+    each width up to the whole tree is tried and judged like a chain's, the steps stay on the
+    padded path (dummy rows wrap in the scratch page), and the tokens are HF greedy's."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(3, seed=11)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    w = wrap_copy(model, max_cache_tokens=4096, block_size=8, pad_drafts=True)
+    eng = w._engine
+    eng._graphs = GraphRunner(w, eng.cache(), "sdpa", eng.options.max_num_seqs, capture=False)
+    eng.width_policy = True
+    out = w.generate(ids, attention_mask=mask, max_new_tokens=24, prompt_lookup_num_tokens=8,
+                     prompt_lookup_tree_nodes=16)
+    assert torch.equal(out, ref)
+    s = w.last_stats
+    assert s.decode_steps_by_path == {"static": s.decode_steps} and s.eager_reasons == {}
+    assert {q for q, _ in eng.step_costs.seconds} <= {1, 5, 9, 17} and 17 in {key[0] for key in eng._graphs.graphs}
+    assert all(key[3] for key in eng._graphs.graphs if key[0] > 1)  # drafts fed as trees
+    assert eng.acceptance["tree"].fed.sum() == s.drafted > 0  # every fed node's outcome counted

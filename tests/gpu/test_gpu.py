@@ -9,6 +9,7 @@ import torch
 import hf_plookup
 from hf_plookup.attention.flash import flash4_paged_attention, flash_paged_attention
 from hf_plookup.attention.sdpa import sdpa_paged_attention
+from hf_plookup.engine.engine import MAX_BATCH_TOKENS
 from tests.conftest import OneLayer, dense_causal, left_padded, paged_step, tiny_model, wrap_copy
 
 from .conftest import HAS_CUDA
@@ -169,4 +170,5 @@ def test_cache_sized_from_free_memory_after_warmup():
     cap_tokens = w._engine.capacity_blocks * w._engine.options.block_size
     per_token = sum(s.bytes_per_token() for s in w._engine.specs)
     assert 0 < cap_tokens * per_token <= 0.05 * free * 1.05 + per_token * w._engine.options.block_size
+    assert w._engine.options.max_batch_tokens == MAX_BATCH_TOKENS["cuda"]  # the warm-up forward's tokens
     _generate(w, 2, 4, 1, 8)
