@@ -7,11 +7,14 @@ its variants interleaved on the same prompts, first calls (compile, capture) rep
 timed ones, every call's time and hf_plookup's step paths (graph replays, compiled, eager; seconds
 compiling and capturing) in the JSON:
 
-  bf16-b1    batch 1, 6 articles: HF greedy, HF prompt lookup (k=4), HF static cache (compiled by HF;
-             timed on the first article, as it compiles again for each new prompt length), HF
-             generate_batch; hf_plookup greedy, k=4, k=8 (wrap's defaults), and greedy and k=4 with
-             compile=True (compiled steps in CUDA graphs) and with cuda_graphs=False, compile=False
-  bf16-b16   batch 16, 16 articles: HF greedy, generate_batch; hf_plookup defaults and compile=True
+  bf16-b1    batch 1, 8 articles: HF greedy, HF prompt lookup (k=4), HF static cache (compiled by HF;
+             timed on the first article, as it compiles again for each new prompt length);
+             hf_plookup greedy, k=4, k=8 and trees of 16 nodes at k=4 and 8 (wrap's defaults), and
+             greedy and k=4 with compile=True (compiled steps in CUDA graphs) and with
+             cuda_graphs=False, compile=False (HF generate_batch is timed from batch 16 on: it
+             batches, and one row at a time it costs as much as the rest of the stage)
+  bf16-b16   batch 16, 16 articles: HF greedy, generate_batch; hf_plookup defaults (chains and
+             trees) and compile=True
   bf16-b64   batch 64, 64 articles: HF greedy, generate_batch; hf_plookup defaults
   fp32       batch 1 (4 articles) and 16, 64 new tokens: HF greedy, hf_plookup greedy and k=4 (token
              identity with HF greedy is the point)
@@ -44,10 +47,10 @@ from eval.lib.cli import add_threads_option, show_defaults
 COMMON = ["--prompt-source", "cnn_dailymail", "--max-doc-tokens", "800", "--ngram", "2", "--repeats", "1"]
 # (stage, dtype, bench arguments); every stage also gets COMMON, the model and a time budget
 STAGES = [
-    ("bf16-b1", "bf16", ["--batch-sizes", "1", "--num-prompts", "6", "--k", "4", "8", "--hf-pl-k", "4",
-                         "--max-new-tokens", "128", "--variants", "hf-greedy", "hf-pl", "hf-static", "hf-batch",
-                         "plk-greedy", "plk", "plk-compiled", "plk-eager"]),
-    ("bf16-b16", "bf16", ["--batch-sizes", "16", "--k", "4", "8", "--max-new-tokens", "128",
+    ("bf16-b1", "bf16", ["--batch-sizes", "1", "--num-prompts", "8", "--k", "4", "8", "--hf-pl-k", "4",
+                         "--tree-nodes", "16", "--max-new-tokens", "128", "--variants", "hf-greedy", "hf-pl",
+                         "hf-static", "plk-greedy", "plk", "plk-compiled", "plk-eager"]),
+    ("bf16-b16", "bf16", ["--batch-sizes", "16", "--k", "4", "8", "--tree-nodes", "16", "--max-new-tokens", "128",
                           "--variants", "hf-greedy", "hf-batch", "plk-greedy", "plk", "plk-compiled"]),
     ("bf16-b64", "bf16", ["--batch-sizes", "64", "--k", "4", "8", "--max-new-tokens", "128",
                           "--variants", "hf-greedy", "hf-batch", "plk-greedy", "plk"]),

@@ -51,7 +51,7 @@ import torch
 from eval.lib.cli import DTYPES, add_threads_option, show_defaults
 from eval.lib.models import SHAPES, random_model
 from eval.lib.report import report, write_json
-from eval.lib.timing import copy_bandwidth, count_kernels, gemm_rate, interleaved, read_bandwidth, sync, timed
+from eval.lib.timing import copy_bandwidth, count_kernels, gemm_rate, interleaved, read_bandwidth, sync, timed, top_kernels
 from hf_plookup.attention.metadata import StepLayout
 from hf_plookup.attention.ops import COMPILABLE_BACKENDS
 from hf_plookup.attention.registry import register
@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU: also time the C kernels alone per q, each from memory (every layer's own weights "
                         "and pages) and from cache (the first layer's, for every layer), in the same rounds: "
                         "which of a step's kernels wait on memory and which on the core")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: with each row, the GPU kernels that take most of one un-captured forward's time "
+                        "(torch.profiler), printed and in the JSON: where a step's time goes past the bound")
     p.add_argument("--attn-backends", nargs="+", default=["sdpa"], choices=["sdpa", "triton", "flash_attn", "flash_attn4"],
                    help="each mode runs once per backend")
     p.add_argument("--block-size", type=int, default=16)
@@ -192,17 +195,29 @@ def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache
         for q in args.q:
             plan, step = plans[q], statistics.median(times[q])
             ratio = statistics.median(t / t0 for t, t0 in zip(times[q], times[q0]))
-            kernels = None
-            if device.type == "cuda" and gr is None:
-                kernels = count_kernels(lambda: run(plan), device)
-            elif device.type == "cuda":
-                key = (plan.max_query_len, batch_bucket(b), context_bucket(plan.max_context_len, args.block_size),
-                       plan.tree_mask is not None)  # GraphRunner.run's key
-                kernels = count_kernels(lambda: gr._forward(gr.graphs[key]), device)
-            rows.append({"mode": mode, "attn_backend": backend, "batch": b, "q": q, "step_s": step,
-                         f"vs_q{q0}": ratio, "first_call_s": firsts[q], "kernels": kernels})
+            row = {"mode": mode, "attn_backend": backend, "batch": b, "q": q, "step_s": step,
+                   f"vs_q{q0}": ratio, "first_call_s": firsts[q], "kernels": None}
+            if device.type == "cuda":
+                if gr is None:
+                    forward = lambda p=plan: run(p)  # noqa: E731
+                else:
+                    key = (plan.max_query_len, batch_bucket(b), context_bucket(plan.max_context_len, args.block_size),
+                           plan.tree_mask is not None)  # GraphRunner.run's key
+                    forward = lambda k=key: gr._forward(gr.graphs[k])  # noqa: E731
+                if args.profile:
+                    with torch.inference_mode():
+                        prof = top_kernels(forward, device, n=8)
+                    row["kernels"], row["profile"] = prof["kernels"], {"device_s": prof["device_s"],
+                                                                       "device_top": prof["device_top"]}
+                else:
+                    row["kernels"] = count_kernels(forward, device)
+            rows.append(row)
+            kernels = row["kernels"]
             print(f"  {mode + '/' + backend:22s} batch {b:3d} q {q:2d}: {1e3 * step:8.2f} ms  {ratio:5.2f}x q {q0}  "
                   f"(first call {firsts[q]:6.1f} s" + (f", {kernels} kernels)" if kernels is not None else ")"), flush=True)
+            if "profile" in row:
+                for name, seconds, calls in row["profile"]["device_top"]:
+                    print(f"      {1e3 * seconds:8.3f} ms {calls:5d}x  {name}", flush=True)
     return rows
 
 
