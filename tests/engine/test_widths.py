@@ -36,6 +36,9 @@ def test_step_costs_follow_their_steps():
     c.record(5, 16, 4.0)
     c.record(5, 16, 2.0)
     assert c.get(5, 16) == pytest.approx(3.0) and c.get(5, 1) is None
+    given = StepCosts.given({(1, 1): 3e-3, (5, 1): 4e-3})
+    given.record(5, 1, 1.0)  # given costs stay as given
+    assert given.get(5, 1) == 4e-3 and given.get(9, 1) is None
     with pytest.raises(ValueError, match="weight"):
         StepCosts(weight=0.0)
 
@@ -91,17 +94,14 @@ def test_engine_steps_take_the_chosen_width_and_stay_exact(batch):
     measured = {q for q, b in w._engine.step_costs.seconds if b == batch_bucket(batch)}
     assert len(measured) >= 2 and measured <= {1, 5, 9}
 
-    # tables that the run's own steps (CPU: wider ones cost more) barely move, so they decide alone
-    wide_is_dear = StepCosts(weight=1e-12)
-    for q, s in ((1, 1.0), (5, 100.0), (9, 100.0)):
-        wide_is_dear.record(q, batch_bucket(batch), s)
+    # costs given, which the run's own steps leave alone, so they decide alone
+    bb = batch_bucket(batch)
+    wide_is_dear = StepCosts.given({(1, bb): 1.0, (5, bb): 100.0, (9, bb): 100.0})
     w = _engine_with_widths(model, wide_is_dear)
     assert torch.equal(w.generate(ids, **kw), ref)
     assert w.last_stats.drafted == 0 and w.last_stats.decode_steps_by_path == {"static": w.last_stats.decode_steps}
 
-    wide_is_cheap = StepCosts(weight=1e-12)
-    for q in (1, 5, 9):
-        wide_is_cheap.record(q, batch_bucket(batch), 1.0)
+    wide_is_cheap = StepCosts.given({(q, bb): 1.0 for q in (1, 5, 9)})
     w = _engine_with_widths(model, wide_is_cheap)
     assert torch.equal(w.generate(ids, **kw), ref)
     plain = wrap_copy(model, max_cache_tokens=4096, block_size=16, pad_drafts=True)
