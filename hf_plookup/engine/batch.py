@@ -78,7 +78,8 @@ class Batch:
         # pay for their share of the step by measured costs; else those scoring at least tree_min_score
         self.tree_min_score, self.budget = tree_min_score, budget
         # how often fed drafts of each score were accepted, per drafter kind (engine.budget.Acceptance):
-        # the budget's, or the engine's where uniform steps take their width by cost (engine.widths)
+        # the budget's, or the engine's where uniform steps size trees by cost (engine.widths); None:
+        # nothing reads them, so nothing is counted
         self.acceptance = budget.acceptance if budget is not None else acceptance
         self.memory = memory or []  # earlier calls' generated rows: trees draft from them (drafting.memory)
         self.sched = sched
@@ -191,10 +192,10 @@ class Batch:
             sc = np.empty((len(rows), self.proposer.budget))
             d, par, nd = self.proposer.propose(self.history, lengths, cap, min_score=0.0 if budget else self.tree_min_score,
                                                rows=rows, index=index, decay=self.accept_rate(rows), scores=sc)
-            if budget is not None:
-                nd = choose_drafts(budget.acceptance["tree"].chances(sc), nd, budget.costs)
-            if self.width_of is not None:
+            if self.acceptance is not None:  # each node's chance by its score (engine.budget.Acceptance)
                 chances = self.acceptance["tree"].chances(sc)
+            if budget is not None:
+                nd = choose_drafts(chances, nd, budget.costs)
             self.parents[rows, : par.shape[1]] = par
         else:
             d, nd = self.proposer.propose(self.history[rows], lengths, cap)

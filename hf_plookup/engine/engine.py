@@ -263,7 +263,9 @@ class Engine:
         # measured to cost and how often drafts were accepted (engine.widths), chains and trees alike
         self.width_policy = self.use_graphs
         self.step_costs = StepCosts()
-        self.acceptance = {"chain": Acceptance(), "tree": Acceptance()}  # kept across calls, as the budget's
+        # tree nodes' acceptance by score, for those widths (a chain's drafts take their row's rate);
+        # kept across calls, as the budget's
+        self.acceptance = {"tree": Acceptance()}
         # CPU: the LM head's faster matmul layout for multi-row steps (timed, so not under tensor parallel)
         self.head = None if self.tensor_parallel else head_chooser(model)
         parts.append(("the rest", time.perf_counter()))
@@ -432,8 +434,10 @@ class Engine:
         capture_before = graphs.capture_seconds if graphs is not None else 0.0
         sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
                           aligned_prefill=self.prefill_unit, units_per_chunk=1 if self.mixers else None)
-        batch = Batch(cfg, self.proposer(cfg), sched, self._ids, cache, self.tree_min_score, self.budget,
-                      self.memory.docs(), self.acceptance if self.width_policy else None)
+        proposer = self.proposer(cfg)
+        sized = self.width_policy and isinstance(proposer, TreeProposer)  # trees' widths read the counts
+        batch = Batch(cfg, proposer, sched, self._ids, cache, self.tree_min_score, self.budget,
+                      self.memory.docs(), self.acceptance if sized else None)
         if self._pool_valid():
             pool = PrefixPool(batch, blocks, cache, self.prefix_unit_pages)
             sched.on_admit, sched.defer, batch.register = pool.admit, pool.defer, pool.register

@@ -93,6 +93,7 @@ def test_engine_steps_take_the_chosen_width_and_stay_exact(batch):
     assert torch.equal(w.generate(ids, **kw), ref)
     measured = {q for q, b in w._engine.step_costs.seconds if b == batch_bucket(batch)}
     assert len(measured) >= 2 and measured <= {1, 5, 9}
+    assert w._engine.acceptance["tree"].fed.sum() == 0  # chains take their rows' rates: nothing counted
 
     # costs given, which the run's own steps leave alone, so they decide alone
     bb = batch_bucket(batch)
