@@ -10,15 +10,16 @@ compiling and capturing) in the JSON:
   bf16-b1    batch 1, 8 articles: HF greedy, HF prompt lookup (k=4), HF static cache (compiled by HF;
              timed on the first article, as it compiles again for each new prompt length);
              hf_plookup greedy, k=4, k=8 and trees of 16 nodes at k=4 and 8 (wrap's defaults), and
-             greedy and k=4 with compile=True (compiled steps in CUDA graphs) and with
-             cuda_graphs=False, compile=False (HF generate_batch is timed from batch 16 on: it
-             batches, and one row at a time it costs as much as the rest of the stage)
+             greedy and k=4 with compile=True (compiled steps in CUDA graphs) (HF generate_batch is
+             timed from batch 16 on: it batches, and one row at a time it costs as much as the rest
+             of the stage)
+  fp32       batch 1 (8 articles) and 16, 96 new tokens: HF greedy, hf_plookup greedy, k=4 and k=8
+             (token identity with HF greedy is the point, and tokens per forward at k=8)
   bf16-b16   batch 16, 16 articles: HF greedy, generate_batch; hf_plookup defaults (chains and
              trees) and compile=True
   bf16-b64   batch 64, 64 articles: HF greedy, generate_batch; hf_plookup defaults
-  fp32       batch 1 (4 articles) and 16, 64 new tokens: HF greedy, hf_plookup greedy and k=4 (token
-             identity with HF greedy is the point)
-  compiled-nographs  (last, when time is left) batch 1: compile=True, cuda_graphs=False (each bucket
+  settings   (last, when time is left) batch 1, 2 articles: greedy and k=4 with cuda_graphs=False,
+             compile=False (eager steps), and greedy and k=4 with compile=True, cuda_graphs=False (each bucket
              compiles the whole forward)
 
     python eval/gpu_check.py                                      # on a CUDA machine
@@ -49,15 +50,15 @@ COMMON = ["--prompt-source", "cnn_dailymail", "--max-doc-tokens", "800", "--ngra
 STAGES = [
     ("bf16-b1", "bf16", ["--batch-sizes", "1", "--num-prompts", "8", "--k", "4", "8", "--hf-pl-k", "4",
                          "--tree-nodes", "16", "--max-new-tokens", "128", "--variants", "hf-greedy", "hf-pl",
-                         "hf-static", "plk-greedy", "plk", "plk-compiled", "plk-eager"]),
+                         "hf-static", "plk-greedy", "plk", "plk-compiled"]),
+    ("fp32", "fp32", ["--batch-sizes", "1", "16", "--num-prompts", "8", "--k", "4", "8", "--max-new-tokens", "96",
+                      "--variants", "hf-greedy", "plk-greedy", "plk"]),
     ("bf16-b16", "bf16", ["--batch-sizes", "16", "--k", "4", "8", "--tree-nodes", "16", "--max-new-tokens", "128",
                           "--variants", "hf-greedy", "hf-batch", "plk-greedy", "plk", "plk-compiled"]),
     ("bf16-b64", "bf16", ["--batch-sizes", "64", "--k", "4", "8", "--max-new-tokens", "128",
                           "--variants", "hf-greedy", "hf-batch", "plk-greedy", "plk"]),
-    ("fp32", "fp32", ["--batch-sizes", "1", "16", "--num-prompts", "4", "--k", "4", "--max-new-tokens", "64",
-                      "--variants", "hf-greedy", "plk-greedy", "plk"]),
-    ("compiled-nographs", "bf16", ["--batch-sizes", "1", "--num-prompts", "2", "--k", "4", "--max-new-tokens", "128",
-                                   "--variants", "hf-greedy", "plk-greedy", "plk-compiled_nographs"]),
+    ("settings", "bf16", ["--batch-sizes", "1", "--num-prompts", "2", "--k", "4", "--max-new-tokens", "128",
+                          "--variants", "hf-greedy", "plk-greedy", "plk-eager", "plk-compiled_nographs"]),
 ]
 CPU_SHRINK = {"--max-new-tokens": "4", "--max-doc-tokens": "48", "--num-prompts": "2"}
 CPU_DROPPED = {"plk-compiled", "plk-compiled_nographs", "hf-static"}  # minutes a bucket on a CPU
@@ -123,8 +124,6 @@ def main(argv=None) -> int:
     tables, status = [], 0
     for name, dtype, stage_args in STAGES:
         if args.stages and name not in args.stages:
-            continue
-        if args.device == "cpu" and name == "compiled-nographs":
             continue
         left = args.time_budget - (time.perf_counter() - start)
         if left <= 0:

@@ -6,7 +6,11 @@ to buckets (B to 1, 2, 4, 8, ...; Lk to a power-of-two number of pages), the ste
 padded to the bucket (`pad_layout`: dummy rows feed token 0 at positions 0..q-1 and write into
 the cache's scratch page), and one graph per `(q, B bucket, Lk bucket, tree)` is captured
 lazily, the first time such a step runs: a warm-up forward on a side stream, then the capture
-into a graph memory pool shared by all graphs (they never run concurrently). The graph's static
+into a graph memory pool shared by all graphs (they never run concurrently). Where a call's steps
+choose their width among a few (`widths`, engine.widths), the first step in a new
+`(B bucket, Lk bucket, tree)` captures every one of those widths there at once (on rows that are
+all dummies: `dummy_layout`), so which widths later steps pick by their timings never makes a
+later call capture: new graphs come only with buckets a call has not met before. The graph's static
 input buffers are the padded layout's `step_tensors`; a replay copies the next step's padded
 arrays into them, replays, and returns the logits of the kept rows. Prefill steps and batches
 beyond the largest bucket run eagerly.
@@ -125,6 +129,22 @@ def pad_layout(layout: StepLayout, num_seqs: int, max_context_len: int, block_si
     )
 
 
+def dummy_layout(q: int, tree: bool) -> StepLayout:
+    """A uniform decode step of no rows feeding `q` tokens each (with an empty tree mask where
+    `tree`): `pad_layout` makes it a bucket of dummy rows only, the layout a graph of width `q` is
+    captured on before any step of that width needs it.
+
+    Example: pad_layout(dummy_layout(5, False), 4, 64, 16, scratch) has 4 rows of 5 tokens, every
+    slot in the scratch page, and keeps no logits."""
+    none = np.zeros(0, dtype=np.int64)
+    return StepLayout(input_ids=none, positions=none, depth=none, slot_mapping=none, keep=none,
+                      prefill=np.zeros(0, dtype=bool), query_pos=np.zeros((0, q), dtype=np.int64),
+                      kv_slots=np.zeros((0, 0), dtype=np.int64), context_lens=none,
+                      block_tables=np.zeros((0, 0), dtype=np.int64), cu_seqlens_q=np.zeros(1, dtype=np.int64),
+                      cu_seqlens_k=np.zeros(1, dtype=np.int64),
+                      tree_mask=np.zeros((0, q, q), dtype=bool) if tree else None)
+
+
 def raise_recompile_limit(n: int) -> None:
     """Let dynamo keep `n` compiled graphs of one function (one per bucket, and per kind of layer
     in regional compilation; its default is 8) and as many in all (its default is 256)."""
@@ -164,6 +184,9 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}  # (q, B bucket, Lk bucket, tree)
         self.pool = None  # graph memory pool shared by all captures
         self.num_replays = 0
+        # the widths the running call's uniform steps choose among (engine.widths; set by the
+        # engine per call, empty where each step's width is fixed): captured together per bucket
+        self.widths: tuple[int, ...] = ()
         self.compiled = compiled
         self.compile_seconds = 0.0  # first calls of new buckets (compile + warm-up) when compiled
         self.capture_seconds = 0.0  # graph captures of new buckets (with the eager warm-up when not compiled)
@@ -262,23 +285,35 @@ class GraphRunner:
         else:
             self.capture_seconds += time.perf_counter() - t0
 
+    def _build(self, key: tuple[int, int, int, bool], padded: StepLayout) -> _Graph:
+        """The bucket `key`'s static buffers over `padded`, captured (or, uncaptured but compiled,
+        compiled by a first forward, so compile_seconds holds it)."""
+        t0 = time.perf_counter()
+        g = self._static(padded)
+        if self.capture:
+            self._capture(g)
+        elif self.compiled:
+            self._forward(g)
+            self.compile_seconds += time.perf_counter() - t0
+        self.graphs[key] = g
+        return g
+
     @torch.inference_mode()
     def run(self, layout: StepLayout) -> torch.Tensor:
         """Logits of the layout's kept rows, `[N, V]` (a fresh tensor, safe across replays)."""
         bb = batch_bucket(layout.num_seqs)
         lkb = context_bucket(layout.max_context_len, self.block_size)
         padded = pad_layout(layout, bb, lkb, self.block_size, self.cache.scratch_block)
-        key = (layout.max_query_len, bb, lkb, layout.tree_mask is not None)
+        tree = layout.tree_mask is not None
+        key = (layout.max_query_len, bb, lkb, tree)
         g = self.graphs.get(key)
         if g is None:
-            t0 = time.perf_counter()
-            g = self._static(padded)
-            if self.capture:
-                self._capture(g)
-            elif self.compiled:
-                self._forward(g)  # compile now, so compile_seconds holds it
-                self.compile_seconds += time.perf_counter() - t0
-            self.graphs[key] = g
+            g = self._build(key, padded)
+            # the call's other widths at this bucket too (not where each one compiles: seconds apiece)
+            for q in () if self.compiled else self.widths:
+                if (q, bb, lkb, tree) not in self.graphs:
+                    self._build((q, bb, lkb, tree),
+                                pad_layout(dummy_layout(q, tree), bb, lkb, self.block_size, self.cache.scratch_block))
         else:
             for name, a in padded.device_arrays().items():
                 g.inputs[name].copy_(torch.from_numpy(a), non_blocking=True)

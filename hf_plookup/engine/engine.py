@@ -444,10 +444,13 @@ class Engine:
         else:  # the caller's past_key_values still spare their prefill
             sched.on_admit = functools.partial(copy_caller_kv, batch, blocks, cache)
         drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
+        widths = ()  # the widths this call's uniform steps choose among (none: each step's is fixed)
         if self.width_policy and batch.proposer is not None:
             widths = candidate_widths(cfg.k, batch.proposer.budget if batch.tree else 0)
             batch.width_of = lambda chances, drafts: choose_width(self.step_costs, batch_bucket(len(drafts)), widths,
                                                                   chances, drafts)
+        if graphs is not None:
+            graphs.widths = widths  # a bucket's widths captured together (cuda.graphs)
         runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
                              graphs, self.head, self.invariant, self.embedders, self.mixers)
         batch.add(own)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_plookup.attention.metadata import AttentionMetadata, StepLayout, step_tensors
-from hf_plookup.cuda.graphs import context_bucket, pad_layout
+from hf_plookup.cuda.graphs import context_bucket, dummy_layout, pad_layout
 from hf_plookup.engine.runner import ModelRunner
 from hf_plookup.engine.scheduler import ScheduledChunk
 
@@ -120,3 +120,20 @@ def test_dummy_rows_wider_than_a_page_wrap_in_the_scratch_page():
     assert np.array_equal(padded.slot_mapping[6:], scratch)
     assert np.array_equal(padded.kv_slots[1, :6], scratch) and (padded.kv_slots[1, 6:] == SCRATCH * BS).all()
     assert (padded.block_tables[1] == SCRATCH).all() and padded.context_lens.tolist() == [lay.context_lens[0], 6]
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_bucket_of_dummy_rows_only(tree):
+    """What a width's graph is captured on before a step of that width runs: 2 rows of 3 tokens,
+    every one a dummy in the scratch page, no logits kept."""
+    padded = pad_layout(dummy_layout(3, tree), 2, 8, BS, SCRATCH)
+    assert (padded.num_seqs, padded.max_query_len, padded.max_context_len) == (2, 3, 8) and padded.uniform
+    assert padded.input_ids.tolist() == [0] * 6 and padded.positions.tolist() == [0, 1, 2, 0, 1, 2]
+    assert padded.slot_mapping.tolist() == [36, 37, 38] * 2  # scratch page 9 of 4 slots
+    assert padded.context_lens.tolist() == [3, 3] and padded.cu_seqlens_k.tolist() == [0, 3, 6]
+    assert padded.cu_seqlens_q.tolist() == [0, 3, 6] and padded.keep.tolist() == []
+    assert (padded.block_tables == SCRATCH).all() and (padded.kv_slots[:, :3] == [36, 37, 38]).all()
+    assert (padded.kv_slots[:, 3:] == 36).all() and not padded.prefill.any()
+    assert (padded.tree_mask is not None) == tree
+    if tree:
+        assert (padded.tree_mask == np.tril(np.ones((3, 3), bool))).all()

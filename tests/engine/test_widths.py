@@ -112,6 +112,28 @@ def test_engine_steps_take_the_chosen_width_and_stay_exact(batch):
     assert {key[0] for key in w._engine._graphs.graphs} <= {1, 5, 9}
 
 
+@pytest.mark.parametrize("nodes", [0, 16])
+def test_a_bucket_builds_every_width_of_the_call_at_once(nodes):
+    """The first step in a (batch bucket, context bucket) builds that bucket's step at each width the
+    call chooses among (captured together on CUDA), so later steps, whichever width their timings
+    pick, find theirs built; a call without drafts builds only its own width."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(3, seed=5)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    w = _engine_with_widths(model)
+    out = w.generate(ids, attention_mask=mask, max_new_tokens=24, prompt_lookup_num_tokens=8,
+                     prompt_lookup_tree_nodes=nodes or None)
+    assert torch.equal(out, ref)
+    graphs = w._engine._graphs
+    buckets = {key[1:] for key in graphs.graphs}
+    assert len(buckets) >= 2  # the batch bucket shrank or the context crossed a bucket
+    widths = candidate_widths(8, nodes)
+    assert graphs.widths == widths and sorted(graphs.graphs) == sorted((q, *b) for q in widths for b in buckets)
+    built = len(graphs.graphs)
+    w.generate(ids, attention_mask=mask, max_new_tokens=24)  # plain decoding: its own width, 1, alone
+    assert graphs.widths == () and all(key[0] == 1 for key in list(graphs.graphs)[built:])
+
+
 def test_trees_take_widths_wider_than_a_page_and_stay_exact():
     """Candidate trees of 16 nodes (17 tokens a row, pages of 8) on the static-buffer step path:
     each width up to the whole tree is tried and judged like a chain's, the steps stay on the
