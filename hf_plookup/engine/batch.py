@@ -358,12 +358,14 @@ class Batch:
             if self.hf_rows is not None:
                 self.hf_rows[seq.row, self.width + gen[i] : self.width + gen[i] + emitted] = tokens[:emitted]
             stats.count_emitted(emitted)
-            # the fed rows that scored the emitted tokens: the root, then the accepted path
-            kept = torch.from_numpy(offsets[i] + np.concatenate(([0], path))[:emitted]).to(scores.device)
-            if self.rec_scores is not None:
-                self.rec_scores[seq.row].extend(scores[kept])
-            if self.rec_logits is not None:
-                self.rec_logits[seq.row].extend(logits[kept].float())
+            if self.rec_scores is not None or self.rec_logits is not None:
+                # the fed rows that scored the emitted tokens: the root, then the accepted path
+                # (a copy to the device per row: made only where scores or logits are kept)
+                kept = torch.from_numpy(offsets[i] + np.concatenate(([0], path))[:emitted]).to(scores.device)
+                if self.rec_scores is not None:
+                    self.rec_scores[seq.row].extend(scores[kept])
+                if self.rec_logits is not None:
+                    self.rec_logits[seq.row].extend(logits[kept].float())
         if move_src:  # accepted tree paths into the slots a chain would have used
             self.cache.move_slots(np.concatenate(move_src), np.concatenate(move_dst))
 
