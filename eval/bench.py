@@ -199,18 +199,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # -- one batch size -------------------------------------------------------------------------------
 def run_variant(name: str, model, engines: dict, batch: list[list[int]], pad: int, device, max_new_tokens: int,
-                ngram: int) -> tuple[CallResult, list[tuple[int, float]]]:
+                ngram: int) -> tuple[CallResult, list[tuple[int, float]], float | None]:
     """One timed call of variant `name` on `batch` (unpadded prompts): its result and, for
-    hf_plookup, (tokens per sequence, seconds) of its decode steps that ran the whole batch."""
+    hf_plookup, (tokens per sequence, seconds) of its decode steps that ran the whole batch and
+    the seconds per decode step spent outside the forwards (StepTimer.outside_per_step)."""
     if name == "hf-batch":
-        return run_hf_generate_batch(model, batch, max_new_tokens, pad), []
+        return run_hf_generate_batch(model, batch, max_new_tokens, pad), [], None
     ids, mask = left_pad(batch, pad, device)
     k = k_of(name)
     if name.startswith("plk"):
         with StepTimer(device) as timer:
             res = run_plookup(engines[engine_of(name)], ids, mask, max_new_tokens, k, ngram, pad, tree_of(name))
-        return res, timer.decode_steps(len(batch))
-    return run_hf(model, ids, mask, max_new_tokens, k, ngram, pad, cache_implementation="static" if name == "hf-static" else None), []
+        return res, timer.decode_steps(len(batch)), timer.outside_per_step(res.seconds)
+    hf = run_hf(model, ids, mask, max_new_tokens, k, ngram, pad, cache_implementation="static" if name == "hf-static" else None)
+    return hf, [], None
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -258,20 +260,21 @@ def bench_batch_size(args, model, engines: dict, prompts: list[list[int]], pad: 
     for rep in range(args.repeats):
         for b, batch in enumerate(groups):
             shift = (rep * len(groups) + b) % len(names)
-            results, steps = {}, {}
+            results, steps, outside = {}, {}, {}
             for name in names[shift:] + names[:shift]:
                 if name in skipped or name in errors or (name == "hf-static" and b >= HF_STATIC_BATCHES):
                     continue
                 out = attempt(name, batch, args.max_new_tokens)
                 if out is not None:
-                    results[name], steps[name] = out
+                    results[name], steps[name], outside[name] = out
             reference = results.get(HF_GREEDY)
             for name, res in results.items():
                 calls.append({
                     "variant": name, "batch": b, "repeat": rep, "seconds": res.seconds, "tokens": res.num_tokens,
                     "row_steps": res.row_steps, "forwards": res.forwards, "rows": len(res.tokens),
                     "rows_equal": None if reference is None else sum(x == y for x, y in zip(res.tokens, reference.tokens)),
-                    "decode_steps": steps[name], "drafted": res.stats["drafted"] if res.stats else None,
+                    "decode_steps": steps[name], "outside_step_s": outside[name],
+                    "drafted": res.stats["drafted"] if res.stats else None,
                     "accepted": res.stats["accepted"] if res.stats else None,
                     "attn_backend": res.stats["attn_backend"] if res.stats else None,
                     "step_paths": _step_paths(res.stats),
@@ -296,7 +299,7 @@ def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dic
               errors: dict[str, str] | None = None, first_calls: dict[str, float] | None = None) -> list[dict]:
     """One row per variant from its timed calls ({variant, batch, repeat, seconds, tokens,
     row_steps, forwards, rows, rows_equal}; hf_plookup's also decode_steps [(q, seconds)],
-    drafted, accepted, attn_backend).
+    outside_step_s, drafted, accepted, attn_backend).
 
     tokens_per_second counts, for every batch, the fastest of its repeats (best-of-N, the
     least disturbed estimate on a shared machine); tokens_per_second_mean uses all calls.
@@ -340,6 +343,9 @@ def aggregate(calls: list[dict], names: list[str], batch_size: int, skipped: dic
             "calls": len(mine),
             "first_call_s": first_calls.get(name),
             "decode_step_s": statistics.median(t for _, t in steps) if steps else None,
+            # host seconds per decode step outside the forwards, the fastest calls' median
+            "outside_step_s": statistics.median(outside) if (outside := [c["outside_step_s"] for c in best.values()
+                                                                         if c.get("outside_step_s") is not None]) else None,
             "q": max(q for q, _ in steps) if steps else None,
             "kernels_per_step": None,
             "acceptance_rate": sum(c.get("accepted") or 0 for c in mine) / drafted if drafted else None,
@@ -552,19 +558,20 @@ def proposer_cost(batch: int = 256, context: int = 8192, k: int = 8, calls: int 
 
 # -- the table -----------------------------------------------------------------------------------
 HEADER = ("| model | batch | variant | tok/s | × HF greedy | tokens/forward | = HF greedy | latency/call (s) "
-          "| decode step ms (tokens/seq) | kernels/step | first call s |\n"
-          "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| decode step ms (tokens/seq) | outside steps ms/step | kernels/step | first call s |\n"
+          "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def format_row(r: dict) -> str:
     head = f"| {r.get('model', '')} | {r['batch_size']} | {r['variant'] or '–'} |"
     if r.get("skipped") or r.get("error"):
         what = f"skipped ({r['skipped'][:60]})" if r.get("skipped") else f"error ({r['error'][:100]})"
-        return f"{head} {what} | | | | | | | |"
-    step = r.get("decode_step_s")
+        return f"{head} {what} | | | | | | | | |"
+    step, outside = r.get("decode_step_s"), r.get("outside_step_s")
     return (f"{head} {cell(r['tokens_per_second'], '.1f')} | {cell(r['ratio_to_hf_greedy'], '.2f')} "
             f"| {cell(r['tokens_per_forward'], '.2f')} | {cell(r['equal_to_hf_greedy'], '.0%')} | {cell(r['latency_per_call_s'], '.2f')} "
-            f"| {cell(None if step is None else 1e3 * step, '.2f')} ({cell(r.get('q'), 'd')}) | {cell(r.get('kernels_per_step'), 'd')} "
+            f"| {cell(None if step is None else 1e3 * step, '.2f')} ({cell(r.get('q'), 'd')}) "
+            f"| {cell(None if outside is None else 1e3 * outside, '.2f')} | {cell(r.get('kernels_per_step'), 'd')} "
             f"| {cell(r.get('first_call_s'), '.1f')} |")
 
 

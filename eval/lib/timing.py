@@ -55,6 +55,16 @@ class StepTimer:
 
         ModelRunner.run = self._orig
 
+    def outside_per_step(self, seconds: float) -> float | None:
+        """Seconds per decode step that a call of `seconds` spent outside its forwards (the
+        engine's host work: drafting, laying out, accepting; where steps replay CUDA graphs, a
+        cost the GPU waits through), or None where no decode step ran.
+
+        Example: a call of 1.0 s whose prompt forward took 0.1 s and 100 decode steps 0.8 s:
+        0.1 s / 100 = 1 ms a step."""
+        n = sum(1 for decode, *_ in self.steps if decode)
+        return (seconds - sum(t for *_, t in self.steps)) / n if n else None
+
     def decode_steps(self, batch: int) -> list[tuple[int, float]]:
         """(q, seconds) of the decode steps that ran all `batch` sequences."""
         return [(q, t) for d, b, q, t in self.steps if d and b == batch]

@@ -303,11 +303,15 @@ def test_bench_aggregate_best_of_repeats():
                 "forwards": 5, "rows": 2, "rows_equal": eq}
     calls = [call("hf-greedy", 0, 0, 2.0, eq=2), call("hf-greedy", 0, 1, 1.0, eq=2), call("hf-greedy", 1, 0, 1.0, eq=2),
              call("plk-k4", 0, 0, 0.5, eq=2), call("plk-k4", 0, 1, 1.5, eq=1), call("plk-k4", 1, 0, 0.5, eq=2)]
+    for c, outside in zip(calls[3:], (1e-3, 9e-3, 3e-3)):
+        c["outside_step_s"] = outside
     hf, plk, missing = bench.aggregate(calls, ["hf-greedy", "plk-k4", "plk-k8"], 2, {"plk-k8": "out of memory"})
     assert hf["tokens_per_second"] == pytest.approx(20 / 2.0)  # best of batch 0 (1.0 s) + batch 1 (1.0 s)
     assert hf["tokens_per_second_mean"] == pytest.approx(30 / 4.0)
     assert plk["tokens_per_second"] == pytest.approx(20 / 1.0) and plk["ratio_to_hf_greedy"] == pytest.approx(2.0)
     assert plk["tokens_per_forward"] == pytest.approx(2.0)
+    assert plk["outside_step_s"] == pytest.approx(2e-3) and hf["outside_step_s"] is None  # fastest calls' median
+    assert "| 2.00 |" in bench.format_table([plk])
     assert plk["equal_to_hf_greedy"] == pytest.approx(5 / 6)
     assert hf["ratio_to_hf_greedy"] == 1.0 and hf["latency_per_call_s"] == pytest.approx(1.0)
     assert missing["skipped"] == "out of memory" and missing["tokens_per_second"] is None
@@ -315,6 +319,15 @@ def test_bench_aggregate_best_of_repeats():
 
 
 # -- the benchmark's variants and the reports' shape ------------------------------------------
+def test_step_timer_outside_per_step():
+    from eval.lib.timing import StepTimer
+
+    timer = StepTimer("cpu")
+    assert timer.outside_per_step(1.0) is None  # no decode step
+    timer.steps = [(False, 1, 40, 0.1)] + [(True, 1, 5, 0.008)] * 100  # a prompt chunk, 100 decode steps
+    assert timer.outside_per_step(1.0) == pytest.approx(0.1 / 100)
+
+
 def test_variant_name_parts():
     from eval.lib.variants import FAMILIES, engine_of, k_of, tree_of
 
