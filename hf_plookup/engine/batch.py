@@ -16,7 +16,7 @@ from ..attention.metadata import StepLayout
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import process_scores
 from ..drafting.suffix import SuffixIndex
-from ..drafting.tree import TreeProposer, acceptance_estimate, chain_budget, compaction, walk_rejected
+from ..drafting.tree import TreeProposer, acceptance_estimate, chain_budget, compaction
 from ..drafting.verify import accept_paths, chain_parents, position_uniforms, row_seeds, sample_targets
 from ..stats import SpecStats
 from .budget import Acceptance, DraftBudget, choose_drafts
@@ -326,7 +326,8 @@ class Batch:
         """Accept drafts and append tokens for every row of `active` (see postprocess)."""
         seqs = [c.seq for c in active]
         rows = np.array([s.row for s in seqs], dtype=np.int64)  # [S]
-        n_pos = np.array([1 if c.is_prefill else c.num_tokens for c in active], dtype=np.int64)  # [S]
+        dec = np.array([not c.is_prefill for c in active], dtype=bool)  # [S] verify (or decode) rows
+        n_pos = np.array([c.num_tokens if d else 1 for c, d in zip(active, dec.tolist())], dtype=np.int64)  # [S]
         offsets = np.cumsum(n_pos) - n_pos  # [S]
         num_drafts = n_pos - 1  # [S]
         gen = np.array([s.num_generated for s in seqs], dtype=np.int64)  # [S] before this step
@@ -336,32 +337,40 @@ class Batch:
         if self.acceptance is not None:  # how the fed drafts' scores fared (engine.budget.Acceptance)
             fed = np.arange(drafts.shape[1])[None, :] < num_drafts[:, None]  # [S, K]
             hit = np.zeros_like(fed)  # [S, K] the drafts on each row's accepted path
-            for i in range(len(seqs)):
-                hit[i, paths[i, : accepted[i]] - 1] = True
+            on_path = np.nonzero(np.arange(paths.shape[1])[None, :] < accepted[:, None])  # (rows, slots)
+            hit[on_path[0], paths[on_path] - 1] = True
             self.acceptance["tree" if self.tree else "chain"].record(self.scores[rows][fed], hit[fed])
+        if dec.any():
+            # a walk that stopped at a node with children rejected a draft (drafting.tree.walk_rejected)
+            last = paths[np.arange(len(seqs)), np.maximum(accepted - 1, 0)] * (accepted > 0)  # [S] 0: the root
+            stopped = ((parents == last[:, None]) & (np.arange(parents.shape[1]) < num_drafts[:, None])).any(axis=1)
+            self.n_accepted[rows[dec]] += accepted[dec]
+            self.n_rejected[rows[dec]] += stopped[dec]
+        deepest = np.maximum.reduceat(fed_depth, offsets)  # [S] each row's deepest fed node
+        # the loop below works on Python ints: per row, numpy's per-call cost would outweigh the work
+        acc_l, m_l, deep_l, final_l = accepted.tolist(), num_drafts.tolist(), deepest.tolist(), final.tolist()
+        paths_l, drafts_l = paths.tolist(), drafts.tolist()
         move_src, move_dst = [], []
         for i, (c, seq) in enumerate(zip(active, seqs)):
             stats = self.call_of_row[seq.row].stats
-            a, m = int(accepted[i]), int(num_drafts[i])
-            path = paths[i, :a]  # chunk indices of the accepted drafts
+            a = acc_l[i]
+            path = paths_l[i][:a]  # chunk indices of the accepted drafts
             if not c.is_prefill:
-                self.n_accepted[seq.row] += a
-                self.n_rejected[seq.row] += walk_rejected(path, parents[i, :m])
-                stats.count_verify(m, a, int(fed_depth[offsets[i] : offsets[i] + m + 1].max()))
-                src, dst = compaction(path)  # a chain's path is in place already
-                if len(src):
+                stats.count_verify(m_l[i], a, deep_l[i])
+                if path != list(range(1, a + 1)):  # a tree path not where a chain holds it
+                    src, dst = compaction(path)
                     move_src.append(self.sched.blocks.slots(seq.seq_id, c.start + src))
                     move_dst.append(self.sched.blocks.slots(seq.seq_id, c.start + dst))
                 seq.num_cached += 1 + a
-            tokens = np.append(drafts[i, path - 1], final[i])
-            emitted = seq.append(self.history, tokens.tolist(), self.cfg.eos_token_ids)
+            tokens = [drafts_l[i][p - 1] for p in path] + [final_l[i]]
+            emitted = seq.append(self.history, tokens, self.cfg.eos_token_ids)
             if self.hf_rows is not None:
                 self.hf_rows[seq.row, self.width + gen[i] : self.width + gen[i] + emitted] = tokens[:emitted]
             stats.count_emitted(emitted)
             if self.rec_scores is not None or self.rec_logits is not None:
                 # the fed rows that scored the emitted tokens: the root, then the accepted path
                 # (a copy to the device per row: made only where scores or logits are kept)
-                kept = torch.from_numpy(offsets[i] + np.concatenate(([0], path))[:emitted]).to(scores.device)
+                kept = torch.tensor([int(offsets[i]) + p for p in [0] + path][:emitted], device=scores.device)
                 if self.rec_scores is not None:
                     self.rec_scores[seq.row].extend(scores[kept])
                 if self.rec_logits is not None:
