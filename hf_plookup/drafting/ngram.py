@@ -63,9 +63,9 @@ def match_cap(max_ngram: int) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
-def _propose_row(history, lengths, max_drafts, k, longest, min_ngram, recent, drafts, num_drafts, b, scratch):
-    """Row b of `propose_batch`, in `scratch` [4, W] (the occurrences' continuation starts and
-    match lengths, then the voters').
+def _propose_row(history, rows, lengths, max_drafts, k, longest, min_ngram, recent, drafts, num_drafts, b, scratch):
+    """Entry b of `propose_batch` (its tokens: history row rows[b]), in `scratch` [4, W] (the
+    occurrences' continuation starts and match lengths, then the voters').
 
     One backward pass finds the newest CHAIN_SCAN occurrences of the last token (continuation
     start c) and their match lengths m(c) = largest j <= min(longest, c) with
@@ -79,7 +79,7 @@ def _propose_row(history, lengths, max_drafts, k, longest, min_ngram, recent, dr
     cap = min(k, max_drafts[b])
     if cap <= 0 or n_len < 2:
         return
-    row = history[b]
+    row = history[rows[b]]
     last = row[n_len - 1]
     found = 0
     best = 0
@@ -163,23 +163,25 @@ def _propose_row(history, lengths, max_drafts, k, longest, min_ngram, recent, dr
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def propose_batch(history, lengths, max_drafts, k, longest, min_ngram, recent, drafts, num_drafts, scratch):
-    """Fill drafts [B, k] (-1 where unused) and num_drafts [B] for every row in one call,
-    rows in parallel. history: [B, L] int64, row b's tokens are history[b, :lengths[b]];
-    lengths, max_drafts: [B]; longest: match_cap(max_ngram); recent: (SHORT_WEIGHT, RECENT_WINDOW,
+def propose_batch(history, rows, lengths, max_drafts, k, longest, min_ngram, recent, drafts, num_drafts, scratch):
+    """Fill drafts [B, k] (-1 where unused) and num_drafts [B] for every entry in one call,
+    entries in parallel. history: [R, L] int64, entry b's tokens are history[rows[b], :lengths[b]];
+    rows, lengths, max_drafts: [B]; longest: match_cap(max_ngram); recent: (SHORT_WEIGHT, RECENT_WINDOW,
     RECENT_WEIGHT), `vote`'s constants; scratch [T, 4, L] int64: task t of T takes rows t, t + T, ..."""
     tasks = scratch.shape[0]
     for t in numba.prange(tasks):
         for b in range(t, lengths.shape[0], tasks):
-            _propose_row(history, lengths, max_drafts, k, longest, min_ngram, recent, drafts, num_drafts, b, scratch[t])
+            _propose_row(history, rows, lengths, max_drafts, k, longest, min_ngram, recent, drafts, num_drafts, b,
+                         scratch[t])
 
 
 @numba.njit(cache=True, nogil=True)
-def propose_serial(history, lengths, max_drafts, k, longest, min_ngram, recent, drafts, num_drafts, scratch):
+def propose_serial(history, rows, lengths, max_drafts, k, longest, min_ngram, recent, drafts, num_drafts, scratch):
     """`propose_batch` on one thread (scratch slice 0): for small batches, where waking numba's
     worker threads costs more than the search (and, on a small CPU, competes with torch's threads)."""
     for b in range(lengths.shape[0]):
-        _propose_row(history, lengths, max_drafts, k, longest, min_ngram, recent, drafts, num_drafts, b, scratch[0])
+        _propose_row(history, rows, lengths, max_drafts, k, longest, min_ngram, recent, drafts, num_drafts, b,
+                     scratch[0])
 
 
 # batches below this many rows are searched on one thread
@@ -222,13 +224,27 @@ class NgramProposer:
         lengths: np.ndarray,
         max_drafts: np.ndarray | None = None,
         out: tuple[np.ndarray, np.ndarray] | None = None,
+        rows: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Return (drafts [B, k] int64, -1 where unused; num_drafts [B] int64)."""
-        history = np.ascontiguousarray(history, dtype=np.int64)  # [B, L]
+        """Return (drafts [B, k] int64, -1 where unused; num_drafts [B] int64) for the B rows
+        `rows` of `history` [R, L] (default: every row, B = R), whose tokens are
+        history[rows[b], :lengths[b]]; the rows are read in place, not copied.
+
+        Example: NgramProposer(4).propose([[7, 1, 2, 1, 2, 1]], [6]) gives drafts [[2, 1, 2, 1]]
+        and num_drafts [4] (the last token, 1, was followed by 2, 1, 2, 1); with history
+        [[5, 5, 5, 5, 5, 5], [7, 1, 2, 1, 2, 1]] and rows [1], the same."""
+        history = np.ascontiguousarray(history, dtype=np.int64)  # [R, L]
         lengths = np.ascontiguousarray(lengths, dtype=np.int64)  # [B]
         if history.ndim != 2:
             raise ValueError(f"history must be 2-D [B, L], got shape {history.shape}")
-        batch, width = history.shape
+        width = history.shape[1]
+        if rows is None:
+            rows = np.arange(history.shape[0], dtype=np.int64)
+        else:
+            rows = np.ascontiguousarray(rows, dtype=np.int64)  # [B]
+            if rows.ndim != 1 or (len(rows) and (rows.min() < 0 or rows.max() >= history.shape[0])):
+                raise ValueError(f"rows must be 1-D indices of history's {history.shape[0]} rows")
+        batch = len(rows)
         if lengths.shape != (batch,):
             raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
         if batch and (lengths.min() < 0 or lengths.max() > width):
@@ -254,6 +270,6 @@ class NgramProposer:
         kernel = propose_batch if batch >= PARALLEL_MIN_BATCH else propose_serial
         # per call (the proposer keeps no state): only the pages a row's occurrences fill are touched
         scratch = np.empty((numba.get_num_threads() if kernel is propose_batch else 1, 4, width), dtype=np.int64)
-        kernel(history, lengths, max_drafts, self.k, match_cap(self.max_ngram), self.min_ngram,
+        kernel(history, rows, lengths, max_drafts, self.k, match_cap(self.max_ngram), self.min_ngram,
                (float(SHORT_WEIGHT), RECENT_WINDOW, float(RECENT_WEIGHT)), drafts, num, scratch)
         return drafts, num

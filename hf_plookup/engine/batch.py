@@ -198,7 +198,7 @@ class Batch:
                 nd = choose_drafts(chances, nd, budget.costs)
             self.parents[rows, : par.shape[1]] = par
         else:
-            d, nd = self.proposer.propose(self.history[rows], lengths, cap)
+            d, nd = self.proposer.propose(self.history, lengths, cap, rows=rows)
             rate = self.accept_rate(rows)
             # draft j is reached with chance rate**(j + 1) by the row's acceptance record: its score
             sc = chances = chain_chances(rate, d.shape[1])
@@ -215,12 +215,12 @@ class Batch:
         self.drafts[rows, : d.shape[1]], self.n_drafts[rows] = d, nd
         for call in {id(self.call_of_row[r]): self.call_of_row[r] for r in rows}.values():
             call.stats.count_propose(spent)
-        for s in running:  # drafts are fed (and seen by processors) right after the last token
-            m = self.n_drafts[s.row]
-            self.history[s.row, s.num_tokens : s.num_tokens + m] = self.drafts[s.row, :m]
-            if self.hf_rows is not None:
-                at = self.width + s.num_generated
-                self.hf_rows[s.row, at : at + m] = self.drafts[s.row, :m]
+        # drafts are fed (and seen by processors) right after each row's last token
+        i, j = np.nonzero(np.arange(d.shape[1])[None, :] < nd[:, None])  # (running row, draft) pairs
+        self.history[rows[i], lengths[i] + j] = d[i, j]
+        if self.hf_rows is not None:
+            gen = lengths - np.array([s.prompt_len for s in running], dtype=np.int64)  # [B] generated so far
+            self.hf_rows[rows[i], self.width + gen[i] + j] = d[i, j]
         return nd
 
     def finish_calls(self) -> list[Call]:

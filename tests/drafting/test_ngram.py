@@ -218,6 +218,25 @@ def test_garbage_past_length_ignored_and_batch_rows_independent():
     assert drafts.tolist() == [[3, 1, 2], [-1, -1, -1], [8, 9, -1]]
 
 
+@pytest.mark.parametrize("batch", [3, 40])  # the serial and the parallel kernel
+def test_rows_read_in_place_equal_their_copy(batch):
+    """`rows`: the drafts of some rows of a larger history, read where they are, are those of
+    the same rows copied out."""
+    p = proposer(4, 2)
+    rng = np.random.default_rng(batch)
+    history = rng.integers(0, 4, size=(2 * batch + 1, 50)).astype(np.int64)
+    rows = rng.permutation(len(history))[:batch]
+    lengths = rng.integers(2, 51, size=batch)
+    cap = rng.integers(0, 6, size=batch)
+    got = p.propose(history, lengths, cap, rows=rows)
+    want = p.propose(history[rows], lengths, cap)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]) and got[1].sum() > 0
+    h = np.array([[5, 5, 5, 5, 5, 5], [7, 1, 2, 1, 2, 1]])
+    assert [a.tolist() for a in p.propose(h, np.array([6]), rows=np.array([1]))] == [[[2, 1, 2, 1]], [4]]
+    with pytest.raises(ValueError, match="rows must be"):
+        p.propose(h, np.array([6]), rows=np.array([2]))
+
+
 def test_out_buffers_written_and_views_returned():
     p = proposer(2, 2)
     d_buf = np.full((5, 2), 123, dtype=np.int64)  # [>=B, k]
