@@ -1,21 +1,30 @@
 """Host work per decode step on the static-buffer step path (what CUDA graphs replay), on CPU
-with a tiny Llama of the test suite: a call's time outside its forwards, and its parts.
+with a tiny Llama of the test suite: a call's time outside its forwards, and its parts (per
+step: the mean, and the median of accepting and drafting), the fastest of 3 calls.
 
     python docs/measurements/cpu-avx2-2026-11-28-host-work/host_work.py 1,16,64 0,4   # batch sizes, k
 """
-import sys, time, functools
+import functools
+import statistics
+import sys
+import time
+
 import torch
+
 sys.path.insert(0, ".")
-from tests.conftest import tiny_model, wrap_copy, left_padded
-from hf_plookup.cuda.graphs import GraphRunner
-import hf_plookup.engine.batch as B_, hf_plookup.engine.runner as R_, hf_plookup.cuda.graphs as G_, hf_plookup.engine.scheduler as S_
+import hf_plookup.cuda.graphs as G_  # noqa: E402
+import hf_plookup.engine.batch as B_  # noqa: E402
+import hf_plookup.engine.runner as R_  # noqa: E402
+import hf_plookup.engine.scheduler as S_  # noqa: E402
+from hf_plookup.cuda.graphs import GraphRunner  # noqa: E402
+from tests.conftest import left_padded, tiny_model, wrap_copy  # noqa: E402
 
 torch.set_num_threads(1)
-acc = {}  # label -> seconds in the timed call
+times = {}  # label -> seconds of each call of it in the timed call
 
 
 def timed(owner, name, label):
-    """Wrap owner.name so that its seconds add up in acc[label]."""
+    """Wrap owner.name so that each call's seconds go to times[label]."""
     f = getattr(owner, name)
 
     @functools.wraps(f)
@@ -24,7 +33,7 @@ def timed(owner, name, label):
         try:
             return f(*a, **k)
         finally:
-            acc[label] = acc.get(label, 0.0) + time.perf_counter() - t
+            times.setdefault(label, []).append(time.perf_counter() - t)
     setattr(owner, name, g)
 
 
@@ -48,12 +57,16 @@ for B in [int(x) for x in sys.argv[1].split(",")]:
         w.generate(ids, **kw)
         best = None
         for _ in range(3):
-            acc.clear()
-            t = time.perf_counter(); w.generate(ids, **kw); dt = time.perf_counter() - t
+            times.clear()
+            t = time.perf_counter()
+            w.generate(ids, **kw)
+            dt = time.perf_counter() - t
             if best is None or dt < best[0]:
-                best = (dt, dict(acc))
+                best = (dt, {k: list(v) for k, v in times.items()})
         dt, a = best
         n = w.last_stats.decode_steps
-        host = dt - a["forward"]
-        print(f"B={B:2d} k={K}: {n} steps, per step: total {dt/n*1e3:.2f} ms, forward {a['forward']/n*1e3:.2f}, "
-              f"outside forward {host/n*1e3:.2f} | " + ", ".join(f"{k} {v/n*1e3:.2f}" for k, v in a.items() if k != "forward"))
+        forward = sum(a["forward"])
+        means = ", ".join(f"{k} {sum(v) / n * 1e3:.2f}" for k, v in a.items() if k != "forward")
+        medians = ", ".join(f"{k} {statistics.median(a[k]) * 1e3:.3f}" for k in ("postprocess", "propose") if k in a)
+        print(f"B={B:2d} k={K}: {n} steps, per step: total {dt / n * 1e3:.2f} ms, forward {forward / n * 1e3:.2f}, "
+              f"outside forward {(dt - forward) / n * 1e3:.2f} | {means} | medians: {medians}")
