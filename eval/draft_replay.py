@@ -98,7 +98,7 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
     before its limit had drafts capped by the limit, not by where it ended: give the limit to count
     its steps as the engine ran them. `fed_steps`, where given, gets each verify step's drafts fed."""
     from hf_plookup.drafting.suffix import SuffixIndex
-    from hf_plookup.drafting.tree import TreeProposer, accept_tree, acceptance_estimate, chain_budget, walk_rejected
+    from hf_plookup.drafting.tree import TreeProposer, accept_tree, acceptance_estimate, chain_budget, walks_rejected
     from hf_plookup.engine.budget import choose_drafts
 
     full = np.array(prompt + out, dtype=np.int64)[None]
@@ -146,7 +146,8 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
                     picks[i + 1] = truth[d] if d < len(truth) else -1
             path, _ = accept_tree(picks, tokens[0, :m], parents[0, :m])
             accepted = len(path)
-            n_rej += walk_rejected(path, parents[0, :m])
+            # the path as the walks leave it, -1 after its nodes (so an empty one still has a slot)
+            n_rej += bool(walks_rejected(np.array([path + [-1]]), [accepted], parents[:1], [m])[0])
             hit = np.isin(np.arange(1, m + 1), path)
         else:
             accepted = 0

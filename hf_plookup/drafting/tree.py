@@ -41,7 +41,7 @@ from .ngram import RECENT_WEIGHT, RECENT_WINDOW, SHORT_WEIGHT, match_cap, vote
 from .suffix import SuffixIndex, _slot
 
 __all__ = ["TreeProposer", "accept_tree", "acceptance_estimate", "ancestor_mask",
-           "chain_budget", "compaction", "depths", "walk_rejected"]
+           "chain_budget", "compaction", "depths", "walks_rejected"]
 
 # earlier occurrences ranked per row and kind of source (own row, others); each costs a few cache
 # misses, so a large batch gets fewer: at most CANDIDATE_WORK over the batch, never under
@@ -496,11 +496,19 @@ def acceptance_estimate(accepted: np.ndarray, rejected: np.ndarray) -> np.ndarra
     return np.clip(rate, 0.3, 0.97)
 
 
-def walk_rejected(path, parents: np.ndarray) -> bool:
-    """Whether a verify step's walk rejected a draft: it stopped at a node with children. `path`:
-    the accepted nodes (1-based, as the walks return them), `parents`: the tree's [n]."""
-    end = int(path[-1]) if len(path) else 0  # the last accepted node (0: the root)
-    return bool((np.asarray(parents) == end).any())
+def walks_rejected(paths: np.ndarray, accepted: np.ndarray, parents: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """[S] bool: whether each row's verify walk rejected a draft, i.e. stopped at a node with
+    children. `paths` [S, K'] the accepted nodes (1-based, as the walks return them; a row's first
+    `accepted` [S] entries), `parents` [S, K] the trees, of which a row's first `num_drafts` [S].
+
+    Example: the tree root -> 1, 2; 1 -> 3 (parents [0, 0, 1]): a walk that took node 2 stopped
+    at a leaf (False), one that took node 1 stopped above node 3 (True), and one that took
+    nothing stopped at the root (True)."""
+    paths, accepted, parents = np.asarray(paths), np.asarray(accepted), np.asarray(parents)
+    rows = np.arange(len(accepted))
+    last = np.where(accepted > 0, paths[rows, np.maximum(accepted - 1, 0)], 0)  # [S] 0: the root
+    fed = np.arange(parents.shape[1])[None, :] < np.asarray(num_drafts)[:, None]  # [S, K]
+    return ((parents == last[:, None]) & fed).any(axis=1)
 
 
 def depths(parents: np.ndarray) -> np.ndarray:

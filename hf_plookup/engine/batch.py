@@ -16,7 +16,7 @@ from ..attention.metadata import StepLayout
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import process_scores
 from ..drafting.suffix import SuffixIndex
-from ..drafting.tree import TreeProposer, acceptance_estimate, chain_budget, compaction
+from ..drafting.tree import TreeProposer, acceptance_estimate, chain_budget, compaction, walks_rejected
 from ..drafting.verify import accept_paths, chain_parents, position_uniforms, row_seeds, sample_targets
 from ..stats import SpecStats
 from .budget import Acceptance, DraftBudget, choose_drafts
@@ -341,11 +341,8 @@ class Batch:
             hit[on_path[0], paths[on_path] - 1] = True
             self.acceptance["tree" if self.tree else "chain"].record(self.scores[rows][fed], hit[fed])
         if dec.any():
-            # a walk that stopped at a node with children rejected a draft (drafting.tree.walk_rejected)
-            last = paths[np.arange(len(seqs)), np.maximum(accepted - 1, 0)] * (accepted > 0)  # [S] 0: the root
-            stopped = ((parents == last[:, None]) & (np.arange(parents.shape[1]) < num_drafts[:, None])).any(axis=1)
             self.n_accepted[rows[dec]] += accepted[dec]
-            self.n_rejected[rows[dec]] += stopped[dec]
+            self.n_rejected[rows[dec]] += walks_rejected(paths, accepted, parents, num_drafts)[dec]
         deepest = np.maximum.reduceat(fed_depth, offsets)  # [S] each row's deepest fed node
         # the loop below works on Python ints: per row, numpy's per-call cost would outweigh the work
         acc_l, m_l, deep_l, final_l = accepted.tolist(), num_drafts.tolist(), deepest.tolist(), final.tolist()

@@ -647,16 +647,26 @@ def test_tree_min_score_prunes_and_is_checked(llama):
 
 def test_walk_rejected_means_the_walk_stopped_above_a_child():
     """On a chain (parents 0, 1, ..., m-1) the walk rejected a draft exactly when it accepted fewer
-    than m; in a tree, when its last accepted node (or the root) has a child."""
-    from hf_plookup.drafting.tree import walk_rejected
+    than m; in a tree, when its last accepted node (or the root) has a child; rows apart."""
+    from hf_plookup.drafting.tree import walks_rejected
+
+    def one(path, parents):  # one row; the paths' slots past `accepted` hold -1, as the walks leave them
+        k = max(len(parents), 1)
+        row = np.full((1, k), -1)
+        row[0, : len(path)] = path
+        padded = np.zeros((1, k), dtype=np.int64)
+        padded[0, : len(parents)] = parents
+        return bool(walks_rejected(row, np.array([len(path)]), padded, np.array([len(parents)]))[0])
 
     for m in range(5):
         chain = np.arange(m)
         for a in range(m + 1):
-            assert walk_rejected(list(range(1, a + 1)), chain) == (a < m)
+            assert one(list(range(1, a + 1)), chain) == (a < m)
     tree = np.array([0, 0, 1, 3])  # root -> 1, 2; 1 -> 3; 3 -> 4
-    assert walk_rejected([2], tree) is False and walk_rejected([1, 3], tree) is True
-    assert walk_rejected([1, 3, 4], tree) is False and walk_rejected([], tree) is True
+    assert one([2], tree) is False and one([1, 3], tree) is True
+    assert one([1, 3, 4], tree) is False and one([], tree) is True
+    paths = np.array([[2, -1, -1, -1], [1, 3, -1, -1], [1, 3, 4, -1]])  # the same three walks at once
+    assert walks_rejected(paths, np.array([1, 2, 3]), np.tile(tree, (3, 1)), np.full(3, 4)).tolist() == [False, True, False]
 
 
 def test_chain_budget_cuts_before_the_first_draft_below_the_min_score():
