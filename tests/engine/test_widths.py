@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_plookup.cuda.graphs import GraphRunner, batch_bucket
+from hf_plookup.cuda.graphs import GraphRunner, batch_bucket, dummy_layout, pad_layout
 from hf_plookup.engine.widths import StepCosts, candidate_widths, chain_chances, choose_width, expected_tokens
 from tests.conftest import left_padded, tiny_model, wrap_copy
 
@@ -153,3 +153,23 @@ def test_trees_take_widths_wider_than_a_page_and_stay_exact():
     assert {q for q, _ in eng.step_costs.seconds} <= {1, 5, 9, 17} and 17 in {key[0] for key in eng._graphs.graphs}
     assert all(key[3] for key in eng._graphs.graphs if key[0] > 1)  # drafts fed as trees
     assert eng.acceptance["tree"].fed.sum() == s.drafted > 0  # every fed node's outcome counted
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_bucket_of_dummy_rows_runs_and_writes_only_the_scratch_page(invariant, tree):
+    """What a width's capture runs before any step of that width (its warm-up forward): the model
+    on a bucket of dummy rows only gives logits for every slot and leaves every page but the
+    scratch page as it was."""
+    model = tiny_model("llama")
+    w = wrap_copy(model, max_cache_tokens=256, block_size=16, pad_drafts=True, invariant=invariant)
+    eng = w._engine
+    cache = eng.cache()
+    runner = GraphRunner(w, cache, "sdpa", eng.options.max_num_seqs, capture=False, invariant=eng.invariant)
+    for k in cache.keys + cache.values:
+        k.normal_()
+    before = [t[: cache.scratch_block].clone() for t in cache.keys + cache.values]
+    padded = pad_layout(dummy_layout(5, tree), 4, 64, cache.block_size, cache.scratch_block)
+    logits = runner._forward(runner._static(padded))
+    assert logits.shape == (4 * 5, model.config.vocab_size) and torch.isfinite(logits).all()
+    assert all(torch.equal(t[: cache.scratch_block], b) for t, b in zip(cache.keys + cache.values, before))
