@@ -354,10 +354,11 @@ class Batch:
             path = paths_l[i][:a]  # chunk indices of the accepted drafts
             if not c.is_prefill:
                 stats.count_verify(m_l[i], a, deep_l[i])
-                if path != list(range(1, a + 1)):  # a tree path not where a chain holds it
+                if self.tree:  # a chain's path is in place already; a tree's may not be
                     src, dst = compaction(path)
-                    move_src.append(self.sched.blocks.slots(seq.seq_id, c.start + src))
-                    move_dst.append(self.sched.blocks.slots(seq.seq_id, c.start + dst))
+                    if len(src):
+                        move_src.append(self.sched.blocks.slots(seq.seq_id, c.start + src))
+                        move_dst.append(self.sched.blocks.slots(seq.seq_id, c.start + dst))
                 seq.num_cached += 1 + a
             tokens = [drafts_l[i][p - 1] for p in path] + [final_l[i]]
             emitted = seq.append(self.history, tokens, self.cfg.eos_token_ids)
