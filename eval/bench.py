@@ -384,7 +384,7 @@ def step_kernels(engines: dict, name: str, batch: int, q: int | None, device) ->
     gr = engines[engine_of(name)]._engine._graphs
     if gr is None or q is None or torch.device(device).type != "cuda":
         return None
-    from hf_plookup.cuda.graphs import batch_bucket
+    from hf_plookup.steps.graphs import batch_bucket
 
     keys = [key for key in gr.graphs if key[0] == q and key[1] == batch_bucket(batch)]
     if not keys:

@@ -6,16 +6,16 @@ do not depend on weight values.
 Per model, batch size and tokens per sequence q (1 = plain decode, k+1 = verify), each mode
 runs the engine's step over B sequences of --context cached tokens (pages filled with random
 keys/values):
-  eager            the step as the engine runs it without compile or graphs (engine.runner.
+  eager            the step as the engine runs it without compile or graphs (steps.runner.
                    ModelRunner, every CPU step by default): no padding to buckets
-  (the other modes run the bucketed step, cuda.graphs.GraphRunner, on static buffers)
+  (the other modes run the bucketed step, steps.graphs.GraphRunner, on static buffers)
   compiled         torch.compile(fullgraph=True) of that forward (inductor; on CPU with freezing)
   graphs           eager forward captured in a CUDA graph (CUDA only)
   compiled+graphs  compiled forward captured in a CUDA graph (CUDA only; compile=True's path)
   hf-static        (--hf-static) HF's own forward over its StaticCache, torch.compile
                    mode="reduce-overhead", fullgraph=True, after a --context-token prefill
   /regional, /whole  what a compiled mode compiles: one decoder layer reused for every layer
-                   (cuda.regional; what captured steps run) or the whole forward as one graph
+                   (steps.regional; what captured steps run) or the whole forward as one graph
                    (uncaptured steps); --both-scopes times each compiled mode with the other too
   <mode>+invariant (--invariant) each mode again in invariant mode (wrap(invariant=True)); graph
                    modes on attn_backend triton only (sdpa's invariant form is not captured)
@@ -52,16 +52,16 @@ from eval.lib.cli import DTYPES, add_threads_option, show_defaults
 from eval.lib.models import SHAPES, random_model
 from eval.lib.report import report, write_json
 from eval.lib.timing import copy_bandwidth, count_kernels, gemm_rate, interleaved, read_bandwidth, sync, timed, top_kernels
-from hf_plookup.attention.metadata import StepLayout
+from hf_plookup.base.layout import StepLayout
 from hf_plookup.attention.ops import COMPILABLE_BACKENDS
 from hf_plookup.attention.registry import register
-from hf_plookup.cuda.graphs import GraphRunner, batch_bucket, context_bucket
+from hf_plookup.steps.graphs import GraphRunner, batch_bucket, context_bucket
 from hf_plookup.cpu import huge_pages
 from hf_plookup.cpu.huge_pages import to_huge_pages
 from hf_plookup.cpu.packed_weight import pack_linears
 from hf_plookup.engine.engine import EngineOptions
 from hf_plookup.engine.kv_cache import PagedKVCache, default_num_tokens, layer_specs
-from hf_plookup.engine.runner import ModelRunner
+from hf_plookup.steps.runner import ModelRunner
 
 MODES = ("eager", "compiled", "graphs", "compiled+graphs")
 
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time compiled modes with the other compile scope: '<mode>/whole' beside "
                         "'compiled+graphs/regional', '<mode>/regional' beside 'compiled/whole'")
     p.add_argument("--invariant", action="store_true",
-                   help="also time each mode in invariant mode (cpu.invariant_linears), as '<mode>+invariant'")
+                   help="also time each mode in invariant mode (invariant.linears), as '<mode>+invariant'")
     p.add_argument("--breakdown", action="store_true",
                    help="also split the eager invariant step's time by kind of work (CPU): the C kernels, the "
                         "linears' Python path, norms, the rest of the forward, and the drafter and greedy "
@@ -159,24 +159,36 @@ def step_macs(model, batch: int, q: int, context: int) -> dict[str, int]:
     return {"linears": lin, "LM head": rows * head.in_features * head.out_features, "attention": attn}
 
 
+def c_layers_of(model, inv):
+    """The C decoder layers the engine gives invariant decode steps (steps.c_layers), or None."""
+    from hf_plookup.steps.c_layers import CpuLayers
+
+    return CpuLayers.of(model, inv.forms) if inv is not None else None
+
+
+def eager_runner(model, cache, backend: str, inv) -> ModelRunner:
+    """The engine's eager step runner for `model` (`inv`: its InvariantLinears, or None)."""
+    return ModelRunner(model, cache, backend, invariant=inv, c_layers=c_layers_of(model, inv))
+
+
 def bench_mode(model, mode: str, backend: str, args, device, cache: PagedKVCache, invariant: bool = False,
                swap_scope: bool = False) -> list[dict]:
     """`mode`'s step on `backend` at every batch size and q; `invariant`: in invariant mode
-    (cpu.invariant_linears; the mode is then named `<mode>+invariant`). Compiled modes are named
-    `<mode>/regional` (one decoder layer compiled for all, cuda.regional: what captured steps
+    (invariant.linears; the mode is then named `<mode>+invariant`). Compiled modes are named
+    `<mode>/regional` (one decoder layer compiled for all, steps.regional: what captured steps
     run) or `<mode>/whole` (the whole forward as one graph: uncaptured steps); `swap_scope`: the
     scope the engine would not use for the mode."""
-    from hf_plookup.cpu.invariant_linears import InvariantLinears
+    from hf_plookup.invariant.linears import InvariantLinears
 
     capture, compiled = "graphs" in mode, "compiled" in mode
     regional = capture != swap_scope
     inv = InvariantLinears(model) if invariant else None
     if capture or compiled:
         gr = GraphRunner(model, cache, backend, max(args.batch_sizes), capture=capture, compiled=compiled,
-                         invariant=inv, regional=regional)
+                         invariant=inv, regional=regional, c_layers=c_layers_of(model, inv))
         run = gr.run
-    else:  # (blocks: only ModelRunner.layout reads them)
-        gr, run = None, ModelRunner(model, cache, None, backend, invariant=inv).run
+    else:
+        gr, run = None, eager_runner(model, cache, backend, inv).run
     mode = mode + "+invariant" if invariant else mode
     mode = mode + ("/regional" if regional else "/whole") if compiled else mode
     rows = []
@@ -226,10 +238,10 @@ def bench_pages(model, args, device, cache: PagedKVCache) -> list[dict]:
     moves them (cpu.huge_pages), and with a deep copy of them on the allocator's own pages: each
     round runs every q on both (the first batch size). Rows "eager+invariant/<pages>", and each q's
     time over its time on 2 MB pages (the median of the rounds')."""
-    from hf_plookup.cpu.invariant_linears import InvariantLinears
+    from hf_plookup.invariant.linears import InvariantLinears
 
     small = copy.deepcopy(model)  # new storages from torch's allocator
-    runs = {pages: ModelRunner(m, cache, None, "sdpa", invariant=InvariantLinears(m)).run
+    runs = {pages: eager_runner(m, cache, "sdpa", InvariantLinears(m)).run
             for pages, m in (("2M-pages", model), ("small-pages", small))}
     b = args.batch_sizes[0]
     plans = {q: step_plan(b, q, args.context, args.block_size, model.config.vocab_size) for q in args.q}
@@ -259,7 +271,7 @@ def bench_kernels(model, args, device, cache: PagedKVCache, macs: dict, rate: fl
     <memory|cache>" with each q's ratio to the smallest q's, and "vs_cache", from the same rounds, and
     "of_gemm": the kernel's multiply-adds a second (`macs`, from step_macs) over `rate`, the fp32
     GEMM's (what share of the cores' arithmetic it gets)."""
-    from hf_plookup.attention.invariant import build_layout
+    from hf_plookup.invariant.attention import build_layout
     from hf_plookup.cpu import kernels as cpu_kernels
 
     layers = model.model.layers
@@ -321,7 +333,7 @@ class _Timer:
 
 def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
     """Where a CPU step's time goes, eager invariant mode (what wrap runs on CPU), per batch and q.
-    A Llama-form model's decode steps run in C (cpu.layers): the layers' linears (q/k/v,
+    A Llama-form model's decode steps run in C (steps.c_layers): the layers' linears (q/k/v,
     o_proj, gate/up, down, as the C code times its phases), the attention kernel, the layers' other
     C work (norms, RoPE, KV writes, residuals), the activation (torch), the final norm and LM head,
     and the rest (Python, embedding, rotary tables, the step's layout). Other models run HF's modules:
@@ -331,17 +343,18 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
     history) and greedy sampling (argmax of the q kept rows). Timers wrap the calls, so the step is a
     little slower here than in the table above."""
     from hf_plookup.drafting.ngram import NgramProposer
-    from hf_plookup.cpu import kernels as cpu_kernels, layers as cpu_layers
-    from hf_plookup.cpu import invariant_linears as inv_mod
-    from hf_plookup.cpu.invariant_linears import InvariantLinears
+    from hf_plookup.cpu import kernels as cpu_kernels
+    from hf_plookup.steps import c_layers as cpu_layers
+    from hf_plookup.invariant import linears as inv_mod
+    from hf_plookup.invariant.linears import InvariantLinears
 
     inv = InvariantLinears(model)
-    runner = ModelRunner(model, cache, None, "sdpa", invariant=inv)  # the engine's eager step
+    runner = eager_runner(model, cache, "sdpa", inv)  # the engine's eager step
     # norms: those invariant mode routes to cpu_kernels.rms_norm are timed through their routed
     # forward (inv.forwards), the others through their own
     is_linear = [type(m) is torch.nn.Linear for m in inv.modules]
     norms = [m for m in model.modules() if "norm" in type(m).__name__.lower() and m not in inv.modules]
-    layers = inv.layers
+    layers = runner.forward.c_layers
     acts = layers.acts if layers is not None else []
     rows = []
     lin_k, att_k = cpu_kernels.linear, cpu_kernels.attend

@@ -47,7 +47,7 @@ class SpecStats:
     delegated_reason: str = ""
     attn_backend: str = ""
     prefix_cache: bool = False  # the prefix pool was on for this call (engine: EngineOptions.prefix_cache)
-    invariant: bool = False  # invariant mode ran (cpu.invariant_linears: drafts change no token's arithmetic)
+    invariant: bool = False  # invariant mode ran (invariant.linears: drafts change no token's arithmetic)
     k: int = 0  # prompt_lookup_num_tokens (0: plain greedy)
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ import torch
 import hf_plookup
 from hf_plookup.attention.ops import compiled_paged_attention, paged_attention
 from hf_plookup.attention.sdpa import sdpa_paged_attention
-from hf_plookup.cuda import graphs
+from hf_plookup.steps import graphs
 from hf_plookup.engine.engine import resolve_compile
 from tests.conftest import ARCHS, EAGER_ONLY, left_padded, paged_step, tiny_model, wrap_copy
 
@@ -82,7 +82,7 @@ def _equal_to_hf(model, wrapped, batch, k, seed, max_new_tokens=12):
 
 
 def _regional(wrapped):
-    """The engine's compiled steps with one compiled decoder layer for all layers (cuda.regional),
+    """The engine's compiled steps with one compiled decoder layer for all layers (steps.regional),
     uncaptured: what a CUDA-graph step compiles, on CPU."""
     eng = wrapped._engine
     eng._graphs = graphs.GraphRunner(wrapped, eng.cache(), eng.options.attn_backend, eng.options.max_num_seqs,

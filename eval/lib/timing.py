@@ -34,7 +34,7 @@ class StepTimer:
         self._orig = None
 
     def __enter__(self):
-        from hf_plookup.engine.runner import ModelRunner
+        from hf_plookup.steps.runner import ModelRunner
 
         timer, orig = self, ModelRunner.run
         self._orig = orig
@@ -51,7 +51,7 @@ class StepTimer:
         return self
 
     def __exit__(self, *exc):
-        from hf_plookup.engine.runner import ModelRunner
+        from hf_plookup.steps.runner import ModelRunner
 
         ModelRunner.run = self._orig
 

@@ -1,14 +1,14 @@
 """Paged attention as a PyTorch custom op, and the attention function's work in compiled steps.
 
-`torch.compile(fullgraph=True)` traces the HF model's own code (cuda.graphs; one decoder layer
-at a time, cuda.regional); when its attention modules call the hf_plookup attention function,
+`torch.compile(fullgraph=True)` traces the HF model's own code (steps.graphs; one decoder layer
+at a time, steps.regional); when its attention modules call the hf_plookup attention function,
 `hf_plookup::paged_attention(query, key, value, k_cache, v_cache, slot_mapping, <step tensors>,
 backend, scale, window, softcap, invariant) -> out` does the layer's attention work as one opaque
 op (the compiler cannot trace into a Triton launch, nor into sdpa's per-query invariant calls):
 it writes the step's keys and values into the layer's pages (`pages.store_kv`, in place), then
 runs the sdpa backend (gather + SDPA or soft-capped attention) or the Triton kernel, with the
 step's layout passed as tensors and plain ints; with `invariant`, the backend's invariant form
-(cpu.invariant_linears). Its fake (meta) implementation only states the output shape.
+(invariant.linears). Its fake (meta) implementation only states the output shape.
 
 The op declares the pages as mutated (`mutates_args`), so the compiler hands it the pages
 themselves and the write happens in place. The write used to be traced code (an `index_copy_`
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .invariant import current_layout, invariant_attend
+from ..invariant.attention import current_layout, invariant_attend
 from .metadata import AttentionMetadata, compiled_layer_kv, step_mask
 from .pages import store_kv
 from .sdpa import sdpa_attend

@@ -23,9 +23,11 @@ import numpy as np
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from .dense import softcapped_attention
+from ..base.dense import softcapped_attention
+from ..base.device import input_device
 from .positions import given_positions, position_embedders
-from ..mixers.recurrent import RecurrentMixers, StepRows, mixer_modules, no_mixer_layers
+from ..base.layout import StepRows
+from ..mixers.recurrent import RecurrentMixers, mixer_modules, no_mixer_layers
 from .registry import engine_attention
 
 PROBE_IMPLEMENTATION = "hf_plookup_probe"
@@ -101,17 +103,6 @@ def _probe_attention(
 def _arch(model: torch.nn.Module) -> str:
     config = getattr(model, "config", None)
     return f"{type(model).__name__} (architecture '{getattr(config, 'model_type', None) or '?'}')"
-
-
-def input_device(model: torch.nn.Module) -> torch.device:
-    """Where the model's input ids go: the input embeddings' device, or, when accelerate offloads
-    them (weights on "meta", loaded by a hook), the hook's execution device."""
-    emb = model.get_input_embeddings()
-    hook = getattr(emb, "_hf_hook", None)
-    device = getattr(hook, "execution_device", None)
-    if emb.weight.device.type == "meta" and device is not None:
-        return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    return emb.weight.device
 
 
 def _takes_positions(model: torch.nn.Module) -> bool:

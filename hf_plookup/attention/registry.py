@@ -131,7 +131,7 @@ _RECORD: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hf_plooku
 @contextlib.contextmanager
 def record_attention():
     """Record, for the forwards run inside, the arguments each attention module passes:
-    {layer_idx: {"scale", "window", "softcap", "sinks"}} (cpu.layers runs layers from them)."""
+    {layer_idx: {"scale", "window", "softcap", "sinks"}} (steps.c_layers runs layers from them)."""
     record: dict[int, dict] = {}
     token = _RECORD.set(record)
     try:

@@ -1,6 +1,6 @@
 """Torch backend: write K/V into the pages, gather each sequence's keys, one SDPA call per layer.
 
-Runs on any device. In invariant mode (an `attention.invariant` layout is active) each query
+Runs on any device. In invariant mode (an `invariant.attention` layout is active) each query
 is computed on its own instead. Queries of a step are laid out as a padded `[B, H, Tq, D]` grid
 (a free view when every sequence feeds the same number of tokens, as verify steps do) and
 keys/values as `[B, H_kv, Lk, D]` gathered from the pages by slot.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .dense import attend
-from .invariant import current_layout, invariant_attend
+from ..base.dense import attend
+from ..invariant.attention import current_layout, invariant_attend
 from .metadata import AttentionMetadata
 from .pages import gather_kv, write_kv
 
@@ -64,6 +64,6 @@ def sdpa_paged_attention(
     k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layout = current_layout()
-    if layout is not None:  # invariant mode: each query over exactly its keys (attention.invariant)
+    if layout is not None:  # invariant mode: each query over exactly its keys (invariant.attention)
         return invariant_attend(layout, query, k_cache, v_cache, scale, sliding_window, softcap, sinks)
     return sdpa_attend(query, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)

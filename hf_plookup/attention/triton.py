@@ -27,12 +27,13 @@ which is how the default test suite checks them against dense attention.
 
 from __future__ import annotations
 
-import os
+
 
 import torch
 import triton
 import triton.language as tl
 
+from ..base.device import INTERPRETED
 from .metadata import AttentionMetadata
 from .pages import write_and_pack
 
@@ -47,7 +48,6 @@ BLOCK_N = 32  # keys per tile
 # Under the interpreter (triton 3.9) tl.dot of bf16/fp16 operands returns garbage, so there the
 # products are taken in fp32; on a GPU half-precision operands go to tensor cores as they are.
 # fp32 caches always use exact fp32 products (not TF32), to stay close to HF's fp32 attention.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Invariant calls (`paged_attention(invariant=True)`) split a context at fixed key offsets: this
 # many tiles (512 keys) per split, and this many splits on CUDA whatever the batch.
 INVARIANT_SPLIT_TILES = 16

@@ -25,7 +25,7 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
   flushed to 0): a fixed order too, but bf16 attention's bits then depend on whether the CPU has
   the instruction; the rest of attention is unchanged.
 
-`cpu.layers` runs whole decoder layers of decode steps from these kernels (`layer_attention`,
+`steps.c_layers` runs whole decoder layers of decode steps from these kernels (`layer_attention`,
 `layer_mlp` in `csrc/layers.c`).
 
 Threads: the kernels split their work over `torch.get_num_threads()` threads of a small pool
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 try:
     from .. import _cpu_kernels as _ext
-except ImportError:  # built without a C compiler: the callers fall back (cpu.invariant_linears.row_strategy)
+except ImportError:  # built without a C compiler: the callers fall back (invariant.linears.row_strategy)
     _ext = None
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -142,7 +142,7 @@ def set_simd_level(level: int) -> int:
 def torch_bf16_is_native() -> bool:
     """Whether this CPU has bf16 dot-product instructions (x86 AVX-512 BF16 or AMX), which torch's
     bf16 GEMM (oneDNN) uses: then it beats `linear` on long prompt chunks, where arithmetic, not
-    memory, bounds the call (cpu.invariant_linears._group_call). Read from /proc/cpuinfo; False where
+    memory, bounds the call (invariant.linears._group_call). Read from /proc/cpuinfo; False where
     that cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from ..attention.metadata import StepLayout
+from ..base.layout import StepLayout
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import process_scores
 from ..drafting.suffix import SuffixIndex

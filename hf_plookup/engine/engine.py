@@ -17,11 +17,11 @@ import torch
 from ..attention.ops import COMPILABLE_BACKENDS
 from ..attention.positions import position_embedders
 from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS, resolve_backend, resolve_block_size
-from ..cpu.head import head_chooser
+from ..steps.head import head_chooser
 from ..cpu.huge_pages import to_huge_pages
 from ..cpu.packed_weight import pack_linears, packing_bytes, unpack_linears
-from ..cpu.invariant_linears import CAPTURED_INVARIANT_BACKENDS, InvariantLinears, resolve_invariant
-from ..cuda.graphs import GraphRunner, batch_bucket
+from ..invariant.linears import CAPTURED_INVARIANT_BACKENDS, InvariantLinears, resolve_invariant
+from ..steps.graphs import GraphRunner, batch_bucket
 from ..drafting.memory import DraftMemory
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import history_free
@@ -31,9 +31,11 @@ from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
 from .budget import Acceptance, DraftBudget
 from .distributed import agree_min, agree_seed, tensor_parallel
+from .layout import lay_out
 from .kv_cache import BlockManager, PagedKVCache, check_cpu_memory, default_num_tokens, layer_specs
 from .prefix import PrefixPool, copy_caller_kv
-from .runner import ModelRunner
+from ..steps.c_layers import CpuLayers
+from ..steps.runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import DecodeConfig
 from .widths import StepCosts, candidate_widths, choose_width
@@ -66,7 +68,7 @@ class EngineOptions:
     # them) is below this are left out; None: on CPU the drafts that pay for their share of the
     # step by what steps measured to cost (engine.budget), on CUDA every draft
     tree_min_score: float | None = None
-    # every token computed bitwise as in a 1-token step (cpu.invariant_linears): True | False | "auto"
+    # every token computed bitwise as in a 1-token step (invariant.linears): True | False | "auto"
     # (on where it measured cheap: see invariant.INVARIANT_AUTO)
     invariant: bool | str = "auto"
     # keep full pages of prefilled prompts after a call and reuse them for prompts that start the
@@ -248,6 +250,8 @@ class Engine:
             parts.append(("other weights to 2 MB pages", time.perf_counter()))
         self.prefill_unit = min(PREFILL_UNIT, self.options.max_batch_tokens) if invariant else None
         self.invariant = InvariantLinears(model, self.prefill_unit) if invariant else None
+        # invariant decode steps of a Llama-form model in C, two calls a layer (steps.c_layers)
+        self.c_layers = CpuLayers.of(model, self.invariant.forms) if invariant else None
         parts.append(("invariant mode's checks", time.perf_counter()))
         if invariant and backend not in CAPTURED_INVARIANT_BACKENDS:
             self.use_graphs = False
@@ -331,7 +335,8 @@ class Engine:
         (`compile`), kept across calls; None when steps run plain eager."""
         if (self.use_graphs or self.use_compile) and self._graphs is None:
             self._graphs = GraphRunner(self.model, self.cache(), self.options.attn_backend, self.options.max_num_seqs,
-                                       capture=self.use_graphs, compiled=self.use_compile, invariant=self.invariant)
+                                       capture=self.use_graphs, compiled=self.use_compile, invariant=self.invariant,
+                                       c_layers=self.c_layers)
         return self._graphs
 
     def clear_prefix_cache(self) -> None:
@@ -450,9 +455,10 @@ class Engine:
             batch.width_of = lambda chances, drafts: choose_width(self.step_costs, batch_bucket(len(drafts)), widths,
                                                                   chances, drafts)
         if graphs is not None:
-            graphs.widths = widths  # a bucket's widths captured together (cuda.graphs)
-        runner = ModelRunner(self.model, cache, blocks, self.options.attn_backend, self.pad_to(drafts),
-                             graphs, self.head, self.invariant, self.embedders, self.mixers)
+            graphs.widths = widths  # a bucket's widths captured together (steps.graphs)
+        runner = ModelRunner(self.model, cache, self.options.attn_backend, graphs, self.head, self.invariant,
+                             self.c_layers, self.embedders, self.mixers)
+        pad_to = self.pad_to(drafts)
         batch.add(own)
         with self._state_lock:
             self._batch = batch
@@ -469,8 +475,9 @@ class Engine:
                         break
                 batch.step_width = None  # set by propose, which decode steps alone call
                 chunks = sched.schedule(batch.propose)
-                layout = runner.layout(chunks, batch.history, batch.parents if batch.tree else None, batch.pads,
-                                       batch.step_width)
+                layout = lay_out(chunks, batch.history, blocks, cache.scratch_block,
+                                 batch.parents if batch.tree else None, batch.pads,
+                                 pad_to if batch.step_width is None else batch.step_width, bool(self.embedders))
                 timed = batch.step_width is not None  # a width chosen by cost: time the step for the next choices
                 # an eager decode step under the draft budget: what its fed tokens cost, for the next choices
                 budgeted = self.budget is not None and batch.proposer is not None and not any(c.is_prefill for c in chunks)

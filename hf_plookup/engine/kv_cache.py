@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..attention.probe import input_device, probe_key_layouts
+from ..attention.probe import probe_key_layouts
+from ..base.device import input_device
 
 logger = logging.getLogger("hf_plookup")
 

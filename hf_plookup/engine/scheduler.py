@@ -41,7 +41,7 @@ class Scheduler:
             raise ValueError(f"aligned_prefill must be in [1, max_batch_tokens], got {aligned_prefill}")
         self.aligned_prefill = aligned_prefill
         # how many of those units one sequence's chunk may span (None: as many as the budget holds;
-        # the step still computes each unit apart where that matters, attention.invariant). Models
+        # the step still computes each unit apart where that matters, invariant.attention). Models
         # with recurrent mixers take 1: their chunked scans round by the chunk's length.
         if units_per_chunk is not None and units_per_chunk < 1:
             raise ValueError(f"units_per_chunk must be >= 1, got {units_per_chunk}")

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..base.layout import StepRows
+
 # what a mixer's forward calls on HF's cache to keep its state (transformers 5.24's cache API,
 # and MiniMax's own cache class)
 _STATE_CALLS = ("update_conv_state", "update_recurrent_state", "set_linear_cache")
@@ -184,23 +186,6 @@ class SequenceStates:
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._snaps.values())
-
-
-@dataclass(slots=True)
-class StepRows:
-    """How one step's packed tokens split into sequences, as the mixers need it (`B` chunks)."""
-
-    seq_ids: np.ndarray  # [B] int64: each chunk's sequence id (keys its states)
-    starts: np.ndarray  # [B] int64: tokens each sequence held before its chunk (its first token's position)
-    lengths: np.ndarray  # [B] int64: real tokens of each chunk (padded drafts after them are not run)
-    offsets: np.ndarray  # [B+1] int64: packed offset of each chunk
-    prefill: np.ndarray  # [B] bool: a prompt chunk (run whole) or a decode chunk (token by token)
-
-    def __post_init__(self) -> None:
-        b = len(self.seq_ids)
-        for name, n in (("starts", b), ("lengths", b), ("offsets", b + 1), ("prefill", b)):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"StepRows.{name} must have {n} entries, got {len(getattr(self, name))}")
 
 
 _STEP: contextvars.ContextVar[tuple[StepRows, SequenceStates] | None] = contextvars.ContextVar(

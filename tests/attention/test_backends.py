@@ -17,7 +17,7 @@ import hf_plookup
 from hf_plookup.attention import registry
 from hf_plookup.attention.flash import flash_paged_attention, window_size
 from hf_plookup.attention.metadata import AttentionMetadata
-from hf_plookup.cuda.graphs import BATCH_BUCKETS, GraphRunner, batch_bucket, context_bucket, pad_layout
+from hf_plookup.steps.graphs import BATCH_BUCKETS, GraphRunner, batch_bucket, context_bucket, pad_layout
 from tests.conftest import FixedPages, OneLayer, causal_visible, dense_attention, dense_causal, left_padded, tiny_model, wrap_copy
 
 
@@ -336,7 +336,7 @@ def test_graph_runner_static_buffers_identical_to_hf(arch):
 
 def _layout(n_tokens, prefill, q=None):
     """A StepLayout of len(n_tokens) rows feeding these many tokens (only its shape matters here)."""
-    from hf_plookup.attention.metadata import StepLayout
+    from hf_plookup.base.layout import StepLayout
 
     b, tq = len(n_tokens), max(n_tokens)
     t = sum(n_tokens)
@@ -395,7 +395,7 @@ def test_pad_layout_rejects_bad_buckets(llama):
     w = wrap_copy(llama, max_cache_tokens=512, block_size=8, pad_drafts=True)
     eng = w._engine
     cache = eng.cache()
-    from hf_plookup.attention.metadata import StepLayout
+    from hf_plookup.base.layout import StepLayout
 
     layout = StepLayout(input_ids=np.zeros(4, np.int64), positions=np.arange(4), depth=np.array([0, 1, 0, 1]),
                         slot_mapping=np.arange(4), keep=np.arange(4), prefill=np.zeros(2, bool),
@@ -462,7 +462,7 @@ def test_sinks_in_the_softmax_literal():
     """One query over two keys of equal score, value rows [1, 0] and [0, 1]: without a sink each
     key gets 1/2; a sink logit equal to the scores takes a third of the weight; a sink of -inf is
     no sink."""
-    from hf_plookup.attention.dense import softcapped_attention
+    from hf_plookup.base.dense import softcapped_attention
 
     q = torch.zeros(1, 1, 1, 2)
     k = torch.zeros(1, 1, 2, 2)

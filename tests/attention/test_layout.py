@@ -1,5 +1,5 @@
-"""The step layout (attention.metadata.StepLayout) the runner builds from scheduled chunks, written
-out by hand for a small step, and its CUDA-graph padding (cuda.graphs.pad_layout) against it."""
+"""The step layout (base.layout.StepLayout) engine.layout builds from scheduled chunks, written
+out by hand for a small step, and its CUDA-graph padding (steps.graphs.pad_layout) against it."""
 
 from __future__ import annotations
 
@@ -9,26 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from hf_plookup.attention.metadata import AttentionMetadata, StepLayout, step_tensors
-from hf_plookup.cuda.graphs import context_bucket, dummy_layout, pad_layout
-from hf_plookup.engine.runner import ModelRunner
+from hf_plookup.attention.metadata import AttentionMetadata
+from hf_plookup.base.layout import StepLayout, step_tensors
+from hf_plookup.steps.graphs import context_bucket, dummy_layout, pad_layout
+from hf_plookup.engine.layout import lay_out
 from hf_plookup.engine.scheduler import ScheduledChunk
 
 BS, SCRATCH = 4, 9  # page size; the scratch page's id
 
 
-class _Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(8, 2)
-
-    def get_input_embeddings(self):
-        return self.emb
-
-
-def _runner(tables: dict[int, list[int]], pad_to=None) -> ModelRunner:
+def _runner(tables: dict[int, list[int]], pad_to=None) -> SimpleNamespace:
+    """Something with `layout(chunks, history, parents)`: engine.layout.lay_out over these page tables."""
     blocks = SimpleNamespace(block_size=BS, table=lambda seq_id: tables[seq_id])
-    return ModelRunner(_Model(), SimpleNamespace(scratch_block=SCRATCH), blocks, pad_to=pad_to)
+    return SimpleNamespace(layout=lambda chunks, history, parents: lay_out(chunks, history, blocks, SCRATCH, parents,
+                                                                           width=pad_to))
 
 
 def _chunk(row, start, n, prefill, prompt_len):

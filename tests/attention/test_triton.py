@@ -214,7 +214,7 @@ def test_trees_on_triton_backend_identical_to_hf(arch, batch, compiled, monkeypa
     """Candidate trees run on the Triton kernel (its tree mask), not as a chain: Gemma 2 for the
     sliding window and soft-capping, GPT-BigCode for MQA, and Llama through compiled
     static-buffer steps (the custom op, traced with aot_eager on CPU)."""
-    from hf_plookup.cuda import graphs
+    from hf_plookup.steps import graphs
 
     monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
     model = tiny_model(arch)

@@ -71,7 +71,7 @@ def test_engine_moves_cpu_weights_and_tokens_stay_hf_greedy():
         plain = [p for p in wrapped.parameters() if type(p) is torch.nn.Parameter]
         assert plain and all(lo <= p.untyped_storage().data_ptr() < hi for p in plain)
         assert all("hg" in _vma_flags(w.packed.data_ptr()) for w in linears)
-    layers = _state(wrapped).engine.invariant.layers
+    layers = _state(wrapped).engine.c_layers
     assert layers is not None and layers.on  # the C layers took the moved weights
     # weights moved again under a running engine (another wrap of the same modules): its next call
     # rebuilds its layer structs from the new addresses and gives the same tokens

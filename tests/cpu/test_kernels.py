@@ -372,7 +372,7 @@ def test_attend_partitions_and_levels_agree_bitwise(dtype, window, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_c_layers_match_the_modules_at_every_level(arch, dtype):
-    """The decoder layers' C calls (cpu.layers: layer_attention, layer_mlp) write RoPE, the residual
+    """The decoder layers' C calls (steps.c_layers: layer_attention, layer_mlp) write RoPE, the residual
     adds and the gate-times-up product out in C, compiled per level; the modules path computes them
     with torch, around the same linear, norm and attention kernels. At each SIMD level this CPU has,
     both give the same logits (chain drafts: 1- and 5-token steps; qwen3: per-head q/k norms)."""
@@ -386,10 +386,10 @@ def test_c_layers_match_the_modules_at_every_level(arch, dtype):
         for level in range(top + 1):
             ck.set_simd_level(level)
             fast, plain = wrap_copy(hf, invariant=True), wrap_copy(hf, invariant=True)
-            _state(plain).engine.invariant.layers = None
+            _state(plain).engine.c_layers = None
             got, _ = greedy_logits(fast, ids, mask, 8, prompt_lookup_num_tokens=4)
             want, _ = greedy_logits(plain, ids, mask, 8, prompt_lookup_num_tokens=4)
-            layers = _state(fast).engine.invariant.layers
+            layers = _state(fast).engine.c_layers
             assert layers is not None and layers.checked and layers.on, level
             assert torch.equal(got, want), level
     finally:

@@ -1,6 +1,6 @@
 """Invariant mode as installed where no C compiler was found: the C extension is optional
 (pyproject.toml), and CPU steps then take the numba kernel and torch's calls
-(cpu.invariant_linears.row_strategy). Its tests run in a child pytest run with the extension's
+(invariant.linears.row_strategy). Its tests run in a child pytest run with the extension's
 import blocked (tests/conftest.py, HF_PLOOKUP_TEST_WITHOUT_C), since a module imported once
 stays imported in this one."""
 
@@ -20,7 +20,7 @@ SELECTION = ("test_drafts_and_batch_change_no_logit and (llama or gemma3_text) o
 
 def test_invariant_mode_without_the_c_kernels():
     env = {**os.environ, "HF_PLOOKUP_TEST_WITHOUT_C": "1"}
-    cmd = [sys.executable, "-m", "pytest", "tests/cpu/test_invariant_linears.py", "-q", "-rs", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "tests/invariant/test_linears.py", "-q", "-rs", "-p", "no:cacheprovider",
            "-k", SELECTION]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     out = run.stdout + run.stderr

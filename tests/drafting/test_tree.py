@@ -549,7 +549,7 @@ def test_tree_paths_off_the_first_candidate_are_moved(monkeypatch):
 def test_tree_static_buffer_and_compiled_steps_identical(arch, monkeypatch):
     """Tree steps through GraphRunner's padded static buffers (compile=True, traced with
     aot_eager on CPU) give HF's tokens too."""
-    from hf_plookup.cuda import graphs
+    from hf_plookup.steps import graphs
 
     monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
     model = tiny_model(arch)

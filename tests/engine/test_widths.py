@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_plookup.cuda.graphs import GraphRunner, batch_bucket, dummy_layout, pad_layout
+from hf_plookup.steps.graphs import GraphRunner, batch_bucket, dummy_layout, pad_layout
 from hf_plookup.engine.widths import StepCosts, candidate_widths, chain_chances, choose_width, expected_tokens
 from tests.conftest import left_padded, tiny_model, wrap_copy
 

@@ -1,5 +1,5 @@
 """eval/step_bench.py end to end on CPU (tiny random Qwen3, fp32): the eager step as the engine runs
-it (engine.runner.ModelRunner), its invariant form, the same with the weights on the allocator's pages
+it (steps.runner.ModelRunner), its invariant form, the same with the weights on the allocator's pages
 (--small-pages), the breakdown of a C-layers step and the kernels alone from memory and from cache
 (--kernels); and the multiply-adds it counts for the compute bound, on a literal case."""
 

@@ -11,7 +11,8 @@ import torch
 from transformers import DynamicCache
 
 import hf_plookup
-from hf_plookup.mixers.recurrent import RecurrentMixers, SequenceStates, StepRows, _State, mixer_modules
+from hf_plookup.base.layout import StepRows
+from hf_plookup.mixers.recurrent import RecurrentMixers, SequenceStates, _State, mixer_modules
 from tests.conftest import PAD, left_padded, tiny_model, wrap_copy
 
 

@@ -1,4 +1,4 @@
-"""cuda.regional without a compiler: which modules are the decoder layers, and that a step's
+"""steps.regional without a compiler: which modules are the decoder layers, and that a step's
 switch of their `forward` always leaves the model as it was. (Compiled runs: tests/test_compile.py.)"""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_plookup.engine.kv_cache import PagedKVCache, layer_specs
-from hf_plookup.cuda.regional import RegionalLayers, decoder_layers
+from hf_plookup.steps.regional import RegionalLayers, decoder_layers
 from tests.conftest import tiny_model
 
 

@@ -22,7 +22,7 @@ CUDA (tests/gpu).
 `compiled=True` runs that forward through `torch.compile(fullgraph=True, dynamic=False)`
 (inductor), the attention as the custom op of attention.ops, the metadata found through
 `metadata.compiled_step_context`. Captured steps compile one decoder layer per bucket and run
-every layer through it (cuda.regional); uncaptured ones compile the whole forward per bucket,
+every layer through it (steps.regional); uncaptured ones compile the whole forward per bucket,
 as they would otherwise run dynamo's guard checks once per layer and step and lose frozen
 weights (docs/results.md, "Compile time"). On CUDA the compiled forward is then captured like
 the eager one (compile first, in the warm-up, then capture its kernels), so a replay launches
@@ -30,9 +30,9 @@ inductor's fused kernels from one graph. The seconds spent in first calls of new
 up in `compile_seconds` (compile plus warm-up) and `capture_seconds` (the capture; with an eager
 forward, its warm-up too).
 
-`invariant` (a cpu.invariant_linears.InvariantLinears): every step runs in invariant mode on its
+`invariant` (a invariant.linears.InvariantLinears): every step runs in invariant mode on its
 padded layout; the mode's linears and attention are custom ops, opaque to the compiler. Which
-backends' invariant form a graph can capture: cpu.invariant_linears.CAPTURED_INVARIANT_BACKENDS.
+backends' invariant form a graph can capture: invariant.linears.CAPTURED_INVARIANT_BACKENDS.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..attention.metadata import AttentionMetadata, StepLayout, attention_context, compiled_step_context, step_tensors
-from ..attention.probe import input_device
-from ..attention.registry import engine_attention
-from ..cpu.head import fast_head, head_chooser
-from ..cpu.invariant_linears import check_capturable
+from ..attention.metadata import AttentionMetadata
+from ..base.layout import StepLayout, step_tensors
+from ..invariant.linears import check_capturable
+from .forward import StepForward
+from .head import head_chooser
 from .regional import RegionalLayers, decoder_layers
 
 if TYPE_CHECKING:
@@ -169,7 +169,8 @@ class GraphRunner:
     """Captured (or, with capture=False, eagerly run) uniform decode steps, kept across calls."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: str, max_num_seqs: int,
-                 capture: bool = True, compiled: bool = False, invariant=None, regional: bool | None = None):
+                 capture: bool = True, compiled: bool = False, invariant=None, regional: bool | None = None,
+                 c_layers=None):
         if cache.scratch_block is None:
             raise ValueError("CUDA graphs need a cache with a scratch page (PagedKVCache(..., scratch=True))")
         self.model = model
@@ -177,7 +178,10 @@ class GraphRunner:
         self.backend = backend
         self.block_size = cache.block_size
         self.max_batch = batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1]
-        self.device = input_device(model)
+        # CPU: the LM head's faster layout (not in invariant mode: the linears are its own)
+        head = head_chooser(model) if not compiled and invariant is None else None
+        self.forward = StepForward(model, cache, backend, head, invariant, c_layers)
+        self.device = self.forward.device
         self.capture = capture
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, got {self.device}")
@@ -190,16 +194,14 @@ class GraphRunner:
         self.compiled = compiled
         self.compile_seconds = 0.0  # first calls of new buckets (compile + warm-up) when compiled
         self.capture_seconds = 0.0  # graph captures of new buckets (with the eager warm-up when not compiled)
-        # what is compiled: one decoder layer serving all layers (cuda.regional) where steps are
+        # what is compiled: one decoder layer serving all layers (steps.regional) where steps are
         # captured (`regional=None`: iff `capture`), as a replay never runs the 30-odd compiled calls'
         # guards again; else the whole forward, one compiled call per step (and, on CPU, frozen weights)
         self._compiled_forward = None  # the whole forward compiled
-        self._regional = None  # cuda.regional: one compiled decoder layer for all layers
-        self.invariant = invariant  # a cpu.invariant_linears.InvariantLinears: every step in invariant mode
+        self._regional = None  # steps.regional: one compiled decoder layer for all layers
+        self.invariant = invariant  # a invariant.linears.InvariantLinears: every step in invariant mode
         if invariant is not None and capture:
             check_capturable(backend)
-        # CPU: the LM head's faster layout (not in invariant mode: the linears are its own)
-        self.head = head_chooser(model) if not compiled and invariant is None else None
         if compiled:
             from ..attention.ops import check_compilable
 
@@ -213,7 +215,7 @@ class GraphRunner:
             if (capture if regional is None else regional) and decoder_layers(model):
                 self._regional = RegionalLayers(model, cache, compile_fn)
             else:
-                self._compiled_forward = compile_fn(self._logits)
+                self._compiled_forward = compile_fn(self.forward.logits)
 
     @property
     def path(self) -> str:
@@ -236,34 +238,19 @@ class GraphRunner:
 
     def _static(self, padded: StepLayout) -> _Graph:
         inputs = step_tensors(padded, self.device)
-        meta = AttentionMetadata.of(inputs, self.cache, self.backend, static_shapes=True,
-                                    invariant=self.invariant is not None)
-        return _Graph(inputs, meta, padded)
-
-    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=None,
-                         use_cache=False, logits_to_keep=0)
-        return out.logits[0]
+        return _Graph(inputs, self.forward.metadata(inputs, static_shapes=True), padded)
 
     def _forward(self, g: _Graph) -> torch.Tensor:
         """The model on the static buffers (holding `g.layout`); logits of every fed row, [Bb*q, V]."""
         g.meta._masks.clear()  # masks are rebuilt from the buffers inside the forward (and the graph)
         ids, pos = g.inputs["input_ids"], g.inputs["positions"]
-        mode = fast_head(self.head) if self.invariant is None else self.invariant.active(g.layout, self.device)
         if self._compiled_forward is not None:
-            with engine_attention(self.model), compiled_step_context(g.meta), mode:
+            with self.forward.active(g.layout, g.meta, compiled=True):
                 return self._compiled_forward(ids, pos)
         if self._regional is not None:
-            with engine_attention(self.model), compiled_step_context(g.meta), mode, self._regional.active():
-                return self._logits(ids, pos)
-        layers = self.invariant.layers if self.invariant is not None else None
-        if layers is not None and layers.takes(g.layout):  # eager invariant steps in C (cpu.layers)
-            return layers.run(g.layout, ids, pos, torch.arange(len(ids)), self.cache, lambda: self._eager(g, mode))
-        return self._eager(g, mode)
-
-    def _eager(self, g: _Graph, mode) -> torch.Tensor:
-        with engine_attention(self.model), attention_context(g.meta), mode:
-            return self._logits(g.inputs["input_ids"], g.inputs["positions"])
+            with self.forward.active(g.layout, g.meta, compiled=True), self._regional.active():
+                return self.forward.logits(ids, pos)
+        return self.forward.run(g.layout, g.inputs, g.meta, 0)
 
     def _capture(self, g: _Graph) -> None:
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Invariant attention: every query's reduction over keys is the same whatever the step holds.
 
-In invariant mode (cpu.invariant_linears) a token's attention must come out bitwise the same in a
+In invariant mode (invariant.linears) a token's attention must come out bitwise the same in a
 1-token step, a verify step of k+1 tokens, a candidate-tree step, alone or beside other rows.
 One padded SDPA call over a step does not give that: its kernels split queries and keys into
 blocks by the call's shapes, and a masked key placed between visible ones moves the others
@@ -18,7 +18,7 @@ into other vector lanes (measured on this project's CPU: rows of a 5-query call 
   scheduler cuts prompts at fixed offsets in invariant mode (`Scheduler(aligned_prefill=True)`),
   so a prompt's chunks, and with them its keys and values, do not depend on the other rows.
 
-`InvariantLayout` is built once per step from the step's `metadata.StepLayout`; the sdpa backend calls
+`InvariantLayout` is built once per step from the step's `base.layout.StepLayout`; the sdpa backend calls
 `invariant_attend` when one is active (`invariant_layout`)."""
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from ..cpu import kernels as cpu_kernels
-from .dense import attend
-from .metadata import StepLayout
+from ..base.dense import attend
+from ..base.layout import StepLayout
 
 
 class InvariantLayout:

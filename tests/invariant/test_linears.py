@@ -13,10 +13,10 @@ import torch
 
 import hf_plookup
 from hf_plookup import embedded
-from hf_plookup.attention.invariant import build_layout
-from hf_plookup.cpu.invariant_linears import PROBE_ROWS, invariant_rows, resolve_invariant, row_strategy
+from hf_plookup.invariant.attention import build_layout
+from hf_plookup.invariant.linears import PROBE_ROWS, invariant_rows, resolve_invariant, row_strategy
 from hf_plookup.cpu import kernels as cpu_kernels
-from hf_plookup.cpu import invariant_linears as invariant_mod
+from hf_plookup.invariant import linears as invariant_mod
 from tests.conftest import ARCHS, PAD, POSITIONS_FROM_CACHE, greedy_logits, left_pad, repeat_prompts, tiny_model, wrap_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,7 +66,7 @@ def test_decode_steps_run_torch_on_one_thread():
     hf = tiny_model("llama")
     model = wrap_copy(hf, invariant=True)
     seen = []
-    # (the activation: decode steps run it between cpu.layers' C calls, prompt steps in the MLP)
+    # (the activation: decode steps run it between steps.c_layers' C calls, prompt steps in the MLP)
     hook = hf.model.layers[0].mlp.act_fn.register_forward_pre_hook(
         lambda m, a: seen.append((a[0].numel() // a[0].shape[-1], torch.get_num_threads(), cpu_kernels.threads())))
     ids, mask = left_pad(repeat_prompts(3))
@@ -110,7 +110,7 @@ def test_drafted_greedy_equals_hf_batch1_greedy(arch, dtype):
     linears, one SDPA call over the contiguous keys) and a one-chunk prefill is HF's prefill, so
     with drafts every logit equals HF greedy's bit for bit (layers without a sliding window; HF's
     sliding-window decode attends over a longer masked cache). Where the engine's own kernels run
-    (cpu.kernels, cpu.row_linear), the logits differ by rounding only (in bf16 a few of
+    (cpu.kernels, invariant.row_linear), the logits differ by rounding only (in bf16 a few of
     its ulps, after 20 tokens through the layers): fp32 tokens are HF's, and bf16 tokens are HF's
     up to a near-tie, where HF's own bf16 kernels (their rounding differs between CPUs: on one
     with AVX-512 BF16 they use its dot products) may pick the other token."""
@@ -174,9 +174,9 @@ def test_invariant_rows_equal_one_row_calls(dtype):
 
 
 def test_row_linear_rows_do_not_depend_on_the_call():
-    """cpu.row_linear against a float64 reference, and each row bitwise the same alone, among
+    """invariant.row_linear against a float64 reference, and each row bitwise the same alone, among
     other rows at any position, with any row count and thread count."""
-    from hf_plookup.cpu.row_linear import row_linear
+    from hf_plookup.invariant.row_linear import row_linear
 
     g = torch.Generator().manual_seed(3)
     for n_out, k in ((48, 40), (67, 129), (200, 576)):
@@ -227,7 +227,7 @@ def test_rms_norms_recognised_by_their_output(dtype):
 
 
 def test_tree_node_sees_context_then_its_ancestors():
-    from hf_plookup.attention.metadata import StepLayout
+    from hf_plookup.base.layout import StepLayout
 
     # one sequence, 3 cached tokens, a tree chunk: root, node 1 (child of root), node 2 (child of root), node 3 (child of 1)
     tree_mask = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=bool)[None]
@@ -317,7 +317,7 @@ def test_smollm2_bf16_drafts_and_batch_equal_plain_greedy():
 def test_cuda_bf16_drafts_change_no_logit(arch, backend, compiled):
     """CUDA, bf16: eager steps on sdpa (its per-query form; graphs off), and on Triton captured
     in CUDA graphs, eager or inductor-compiled (the Triton attention's invariant form,
-    cuda.triton_linear for the linears cuBLAS's rows fail the check on)."""
+    invariant.triton_linear for the linears cuBLAS's rows fail the check on)."""
     model = hf_plookup.wrap(tiny_model(arch).to("cuda", torch.bfloat16), invariant=True, max_batch_tokens=16,
                             attn_backend=backend, compile=compiled, max_cache_tokens=4096)
     try:
@@ -412,12 +412,12 @@ def test_triton_backend_drafts_change_no_logit():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_row_linear_rows_do_not_depend_on_the_call(dtype):
-    """cuda.triton_linear (the CUDA linear of invariant mode; the interpreter here) against a
+    """invariant.triton_linear (the CUDA linear of invariant mode; the interpreter here) against a
     float64 reference, each row bitwise the same alone, at any position and row count (more
     than one row block), with and without bias, K and N off its tile sizes."""
     if importlib.util.find_spec("triton") is None:  # pragma: no cover
         pytest.skip("triton is not installed")
-    from hf_plookup.cuda.triton_linear import row_linear
+    from hf_plookup.invariant.triton_linear import row_linear
 
     g = torch.Generator().manual_seed(5)
     for n_out, k, bias in ((48, 40, True), (67, 129, False)):
@@ -438,7 +438,7 @@ def test_prompt_chunk_cut_into_units():
     """A prompt chunk spanning several of the scheduler's units (positions 100..399, units of 128)
     is cut at the unit boundaries: each piece its own attention call and row group, all reading
     one gathered run of the sequence's keys."""
-    from hf_plookup.attention.metadata import StepLayout
+    from hf_plookup.base.layout import StepLayout
 
     n, start = 300, 100
     step = StepLayout(input_ids=np.zeros(n, np.int64), positions=np.arange(start, start + n), depth=np.zeros(n, np.int64),

@@ -6,7 +6,7 @@ dtype, and seeded sampling does not depend on the batch.
 Pieces (the user's model outside `generate` is untouched: everything is switched on around one
 engine forward and restored after):
 
-- **attention**: on sdpa, `attention.invariant` (on CPU the decode queries through
+- **attention**: on sdpa, `invariant.attention` (on CPU the decode queries through
   `cpu.kernels.attend`, elsewhere one SDPA call per decode query over exactly its keys;
   prompt chunks per sequence, cut at fixed offsets by the scheduler); on Triton, the
   kernel's invariant form (`attention.triton.paged_attention(invariant=True)`: query blocks
@@ -18,8 +18,8 @@ engine forward and restored after):
   calls on random inputs), the first that passes of: `"cpu"` (cpu.kernels, fp32/bf16 on
   CPU: row-invariant by construction and faster than torch's call at every decode row count),
   `"plain"` (torch's batched call, in pieces of at most `PROBE_ROWS` rows), `"numba"`
-  (cpu.row_linear, fp32 on CPU where the C kernels were not built), `"triton"`
-  (cuda.triton_linear, CUDA); else `"rows"` (one 1-row call per row: equal by construction).
+  (invariant.row_linear, fp32 on CPU where the C kernels were not built), `"triton"`
+  (invariant.triton_linear, CUDA); else `"rows"` (one 1-row call per row: equal by construction).
   A prompt chunk's rows need only be the same in every batch, not equal to 1-row calls: the
   "cpu" kernel for bf16 and for fp32 chunks of up to PREFILL_TORCH_ROWS rows (without it, such
   chunks take the weight's decode strategy: a short call's rows change with its row count, and
@@ -29,10 +29,10 @@ engine forward and restored after):
 - **RMSNorm modules** on CPU whose arithmetic `cpu_kernels.rms_norm` reproduces (`rms_form`
   checks each on random rows): one C call per norm instead of HF's half-dozen torch ops.
 - **everything else** (embeddings, other norms, RoPE, activations, residuals, the KV write) is
-  per-row elementwise work or per-row reductions; tests/cpu/test_invariant_linears.py checks the whole
+  per-row elementwise work or per-row reductions; tests/invariant/test_linears.py checks the whole
   forward bitwise on the tiny architectures.
 
-Compiled and CUDA-graph steps (cuda.graphs) run in the mode too: the linears and the
+Compiled and CUDA-graph steps (steps.graphs) run in the mode too: the linears and the
 attention are opaque ops there, and the layout of the step padded to its bucket is made
 current around the forward. Inductor fuses the rest; on CPU its kernels keep a row's
 arithmetic whatever the bucket (tested). CUDA graphs capture only the backends of
@@ -49,11 +49,11 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from ..attention.invariant import build_layout, current_layout, invariant_layout
-from . import kernels as cpu_kernels, row_linear
-from .kernels import rms_eps, rms_form
-from .layers import CpuLayers
-from .packed_weight import dense
+from .attention import build_layout, current_layout, invariant_layout
+from ..cpu import kernels as cpu_kernels
+from . import row_linear
+from ..cpu.kernels import rms_eps, rms_form
+from ..cpu.packed_weight import dense
 
 # Where invariant="auto" turns the mode on, by (device type, dtype). On CPU the mode runs decode
 # and verify steps through cpu.kernels, which are faster than torch's kernels for every row
@@ -112,13 +112,13 @@ def _rows_exact(fn, x: torch.Tensor) -> bool:
 def _triton_supported(weight: torch.Tensor) -> bool:
     if weight.device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
-    from ..cuda import triton_linear
+    from . import triton_linear
 
     return triton_linear.supported(weight)
 
 
 def _triton_rows(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    from ..cuda import triton_linear  # imported on first use: CPU installs need not have triton
+    from . import triton_linear  # imported on first use: CPU installs need not have triton
 
     return triton_linear.row_linear(x2d, weight, bias)
 
@@ -143,8 +143,8 @@ _MERGE_SAFE: dict[tuple, bool] = {}
 def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """How decode rows of this weight are computed, checked once per shape on random inputs: the
     first of "cpu" (cpu.kernels, float32/bfloat16 on CPU), "plain" (the batched `F.linear`,
-    HF's own arithmetic), "numba" (cpu.row_linear, float32 on CPU) and "triton"
-    (cuda.triton_linear, CUDA) that takes the weight and gives every row bitwise as a 1-row
+    HF's own arithmetic), "numba" (invariant.row_linear, float32 on CPU) and "triton"
+    (invariant.triton_linear, CUDA) that takes the weight and gives every row bitwise as a 1-row
     call does for every row count up to PROBE_ROWS; else "rows" (one 1-row `F.linear` per row)."""
     key = (*weight.shape, weight.dtype, weight.device, bias is None, torch.get_num_threads())
     got = _STRATEGIES.get(key)
@@ -292,7 +292,7 @@ class InvariantLinears:
 
     def __init__(self, model: torch.nn.Module, prefill_unit: int | None = None):
         # a prompt chunk spanning several of the scheduler's units is computed unit by unit where
-        # the rows' bits would depend on the chunk's length (attention.invariant.build_layout)
+        # the rows' bits would depend on the chunk's length (invariant.attention.build_layout)
         self.prefill_unit = prefill_unit
         self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m)]
         self.forwards = [self._bind(m) for m in self.modules]
@@ -307,8 +307,8 @@ class InvariantLinears:
         # run torch's own ops on one thread (cpu_kernels.serial_torch)
         self.serial_decode = bool(self.modules) and all(
             cpu_kernels.supported(m.weight) for m in self.modules if type(m) is torch.nn.Linear)
-        # decode steps of a Llama-form model in C, two calls a layer (cpu.layers)
-        self.layers = CpuLayers.of(model, forms)
+        # the norms' forms, for the decode steps that run a Llama-form model's layers in C (steps.c_layers)
+        self.forms = forms
 
     @staticmethod
     def _bind(module):
@@ -327,7 +327,7 @@ class InvariantLinears:
     @contextlib.contextmanager
     def active(self, layout, device: torch.device):
         """Linear layers, recognised norms and attention in invariant mode for the step `layout`
-        (a metadata.StepLayout; for a compiled or captured step, the layout padded to its bucket)."""
+        (a base.layout.StepLayout; for a compiled or captured step, the layout padded to its bucket)."""
         # through the instance dict: nn.Module's __setattr__/__delattr__ check for parameters,
         # buffers and submodules on every call, which adds up over a model's linears every step
         for m, f in zip(self.modules, self.forwards):

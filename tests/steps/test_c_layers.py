@@ -1,4 +1,4 @@
-"""cpu.layers: decode steps of Llama- and Gemma-form models in C give bitwise the logits of the same
+"""steps.c_layers: decode steps of Llama- and Gemma-form models in C give bitwise the logits of the same
 steps through HF's modules (invariant mode), and the first decode step's check keeps the modules
 wherever they differ."""
 
@@ -9,7 +9,7 @@ import torch
 
 from hf_plookup.api import _state
 from hf_plookup.cpu import kernels as cpu_kernels
-from hf_plookup.cpu.layers import llama_form
+from hf_plookup.steps.c_layers import llama_form
 from tests.conftest import greedy_logits, left_pad, repeat_prompts, tiny_model, wrap_copy
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
@@ -21,14 +21,14 @@ TAKEN = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
 
 
 def _layers(model):
-    return _state(model).engine.invariant.layers
+    return _state(model).engine.c_layers
 
 
 def _both(hf, **gen):
     """Greedy logits [B, new, V] of the engine with its C layers and without (the modules)."""
     ids, mask = left_pad(repeat_prompts(3))
     fast, plain = wrap_copy(hf, invariant=True), wrap_copy(hf, invariant=True)
-    _state(plain).engine.invariant.layers = None
+    _state(plain).engine.c_layers = None
     got, _ = greedy_logits(fast, ids, mask, 16, **gen)
     want, _ = greedy_logits(plain, ids, mask, 16, **gen)
     return got, want, _layers(fast)
@@ -71,7 +71,7 @@ def test_swapped_weights_are_read_again():
     is picked up at the next step, as the modules would."""
     hf = tiny_model("llama")
     fast, plain = wrap_copy(hf, invariant=True), wrap_copy(hf, invariant=True)
-    _state(plain).engine.invariant.layers = None
+    _state(plain).engine.c_layers = None
     ids, mask = left_pad(repeat_prompts(2))
     before, _ = greedy_logits(fast, ids, mask, 8, prompt_lookup_num_tokens=4)
     g = torch.Generator().manual_seed(3)

@@ -12,7 +12,7 @@ compiled loop's, fixed per K, not left to right), weights are read once per call
 `nn.Linear` layout (`[N, K]`, no copy), output rows split between numba's threads by blocks of N.
 For the handful of rows of a decode or verify step this beats MKL, because it streams each
 weight row once for all M rows (docs/results.md, "Why the CPU kernels"). Used by invariant mode
-(cpu.invariant_linears) for float32 where the C kernels of cpu.kernels were not built; numba
+(invariant.linears) for float32 where the C kernels of cpu.kernels were not built; numba
 has no bfloat16 arithmetic.
 """
 

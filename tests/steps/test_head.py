@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import hf_plookup
-from hf_plookup.cpu.head import HeadChooser, fast_head, head_chooser
+from hf_plookup.steps.head import HeadChooser, fast_head, head_chooser
 from tests.conftest import left_padded, tiny_model, wrap_copy
 
 

@@ -38,10 +38,10 @@ import numpy as np
 import torch
 from torch.nn.modules import module as _hooks
 
-from ..attention.invariant import build_layout
+from ..invariant.attention import build_layout
 from ..attention.registry import record_attention
-from . import kernels as cpu_kernels
-from .kernels import rms_eps, rms_form
+from ..cpu import kernels as cpu_kernels
+from ..cpu.kernels import rms_eps, rms_form
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

@@ -6,7 +6,7 @@ the two. `row_linear(x, weight, bias)` computes `x @ weight.T (+ bias)` with one
 tiles are fixed (`BLOCK_M` rows, `BLOCK_N` outputs, `BLOCK_K` of the reduction, chosen from
 nothing the batch decides) and no split-K: every output element is the same sequence of
 `tl.dot` accumulations over K in order, in fp32, whatever M is and wherever the row sits in its
-tile, then one rounding to the input dtype. Invariant mode (cpu.invariant_linears) uses it for the
+tile, then one rounding to the input dtype. Invariant mode (invariant.linears) uses it for the
 decode rows of every `nn.Linear` on CUDA when cuBLAS's own rows fail the row check.
 
 The weights are read in their `nn.Linear` layout (`[N, K]`, no copy); each program streams a
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention.triton import INTERPRETED
+from ..base.device import INTERPRETED
 
 BLOCK_M = 16  # rows per program (tl.dot needs 16); a decode or verify step of up to 16 rows is one row block
 BLOCK_N = 32  # output features per program

@@ -1,0 +1,44 @@
+"""Runs one laid-out step (`ModelRunner.run`): the one entry to every way a step runs.
+
+A uniform decode step that the `GraphRunner` (steps.graphs) takes runs there, on its bucket's
+static buffers (replayed as a CUDA graph, compiled, or plain); every other step (prompt chunks,
+rows feeding different numbers of tokens, batches past the largest bucket, or no graphs at all)
+runs eagerly through `StepForward` (steps.forward). `last_path` and `last_reason` say how the last
+step ran and, for a decode step that missed the graphs, why (`SpecStats.decode_steps_by_path`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..base.layout import StepLayout, step_tensors
+from .forward import StepForward, keep_indices
+from .head import HeadChooser
+
+
+class ModelRunner:
+    """`graphs`: a `GraphRunner` for the uniform decode steps it supports, or None. The other
+    arguments are `StepForward`'s, for the eager steps."""
+
+    def __init__(self, model: torch.nn.Module, cache, backend: str = "sdpa", graphs=None,
+                 head: HeadChooser | None = None, invariant=None, c_layers=None,
+                 embedders: list[torch.nn.Module] | None = None, mixers=None):
+        self.forward = StepForward(model, cache, backend, head, invariant, c_layers, embedders, mixers)
+        self.graphs = graphs
+        self.last_path = "eager"
+        self.last_reason: str | None = None
+
+    @torch.inference_mode()
+    def run(self, layout: StepLayout) -> torch.Tensor:
+        """One forward. Returns the logits at `layout.keep`, `[N, V]`."""
+        self.last_path, self.last_reason = "eager", None
+        if self.graphs is not None:
+            reason = self.graphs.unsupported(layout)
+            if reason is None:
+                self.last_path = self.graphs.path
+                return self.graphs.run(layout)
+            if not layout.prefill.all():  # a decoding row runs eagerly
+                self.last_reason = reason
+        device = self.forward.device
+        tensors = step_tensors(layout, device)
+        logits = self.forward.run(layout, tensors, self.forward.metadata(tensors), keep_indices(layout, device))
+        return logits[:0] if len(layout.keep) == 0 else logits
