@@ -68,10 +68,13 @@ def _with_stops(kwargs: dict, model, extra_eos) -> set[int]:
 
 
 def run_hf(model, input_ids, attention_mask, max_new_tokens: int, k: int | None = None, ngram: int = 2, pad: int | None = None,
-           extra_eos: set[int] | None = None, cache_implementation: str | None = None) -> CallResult:
+           extra_eos: set[int] | None = None, cache_implementation: str | None = None,
+           max_cache_len: int | None = None) -> CallResult:
     """HF `generate`, greedy (with HF's own prompt lookup when `k`, batch 1 only); `extra_eos`
     adds stop tokens to the model's EOS ids; `cache_implementation="static"`: HF's static cache,
-    whose forward HF compiles on CUDA."""
+    whose forward HF compiles on CUDA. `max_cache_len`: the static cache's length for every call
+    (HF's own argument), so that calls of other prompt lengths reuse one compiled forward instead
+    of compiling again for each length."""
     kwargs = _greedy_kwargs(max_new_tokens, pad)
     if k:
         if input_ids.shape[0] != 1:
@@ -79,6 +82,8 @@ def run_hf(model, input_ids, attention_mask, max_new_tokens: int, k: int | None 
         kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram)
     if cache_implementation:
         kwargs["cache_implementation"] = cache_implementation
+        if max_cache_len is not None:
+            kwargs["max_cache_len"] = max_cache_len
     eos = _with_stops(kwargs, model, extra_eos)
     # no hook on a forward HF compiles: dynamo would trace the counting into the compiled graph
     counting = ForwardCounter(model) if not cache_implementation else contextlib.nullcontext()
