@@ -344,7 +344,7 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
     little slower here than in the table above."""
     from hf_plookup.drafting.ngram import NgramProposer
     from hf_plookup.cpu import kernels as cpu_kernels
-    from hf_plookup.steps import c_layers as cpu_layers
+    from hf_plookup.steps import c_layers
     from hf_plookup.invariant import linears as inv_mod
     from hf_plookup.invariant.linears import InvariantLinears
 
@@ -379,7 +379,7 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
                     t.total = 0.0
                 c_path = layers is not None and layers.on
                 if c_path:
-                    cpu_layers.layer_phases(True)
+                    c_layers.layer_phases(True)
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
                     logits = runner.run(plan)
@@ -387,7 +387,7 @@ def breakdown(model, args, device, cache: PagedKVCache) -> list[dict]:
                 lin = cpu_kernels.linear.total / args.iters
                 att = cpu_kernels.attend.total / args.iters
                 if c_path:
-                    phases = {k: v / args.iters for k, v in cpu_layers.layer_phases(False).items()}
+                    phases = {k: v / args.iters for k, v in c_layers.layer_phases(False).items()}
                     part = {"layers' linears": sum(v for k, v in phases.items() if k in ("q/k/v", "o_proj", "gate/up", "down")),
                             "attention kernel": phases["attention"],
                             "layers' norms, RoPE, KV writes, residuals": phases["norms, RoPE, KV writes, residuals"],

@@ -1,4 +1,4 @@
-/* Row-invariant CPU kernels for decode, verify and tree steps (cpu.kernels and cpu.layers drive them):
+/* Row-invariant CPU kernels for decode, verify and tree steps (cpu.kernels and steps.c_layers drive them):
  * what every file of hf_plookup._cpu_kernels shares.
  *
  * Every kernel gives each output one fixed order of arithmetic that depends only on the operand
@@ -50,7 +50,7 @@
 #define HAVE_AVX512BF16_KERNELS 0
 #endif
 
-/* the ctypes entry points (cpu.kernels, cpu.layers declare them); everything else stays inside the
+/* the ctypes entry points (cpu.kernels, steps.c_layers declare them); everything else stays inside the
  * library, so calls between its files are direct, not through the PLT */
 #define EXPORT __attribute__((visibility("default")))
 #pragma GCC visibility push(hidden)

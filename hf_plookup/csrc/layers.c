@@ -1,4 +1,4 @@
-/* RMS norms and the decoder layers of a decode step (cpu.layers drives them), with the elementwise
+/* RMS norms and the decoder layers of a decode step (steps.c_layers drives them), with the elementwise
  * loops' portable entries (elementwise.h; level 0). */
 #include "cpu_kernels.h"
 #include "elementwise.h"
@@ -52,7 +52,7 @@ int64_t rms_norm(const void* x, int64_t M, int64_t K, const void* w, float eps, 
  * through the modules, with the same rounding: the norms and linears, attend, and torch's own
  * elementwise arithmetic written out (a product or a sum rounded to fp32, then to bf16 for bf16
  * tensors). Only the activation stays with the model's module, between the two calls: its exp is
- * torch's. The structs are cpu.layers' _Shape, _Layer, _Step and _Keys. */
+ * torch's. The structs are steps.c_layers' _Shape, _Layer, _Step and _Keys. */
 
 typedef struct { /* sizes, the same for every layer */
     int64_t hidden, H, H_kv, D, inter, bf16;
