@@ -1,3 +1,4 @@
+# The code of 2026-11-26: module paths since moved (hf_plookup.engine.invariant and the others it imports), kept as it ran, not updated.
 """Where the Python of a 1-token step through the C layers goes (SmolLM2's shape, random bf16 weights,
 700 cached tokens, 2 threads): wrappers time CpuLayers' checks (`_plan`, `takes`), its module calls
 and the LM head over 200 steps. Run from the repository root: python docs/measurements/cpu-avx2-2026-11-26-attention-tiles/step_python.py [fp32]"""

@@ -1,3 +1,4 @@
+# The code of 2026-11-27: module paths since moved (hf_plookup.engine.invariant and the others it imports), kept as it ran, not updated.
 """The engine's eager invariant CPU step (SmolLM2's shape, random weights, 700 cached tokens, batch 1
 or BATCH sequences) on two builds of cpu_kernels.c in one process: the installed one (A) and another (B, a .so built as
 setup.py builds it). Each round runs every q on A, then on B, in turn; the report gives medians per

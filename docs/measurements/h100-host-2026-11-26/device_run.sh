@@ -1,4 +1,5 @@
 #!/bin/bash
+# The code of 2026-11-26; paths since moved, see docs/gpu.md (its short run). Kept as it ran; no current doc uses it.
 # one device run: host CPU facts, the C kernels built there, the CPU tests of every SIMD level the
 # host has, the SmolLM2 step bench on 2 host cores (fp32, bf16), then the GPU tests
 # Ran as `bash docs/measurements/h100-host-2026-11-26/device_run.sh` from the repository root on the
