@@ -345,20 +345,28 @@ def _set_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def _convert(spec: EmbeddedModel, out: pathlib.Path) -> dict[str, Any]:
-    """GGUF -> float32 safetensors checkpoint + tokenizer in ``out``; returns stamp facts."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def _load_gguf(spec: EmbeddedModel, scratch_parent: pathlib.Path):
+    """(tokenizer, GGUF-loaded model, GGUF file name). A package may assemble its .gguf into a
+    scratch directory (gemma3: from four part packages); transformers reads it whole while
+    loading, so the scratch copy is gone by the time this returns."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as scratch:
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=scratch_parent) as scratch:
         gguf = spec._locate(pathlib.Path(scratch))
         src, fname = str(gguf.parent), gguf.name
         tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
         gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
     gguf_model.eval()
+    return tokenizer, gguf_model, fname
 
-    # A GGUF-loaded model refuses save_pretrained; rebuild a plain one from its config.
+
+def _plain_model(spec: EmbeddedModel, gguf_model: PreTrainedModel) -> PreTrainedModel:
+    """A plain float32 model with the GGUF model's weights: a GGUF-loaded model refuses
+    save_pretrained, so one is rebuilt from its config (quantization config dropped) and the
+    weights copied in strictly. A tied lm_head must still be tied, or the saved checkpoint
+    would hold an untrained head once reloaded."""
+    from transformers import AutoModelForCausalLM
+
     config = copy.deepcopy(gguf_model.config)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
@@ -371,13 +379,20 @@ def _convert(spec: EmbeddedModel, out: pathlib.Path) -> dict[str, Any]:
         emb, head = model.get_input_embeddings(), model.get_output_embeddings()
         if emb.weight.data_ptr() != head.weight.data_ptr():
             raise RuntimeError(f"{spec.alias}: lm_head is not tied to the embeddings after conversion")
+    return model
 
-    # Tokenizer: pad token, and a chat template where the GGUF had none.
+
+def _prepare_tokenizer(spec: EmbeddedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A pad token (batches are padded), and the model's chat template where the GGUF had none."""
     _set_pad_token(tokenizer)
     if not tokenizer.chat_template and spec.chat_template:
         tokenizer.chat_template = spec.chat_template
 
-    # Generation config from the tokenizer's special tokens (greedy by default).
+
+def _eos_ids(spec: EmbeddedModel, config, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every token that ends generation, first seen first, without duplicates or the unknown
+    token: the config's and the tokenizer's end tokens, then the model's end-of-turn tokens
+    (so a chat reply stops at the end of its turn)."""
     eos_ids: list[int] = []
     for tid in [config.eos_token_id, tokenizer.eos_token_id] + [
         tokenizer.convert_tokens_to_ids(t) for t in spec.extra_eos_tokens
@@ -385,18 +400,43 @@ def _convert(spec: EmbeddedModel, out: pathlib.Path) -> dict[str, Any]:
         for t in tid if isinstance(tid, (list, tuple)) else [tid]:
             if t is not None and t != tokenizer.unk_token_id and t not in eos_ids:
                 eos_ids.append(int(t))
-    model.generation_config = GenerationConfig(
+    return eos_ids
+
+
+def _generation_config(spec: EmbeddedModel, config, tokenizer: PreTrainedTokenizerBase):
+    """Generation config from the tokenizer's special tokens (greedy by default): a GGUF carries
+    none, and HF generate needs the end and pad tokens to stop and pad a batch."""
+    from transformers import GenerationConfig
+
+    eos_ids = _eos_ids(spec, config, tokenizer)
+    return GenerationConfig(
         bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else config.bos_token_id,
         eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         pad_token_id=tokenizer.pad_token_id,
     )
 
-    # The rebuilt model must compute exactly what the GGUF-loaded one does.
+
+def _logit_diff(spec: EmbeddedModel, model, gguf_model, tokenizer: PreTrainedTokenizerBase) -> float:
+    """Largest logit difference between the rebuilt and the GGUF-loaded model on a short input;
+    raises above 1e-4: the rebuilt model must compute exactly what the GGUF-loaded one does."""
     ids = tokenizer("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
     with torch.no_grad():
         diff = (model(ids).logits - gguf_model(ids).logits).abs().max().item()
     if not diff <= 1e-4:
         raise RuntimeError(f"{spec.alias}: converted logits differ from the GGUF model's by {diff}")
+    return diff
+
+
+def _convert(spec: EmbeddedModel, out: pathlib.Path) -> dict[str, Any]:
+    """GGUF -> float32 safetensors checkpoint + tokenizer in ``out``; returns stamp facts."""
+    import transformers
+
+    t0 = time.perf_counter()
+    tokenizer, gguf_model, fname = _load_gguf(spec, out.parent)
+    model = _plain_model(spec, gguf_model)
+    _prepare_tokenizer(spec, tokenizer)
+    model.generation_config = _generation_config(spec, model.config, tokenizer)
+    diff = _logit_diff(spec, model, gguf_model, tokenizer)
     del gguf_model
 
     model.save_pretrained(out)

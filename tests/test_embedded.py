@@ -68,27 +68,51 @@ def test_missing_package_import_error(monkeypatch):
         embedded_checkpoint("smollm2-135m")
 
 
-def test_materialize_builds_once_under_concurrency(tmp_path):
+def test_materialize_builds_once_under_concurrency(tmp_path, monkeypatch):
+    """Four calls at once: the first to take the lock builds; the build goes on only once the
+    other three have looked for the checkpoint and found none (so they provably overlap it), and
+    each of them then finds it finished once the lock is theirs, and builds nothing."""
     final = tmp_path / "ckpt"
     calls = []
+    found = []  # what each look for a finished checkpoint (_stamp_matches) found, in order
+    looked = threading.Condition()
+    stamp_matches = embedded._stamp_matches
+
+    def watched_stamp_matches(ckpt, stamp):
+        match = stamp_matches(ckpt, stamp)
+        with looked:
+            found.append(match)
+            looked.notify_all()
+        return match
 
     def build(out):
         calls.append(out)
-        time.sleep(0.3)
+        if len(calls) == 1:  # the builder looked twice (before and under the lock), the others once
+            with looked:
+                assert looked.wait_for(lambda: found.count(False) == 5, timeout=60), found  # safety net
         (out / "weights.bin").write_bytes(b"x" * 10)
         return {"note": "built"}
 
+    monkeypatch.setattr(embedded, "_stamp_matches", watched_stamp_matches)
     stamp = {"format": 1, "v": "a"}
-    results = []
-    threads = [
-        threading.Thread(target=lambda: results.append(embedded._materialize(final, stamp, build)))
-        for _ in range(4)
-    ]
+    results, errors = [], []
+
+    def client():
+        try:
+            results.append(embedded._materialize(final, stamp, build))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
+    assert not errors, errors
     assert results == [final] * 4
+    # 2 misses of the builder, 1 of each other call before the build ended, then 1 hit of each
+    # other call under the lock: had a call come after the build, it would have hit at once
+    assert found == [False] * 5 + [True] * 3
     assert len(calls) == 1 and calls[0] != final  # built elsewhere, then renamed
     assert (final / "weights.bin").read_bytes() == b"x" * 10
     assert json.loads((final / embedded._STAMP_FILE).read_text()) == {"note": "built", **stamp}
@@ -181,10 +205,17 @@ def test_greedy_generate_chat(alias, loaded):
     enc = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=8, do_sample=False)
-    new = out[0, enc["input_ids"].shape[1] :]
-    assert 1 <= new.numel() <= 8
+    new = out[0, enc["input_ids"].shape[1] :].tolist()
+    # HF greedy on one row stops after max_new_tokens, or at its first end token, which it keeps
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    ends = [i for i, t in enumerate(new) if t in eos]
+    if len(new) < 8:  # stopped early: at its first end token, the last one kept
+        assert ends == [len(new) - 1], (new, eos)
+    else:
+        assert len(new) == 8 and ends in ([], [7]), (new, eos)
     text = tok.decode(new, skip_special_tokens=True)
-    assert text.strip(), f"{alias} generated nothing visible: {new.tolist()}"
+    assert text.strip(), f"{alias} generated nothing visible: {new}"
 
 
 @pytest.mark.slow

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import types
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import TextStreamer
 
+import hf_plookup
 from hf_plookup import embedded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +50,6 @@ def test_examples_all_covered():
     [
         ("quickstart", [], "tokens per forward"),
         ("batch", ["--check"], "identical to HF greedy: True"),
-        ("streaming", [], "]"),
         ("sampling", ["--samples", "1"], "--- sample 0"),
     ],
 )
@@ -57,6 +59,50 @@ def test_example_runs(name, extra, expect, capsys):
     assert rc == 0, out
     assert expect in out
     assert len(out.strip().splitlines()) >= 2
+
+
+def test_streaming_example_streams_exactly_the_returned_text(monkeypatch, capsys):
+    """The text the example's TextStreamer prints is the decoded continuation its generate call
+    returned: a token streamed twice, or one not streamed, makes them differ."""
+    streaming = _load("streaming")
+    streamers, calls = [], []  # the example's streamer; (input_ids, returned ids) of its generate call
+
+    class RecordingStreamer(TextStreamer):  # HF's own, still printing; keeps what it printed
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.printed = []
+            streamers.append(self)
+
+        def on_finalized_text(self, text, stream_end=False):
+            self.printed.append(text)
+            super().on_finalized_text(text, stream_end=stream_end)
+
+    def recording_wrap(model, **options):
+        wrapped = hf_plookup.wrap(model, **options)
+        generate = wrapped.generate
+
+        def recording_generate(*args, **kwargs):
+            out = generate(*args, **kwargs)
+            calls.append((kwargs["input_ids"], out))
+            return out
+
+        wrapped.generate = recording_generate
+        return wrapped
+
+    monkeypatch.setattr(streaming, "TextStreamer", RecordingStreamer)
+    monkeypatch.setattr(streaming, "hf_plookup", types.SimpleNamespace(wrap=recording_wrap))
+    rc = streaming.main(["--model", MODEL, "--max-new-tokens", "6"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "hf_plookup engine" in out  # streamed by the engine, not by a delegated HF generate
+    [streamer], [(input_ids, returned)] = streamers, calls
+    assert input_ids.shape[0] == returned.shape[0] == 1  # one row: nothing padded after its end
+    new = returned[0, input_ids.shape[1]:]
+    assert new.numel() >= 1
+    expected = streamer.tokenizer.decode(new, **streamer.decode_kwargs)
+    assert expected.strip()
+    assert "".join(streamer.printed) == expected
+    assert out.startswith(expected)  # printed as it streamed, before the stats line
 
 
 def test_default_is_the_instruct_model_and_base_models_get_plain_prompts():

@@ -27,7 +27,7 @@ which is how the default test suite checks them against dense attention.
 
 from __future__ import annotations
 
-
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -200,6 +200,129 @@ def _merge_splits_kernel(
     tl.store(out_ptr + t * stride_qt + h * stride_qh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """Block shapes and grid of one call (see `_launch_plan`)."""
+
+    block_g: int  # heads of one KV head's group per program
+    head_blocks: int  # programs along a group (more than one only when it exceeds MAX_ROWS)
+    block_q: int  # query tokens per program
+    block_m: int  # rows per program: block_q * block_g, at least MIN_ROWS
+    q_blocks: int  # programs along a sequence's queries
+    num_splits: int  # programs along a sequence's keys (1: no partials, no merge)
+    block_d: int  # head_dim padded to a power of two, at least 16 (tl.dot's minimum)
+
+    def grid(self, b: int, h_kv: int) -> tuple[int, int, int]:
+        """(sequence, KV head x head block, query block x split), the kernel's program ids."""
+        return (b, h_kv * self.head_blocks, self.q_blocks * self.num_splits)
+
+
+def _check_args(q, k_cache, block_tables, max_query_len, tree_mask, query_pos, max_query_block) -> None:
+    """Refuse, before anything is allocated or launched, arguments outside what the kernel is
+    written for, with a message naming them rather than a compile error or a wrong result: page
+    and query-block sizes are powers of two, the query heads split evenly into KV-head groups, and
+    a tree's mask and positions have the `[B, Tq, Tq]` / `[B, Tq]` shape the kernel indexes by."""
+    h, page, h_kv = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    if page & (page - 1) or h % h_kv:
+        raise ValueError(f"block_size must be a power of two and heads a multiple of kv heads, got {page}, {h}/{h_kv}")
+    if max_query_block < 1 or max_query_block & (max_query_block - 1):
+        raise ValueError(f"max_query_block must be a power of two >= 1, got {max_query_block}")
+    b = block_tables.shape[0]
+    if (tree_mask is not None) != (query_pos is not None):
+        raise ValueError("tree_mask and query_pos go together")
+    if tree_mask is not None and (tuple(tree_mask.shape) != (b, max_query_len, max_query_len)
+                                  or tuple(query_pos.shape) != (b, max_query_len)):
+        raise ValueError(f"tree_mask must be [B={b}, Tq, Tq] and query_pos [B, Tq] with Tq={max_query_len}, "
+                         f"got {list(tree_mask.shape)} and {list(query_pos.shape)}")
+
+
+def _launch_plan(b: int, h: int, h_kv: int, d: int, max_query_len: int, max_query_block: int,
+                 num_splits: int | None, invariant: bool, on_cuda: bool) -> _LaunchPlan:
+    """Block sizes and key splits, from shapes alone (never from tensor values, so a step stays
+    capturable in a CUDA graph).
+
+    A program holds `block_q` query tokens times `block_g` heads of one group, at most MAX_ROWS
+    rows (registers), at least MIN_ROWS (tl.dot). `num_splits` None: on CUDA, split the context
+    when the batch is small (fewer than 128 programs leave most of a GPU idle; flash-decoding);
+    elsewhere (the interpreter) 1.
+
+    `invariant`: a query's result must not depend on what else the call holds, so the program's
+    shape no longer follows `max_query_len` (always `max_query_block` tokens: a query runs the same
+    instructions in a 1-token step as in a verify chunk) and the context splits at fixed key
+    offsets (`INVARIANT_SPLIT_TILES` tiles per split, the last split to the end; `num_splits` None:
+    `INVARIANT_SPLITS` on CUDA, 1 elsewhere), never at offsets chosen from the batch. Tiles a
+    query sees nothing of leave its running max, sum and output exactly as they were, so walking
+    more of them changes no bit."""
+    groups = h // h_kv
+    block_g = min(triton.next_power_of_2(groups), MAX_ROWS)
+    head_blocks = triton.cdiv(groups, block_g)
+    wanted = max_query_block if invariant else triton.next_power_of_2(max(max_query_len, 1))
+    block_q = min(wanted, max_query_block, max(MAX_ROWS // block_g, 1))
+    q_blocks = triton.cdiv(max_query_len, block_q)
+    if num_splits is None and invariant:
+        num_splits = INVARIANT_SPLITS if on_cuda else 1
+    if num_splits is None:
+        programs = b * h_kv * head_blocks * q_blocks
+        few = on_cuda and programs < 128 and max_query_len <= 16
+        num_splits = min(16, triton.next_power_of_2(triton.cdiv(128, programs))) if few else 1
+    return _LaunchPlan(block_g=block_g, head_blocks=head_blocks, block_q=block_q,
+                       block_m=max(block_q * block_g, MIN_ROWS), q_blocks=q_blocks, num_splits=num_splits,
+                       block_d=max(triton.next_power_of_2(d), 16))
+
+
+def _split_partials(q: torch.Tensor, out: torch.Tensor, num_splits: int):
+    """fp32 (running max, sum, unnormalised output) of every split, merged by the second kernel;
+    with one split there is nothing to merge, and `out` stands in for the unused pointers."""
+    if num_splits <= 1:
+        return out, out, out
+    t, h, d = q.shape
+    part_m = torch.empty((num_splits, t, h), dtype=torch.float32, device=q.device)
+    return part_m, torch.empty_like(part_m), torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
+
+
+def _tree_args(tree_mask, query_pos, block_tables):
+    """(tree, query_pos, their strides) as the kernel reads them: the bool mask viewed as uint8
+    bytes (no copy). Without a tree (IS_TREE false) the kernel reads neither, so any int tensor
+    fills their places and their strides are 0."""
+    if tree_mask is None:
+        return block_tables, block_tables, (0, 0, 0)
+    tree = tree_mask.contiguous().view(torch.uint8)
+    return tree, query_pos, (tree.stride(0), tree.stride(1), query_pos.stride(0))
+
+
+def _launch(plan: _LaunchPlan, q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q,
+            tree_mask, query_pos, scale, sliding_window, softcap, invariant) -> None:
+    """The split kernel, then (with several splits) the merge of its partials into `out`: two
+    launches whose grids follow `plan` alone.
+
+    fp32 caches take exact fp32 products (not TF32), as does the interpreter, whose half-precision
+    tl.dot is wrong. Invariant calls under the interpreter take the products as elementwise
+    multiplies and per-row sums (`SUM_DOT`): the interpreter's `tl.dot` is numpy's BLAS matmul,
+    which rounds a row differently by its place in the block (measured, OpenBLAS 0.3.31 on the
+    project's CPU), while on a GPU each row of a `tl.dot` is one tensor-core reduction whatever
+    row of the block it sits in."""
+    t, h, d = q.shape
+    page, h_kv = k_cache.shape[1], k_cache.shape[2]
+    partials = _split_partials(q, out, plan.num_splits)
+    tree, query_pos, tree_strides = _tree_args(tree_mask, query_pos, block_tables)
+    _paged_attention_kernel[plan.grid(block_tables.shape[0], h_kv)](
+        q, k_cache, v_cache, out, *partials, block_tables, context_lens, cu_seqlens_q, tree, query_pos,
+        float(scale), float(softcap or 0.0), int(sliding_window or 0), t,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *tree_strides,
+        num_heads=h, groups=h // h_kv, head_dim=d, PAGE=page, BLOCK_Q=plan.block_q, BLOCK_G=plan.block_g,
+        BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N, BLOCK_D=plan.block_d, NUM_SPLITS=plan.num_splits,
+        HEAD_BLOCKS=plan.head_blocks, HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window),
+        IS_TREE=tree_mask is not None,
+        FP32_DOT=k_cache.dtype == torch.float32 or INTERPRETED, SPLIT_TILES=INVARIANT_SPLIT_TILES if invariant else 0,
+        SUM_DOT=invariant and INTERPRETED,
+    )
+    if plan.num_splits > 1:
+        _merge_splits_kernel[(t, h)](out, *partials, q.stride(0), q.stride(1), t,
+                                     num_heads=h, head_dim=d, BLOCK_D=triton.next_power_of_2(d),
+                                     NUM_SPLITS=plan.num_splits)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D] packed queries
     k_cache: torch.Tensor,  # [num_pages, PAGE, H_kv, D]
@@ -218,75 +341,17 @@ def paged_attention(
     invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of every packed query over its sequence's pages; returns `[T, H, D]` in q's dtype.
-    `num_splits` None: on CUDA, split the context when the batch is small (fewer than 128
-    programs); elsewhere (the interpreter) 1. `tree_mask` and `query_pos` go together.
-
+    `num_splits` None: chosen by `_launch_plan`. `tree_mask` and `query_pos` go together.
     `invariant`: every query's result is bitwise the same whatever else the call holds (engine
-    invariant mode): the program's shape no longer follows `max_query_len` (always
-    `max_query_block` tokens, so a query runs the same instructions in a 1-token step as in a
-    verify chunk) and the context splits at fixed key offsets (`INVARIANT_SPLIT_TILES` tiles per
-    split, the last split to the end; `num_splits` None: `INVARIANT_SPLITS` on CUDA, 1 elsewhere),
-    never at offsets chosen from the batch. Tiles a query sees nothing of leave its running max,
-    sum and output exactly as they were, so walking more of them changes no bit. On a GPU each
-    row of a `tl.dot` is one tensor-core reduction whatever row of the block it sits in; the
-    interpreter's `tl.dot` is numpy's BLAS matmul, which rounds a row differently by its place
-    in the block (measured, OpenBLAS 0.3.31 on the project's CPU), so interpreted invariant calls
-    take the products as elementwise multiplies and per-row sums (`SUM_DOT`)."""
+    invariant mode; fixed program shapes and key splits, `_launch_plan`; exact sums, `_launch`)."""
+    _check_args(q, k_cache, block_tables, max_query_len, tree_mask, query_pos, max_query_block)
     t, h, d = q.shape
-    page, h_kv = k_cache.shape[1], k_cache.shape[2]
-    if page & (page - 1) or h % h_kv:
-        raise ValueError(f"block_size must be a power of two and heads a multiple of kv heads, got {page}, {h}/{h_kv}")
-    if max_query_block < 1 or max_query_block & (max_query_block - 1):
-        raise ValueError(f"max_query_block must be a power of two >= 1, got {max_query_block}")
-    b = block_tables.shape[0]
-    is_tree = tree_mask is not None
-    if is_tree != (query_pos is not None):
-        raise ValueError("tree_mask and query_pos go together")
-    if is_tree and (tuple(tree_mask.shape) != (b, max_query_len, max_query_len)
-                    or tuple(query_pos.shape) != (b, max_query_len)):
-        raise ValueError(f"tree_mask must be [B={b}, Tq, Tq] and query_pos [B, Tq] with Tq={max_query_len}, "
-                         f"got {list(tree_mask.shape)} and {list(query_pos.shape)}")
-    groups = h // h_kv
-    block_g = min(triton.next_power_of_2(groups), MAX_ROWS)  # heads of one group per program
-    head_blocks = triton.cdiv(groups, block_g)
-    wanted = max_query_block if invariant else triton.next_power_of_2(max(max_query_len, 1))
-    block_q = min(wanted, max_query_block, max(MAX_ROWS // block_g, 1))
-    block_m = max(block_q * block_g, MIN_ROWS)
-    q_blocks = triton.cdiv(max_query_len, block_q)
-    programs = b * h_kv * head_blocks * q_blocks
-    if num_splits is None and invariant:
-        num_splits = INVARIANT_SPLITS if q.device.type == "cuda" else 1
-    if num_splits is None:
-        few = q.device.type == "cuda" and programs < 128 and max_query_len <= 16
-        num_splits = min(16, triton.next_power_of_2(triton.cdiv(128, programs))) if few else 1
+    plan = _launch_plan(block_tables.shape[0], h, k_cache.shape[2], d, max_query_len, max_query_block,
+                        num_splits, invariant, q.device.type == "cuda")
     q = q.contiguous()
     out = torch.empty_like(q)
-    if num_splits > 1:
-        part_m = torch.empty((num_splits, t, h), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_o = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_o = out  # unused
-    if is_tree:
-        tree = tree_mask.contiguous().view(torch.uint8)  # bool -> uint8 without a copy
-        tree_strides = (tree.stride(0), tree.stride(1), query_pos.stride(0))
-    else:
-        tree, query_pos, tree_strides = block_tables, block_tables, (0, 0, 0)  # unused
-    block_d = max(triton.next_power_of_2(d), 16)
-    _paged_attention_kernel[(b, h_kv * head_blocks, q_blocks * num_splits)](
-        q, k_cache, v_cache, out, part_m, part_l, part_o, block_tables, context_lens, cu_seqlens_q, tree, query_pos,
-        float(scale), float(softcap or 0.0), int(sliding_window or 0), t,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        *tree_strides,
-        num_heads=h, groups=groups, head_dim=d, PAGE=page, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, BLOCK_D=block_d, NUM_SPLITS=num_splits, HEAD_BLOCKS=head_blocks,
-        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=bool(sliding_window), IS_TREE=is_tree,
-        FP32_DOT=k_cache.dtype == torch.float32 or INTERPRETED, SPLIT_TILES=INVARIANT_SPLIT_TILES if invariant else 0,
-        SUM_DOT=invariant and INTERPRETED,
-    )
-    if num_splits > 1:
-        _merge_splits_kernel[(t, h)](out, part_m, part_l, part_o, q.stride(0), q.stride(1), t,
-                                     num_heads=h, head_dim=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits)
+    _launch(plan, q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q, tree_mask, query_pos,
+            scale, sliding_window, softcap, invariant)
     return out
 
 
