@@ -18,6 +18,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .attention.positions import left_padded, position_embedders
+from .base.checks import positive_int
 from .engine.sequence import DecodeConfig
 from .mixers.recurrent import mixer_modules, state_only
 from .outputs import CACHE_FIELD
@@ -81,29 +82,14 @@ class Request:
             raise ValueError("one prompt per input row")
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int (>= 1), got {value}")
-    return int(value)
-
-
 def _check_raw(kwargs: dict) -> None:
     """Our own checks on what the user passed, before HF's config merges it."""
     if "seed" in kwargs:  # vLLM's and others' name; HF's generate has none
         raise TypeError("generate() got an unexpected keyword argument 'seed': a call's sampling seed is drawn from "
                         "torch's default generator, as HF's sampling draws from it; call torch.manual_seed(seed) first")
-    if kwargs.get("prompt_lookup_num_tokens") is not None:
-        _positive_int("prompt_lookup_num_tokens", kwargs["prompt_lookup_num_tokens"])
-    if kwargs.get("max_matching_ngram_size") is not None:
-        _positive_int("max_matching_ngram_size", kwargs["max_matching_ngram_size"])
-    mnt = kwargs.get("max_new_tokens")
-    if mnt is not None:
-        if isinstance(mnt, bool) or not isinstance(mnt, (int, np.integer)):
-            raise TypeError(f"max_new_tokens must be an int, got {type(mnt).__name__}")
-        if mnt < 1:  # HF's own rule (GenerationConfig.validate): greater than 0
-            raise ValueError(f"max_new_tokens must be greater than 0, got {mnt}")
+    # max_new_tokens: HF's own rule (GenerationConfig.validate), greater than 0
+    for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "max_new_tokens"):
+        positive_int(name, kwargs.get(name), none_ok=True)
 
 
 def _check_token_range(model, input_ids: torch.Tensor) -> None:
@@ -125,9 +111,7 @@ def _check_sampling(config: GenerationConfig) -> None:
     p = config.top_p
     if p is not None and (not isinstance(p, (int, float)) or not 0.0 < p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-    k = config.top_k
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-        raise ValueError(f"top_k must be an int >= 0, got {k!r}")
+    positive_int("top_k", config.top_k, minimum=0, none_ok=True, type_error=ValueError)
     mp = config.min_p
     if mp is not None and (not isinstance(mp, (int, float)) or not 0.0 <= mp <= 1.0):
         raise ValueError(f"min_p must be in [0, 1], got {mp!r}")
@@ -284,7 +268,7 @@ def own_arguments(model, own: dict, args: dict) -> OwnArgs:
     """Part 1 of `resolve`: hf_plookup's own arguments, checked (types and ranges)."""
     tree_nodes = own.get("prompt_lookup_tree_nodes")
     if tree_nodes is not None:
-        tree_nodes = _positive_int("prompt_lookup_tree_nodes", tree_nodes)
+        tree_nodes = positive_int("prompt_lookup_tree_nodes", tree_nodes)
     cross_rows = own.get("draft_cross_rows", False)
     if not isinstance(cross_rows, bool):
         raise TypeError(f"draft_cross_rows must be True or False, got {cross_rows!r}")
@@ -428,9 +412,9 @@ def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Reques
     own logits processors and stopping criteria) and the rows it runs."""
     config, model_kwargs, input_ids, mask = call.config, call.model_kwargs, call.input_ids, call.mask
     k = config.prompt_lookup_num_tokens
-    k = 0 if k is None else _positive_int("prompt_lookup_num_tokens", k)
+    k = 0 if k is None else positive_int("prompt_lookup_num_tokens", k)
     n = config.max_matching_ngram_size
-    n = 2 if n is None else _positive_int("max_matching_ngram_size", n)
+    n = 2 if n is None else positive_int("max_matching_ngram_size", n)
     own.check_drafting(k)
     width = input_ids.shape[1]
     max_new = _max_new_tokens(model, config, width, input_ids, call.has_default_max_length, call.has_default_min_length)

@@ -343,8 +343,8 @@ def test_wrap_keeps_torch_thread_count():
 
 
 def test_prefill_chunk_by_device():
-    """max_batch_tokens: what the user gives, else the device type's default (engine.MAX_BATCH_TOKENS)."""
-    from hf_plookup.engine.engine import MAX_BATCH_TOKENS
+    """max_batch_tokens: what the user gives, else the device type's default (engine.plan.MAX_BATCH_TOKENS)."""
+    from hf_plookup.engine.plan import MAX_BATCH_TOKENS
 
     model = tiny_model("llama")
     assert wrap_copy(model, max_cache_tokens=512)._engine.options.max_batch_tokens == MAX_BATCH_TOKENS["cpu"] == 1024

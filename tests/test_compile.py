@@ -12,7 +12,7 @@ import hf_plookup
 from hf_plookup.attention.ops import compiled_paged_attention, paged_attention
 from hf_plookup.attention.sdpa import sdpa_paged_attention
 from hf_plookup.steps import graphs
-from hf_plookup.engine.engine import resolve_compile
+from hf_plookup.engine.plan import resolve_compile
 from tests.conftest import ARCHS, EAGER_ONLY, left_padded, paged_step, tiny_model, wrap_copy
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ..base.checks import positive_int
+
 __all__ = ["NgramProposer", "match_cap", "propose_batch", "propose_serial", "vote"]
 
 # match lengths are measured up to this many tokens (or max_ngram if larger): a longer match
@@ -188,23 +190,15 @@ def propose_serial(history, rows, lengths, max_drafts, k, longest, min_ngram, re
 PARALLEL_MIN_BATCH = 32
 
 
-def _check_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 class NgramProposer:
     """Prompt-lookup drafts for a whole batch: HF's argument meanings (k drafts, suffixes of
     min_ngram tokens or more), the draft chosen by the vote of the longest matches (module
     docstring) rather than HF's most recent match of at most max_ngram tokens."""
 
     def __init__(self, k: int, max_ngram: int = 2, min_ngram: int = 1):
-        self.k = _check_int("prompt_lookup_num_tokens", k)
-        self.max_ngram = _check_int("max_matching_ngram_size", max_ngram)
-        self.min_ngram = _check_int("min_ngram", min_ngram)
+        self.k = positive_int("prompt_lookup_num_tokens", k)
+        self.max_ngram = positive_int("max_matching_ngram_size", max_ngram)
+        self.min_ngram = positive_int("min_ngram", min_ngram)
         if self.min_ngram > self.max_ngram:
             raise ValueError(
                 f"min_ngram ({self.min_ngram}) must be <= max_matching_ngram_size ({self.max_ngram})"

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
+from ..base.checks import positive_int
 from .ngram import RECENT_WEIGHT, RECENT_WINDOW, SHORT_WEIGHT, match_cap, vote
 from .suffix import SuffixIndex, _slot
 
@@ -379,12 +380,12 @@ class TreeProposer:
     def __init__(self, k: int, budget: int, max_ngram: int = 2, min_ngram: int = 1,
                  short_weight: float = SHORT_WEIGHT,
                  decay: float = 0.8, max_candidates: int = MAX_CANDIDATES):
-        from .ngram import PARALLEL_MIN_BATCH, _check_int
+        from .ngram import PARALLEL_MIN_BATCH
 
-        self.k = _check_int("prompt_lookup_num_tokens", k)
-        self.budget = _check_int("prompt_lookup_tree_nodes", budget)
-        self.max_ngram = _check_int("max_matching_ngram_size", max_ngram)
-        self.min_ngram = _check_int("min_ngram", min_ngram)
+        self.k = positive_int("prompt_lookup_num_tokens", k)
+        self.budget = positive_int("prompt_lookup_tree_nodes", budget)
+        self.max_ngram = positive_int("max_matching_ngram_size", max_ngram)
+        self.min_ngram = positive_int("min_ngram", min_ngram)
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_matching_ngram_size ({self.max_ngram})")
         if not 0.0 <= short_weight <= 1.0:
@@ -392,7 +393,7 @@ class TreeProposer:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.short_weight, self.decay = float(short_weight), float(decay)
-        self.max_candidates = _check_int("max_candidates", max_candidates)
+        self.max_candidates = positive_int("max_candidates", max_candidates)
         self._parallel_min = PARALLEL_MIN_BATCH
         self._scratch: Scratch | None = None
         hist = np.array([[1, 2, 1, 2, 1]] * PARALLEL_MIN_BATCH, dtype=np.int64)  # warm both kernels

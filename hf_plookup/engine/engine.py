@@ -1,5 +1,6 @@
 """The loop: schedule -> propose -> run -> verify -> commit, over the rows of one `generate`
-call and of the concurrent calls that join it (engine.batch holds the rows)."""
+call and of the concurrent calls that join it (engine.batch holds the rows). What an engine runs
+with is decided before it is built (engine.plan)."""
 
 from __future__ import annotations
 
@@ -9,30 +10,29 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..attention.ops import COMPILABLE_BACKENDS
-from ..attention.positions import position_embedders
-from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS, resolve_backend, resolve_block_size
+from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS
+from ..base.checks import positive_int
 from ..steps.head import head_chooser
 from ..cpu.huge_pages import to_huge_pages
-from ..cpu.packed_weight import pack_linears, packing_bytes, unpack_linears
-from ..invariant.linears import CAPTURED_INVARIANT_BACKENDS, InvariantLinears, resolve_invariant
+from ..cpu.packed_weight import pack_linears, unpack_linears
+from ..invariant.linears import InvariantLinears
 from ..steps.graphs import GraphRunner, batch_bucket
 from ..drafting.memory import DraftMemory
 from ..drafting.ngram import NgramProposer
 from ..drafting.sampling import history_free
 from ..drafting.tree import TreeProposer
-from ..mixers.recurrent import RecurrentMixers
 from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
 from .budget import Acceptance, DraftBudget
-from .distributed import agree_min, agree_seed, tensor_parallel
+from .distributed import agree_min, agree_seed
 from .layout import lay_out
-from .kv_cache import BlockManager, PagedKVCache, check_cpu_memory, default_num_tokens, layer_specs
+from .kv_cache import BlockManager, PagedKVCache, default_num_tokens
+from .plan import EnginePlan
 from .prefix import PrefixPool, copy_caller_kv
 from ..steps.c_layers import CpuLayers
 from ..steps.runner import ModelRunner
@@ -50,7 +50,7 @@ class EngineOptions:
     max_cache_tokens: int | None = None  # KV capacity in tokens (None: from available memory)
     num_blocks: int | None = None  # KV capacity in blocks (overrides max_cache_tokens)
     block_size: int | None = None  # tokens per page (None: 16, or 256 with flash_attn, which needs multiples of 256)
-    max_batch_tokens: int | None = None  # token budget of one prefill step (None: MAX_BATCH_TOKENS by device)
+    max_batch_tokens: int | None = None  # token budget of one prefill step (None: plan.MAX_BATCH_TOKENS by device)
     max_num_seqs: int = 256  # most sequences running at once
     # share of free memory for the KV cache when no capacity is given: of available RAM on CPU;
     # on CUDA of the memory left free after a warm-up forward of max_batch_tokens tokens, less
@@ -61,15 +61,15 @@ class EngineOptions:
     pad_drafts: bool = False  # every sequence of a verify step feeds k + 1 tokens (missing drafts padded)
     join_calls: bool = True  # concurrent generate calls join the running loop when their configs allow
     # decode/verify steps through torch.compile (inductor), one graph per bucket, then captured in
-    # CUDA graphs when cuda_graphs is on: True | False | "auto" (on where it measured faster: see
-    # COMPILE_AUTO)
+    # CUDA graphs when cuda_graphs is on: True | False | "auto" (off for now: see
+    # plan.COMPILE_BY_DEFAULT)
     compile: bool | str = "auto"
     # drafts (a chain's, a tree's nodes) whose score (estimated chance that verification reaches
     # them) is below this are left out; None: on CPU the drafts that pay for their share of the
     # step by what steps measured to cost (engine.budget), on CUDA every draft
     tree_min_score: float | None = None
     # every token computed bitwise as in a 1-token step (invariant.linears): True | False | "auto"
-    # (on where it measured cheap: see invariant.INVARIANT_AUTO)
+    # (on where it measured cheap: see invariant.linears.INVARIANT_AUTO)
     invariant: bool | str = "auto"
     # keep full pages of prefilled prompts after a call and reuse them for prompts that start the
     # same way: True | False | "auto" (on where a pooled page holds the bits a fresh prefill
@@ -81,14 +81,9 @@ class EngineOptions:
     draft_memory_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_cache_tokens", "num_blocks"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
-        for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
-            v = getattr(self, name)
-            if (v is not None or name == "max_num_seqs") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("max_cache_tokens", "num_blocks", "block_size", "max_batch_tokens", "max_num_seqs"):
+            setattr(self, name, positive_int(name, getattr(self, name), none_ok=name != "max_num_seqs",
+                                             type_error=ValueError))
         for name in ("cuda_graphs", "pad_drafts", "join_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -101,9 +96,8 @@ class EngineOptions:
             v = getattr(self, name)
             if v not in ("auto", True, False) or not isinstance(v, (bool, str)):
                 raise ValueError(f"{name} must be 'auto', True or False, got {v!r}")
-        if (isinstance(self.draft_memory_tokens, bool) or not isinstance(self.draft_memory_tokens, int)
-                or self.draft_memory_tokens < 0):
-            raise ValueError(f"draft_memory_tokens must be an int >= 0, got {self.draft_memory_tokens!r}")
+        self.draft_memory_tokens = positive_int("draft_memory_tokens", self.draft_memory_tokens, minimum=0,
+                                                type_error=ValueError)
         if not 0.0 < self.cache_memory_fraction <= 1.0:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction!r}")
         if self.attn_backend not in BACKEND_CHOICES:
@@ -112,28 +106,12 @@ class EngineOptions:
 
 # a call with at least this many decode steps, most of them eager with graphs or compile on, logs a line (warn_eager)
 EAGER_WARN_MIN_STEPS = 8
-# Where compile="auto" turns compiled steps on, by device type: where whole generate calls ran faster
-# with them than without (docs/results.md, "GPU end to end"). On CUDA, CUDA graphs of the eager
-# step won end to end; compiled steps stay opt-in (compile=True) until they win there too.
-COMPILE_AUTO = {"cuda": False, "cpu": False}
-# tree_min_score=None on CUDA: every draft is offered, and the uniform step's width (engine.widths)
-# decides how many each row feeds; on CPU the draft budget decides (engine.budget)
-TREE_MIN_SCORE_CUDA = 0.0
-# max_batch_tokens=None: tokens of one prefill step by device type. On a GPU an eager step's cost is
-# mostly its kernel launches, whatever its tokens, so a batch's prompts go in few large steps (vLLM
-# and SGLang chunk prefills at 8192 tokens too); a CPU's step cost grows with its tokens, and smaller
-# chunks keep a step's activations in cache.
-MAX_BATCH_TOKENS = {"cuda": 8192, "cpu": 1024}
 # rows of logits a step keeps that the KV cache's sizing leaves memory for: a prompt chunk keeps one
 # row per sequence, a verify step one per fed token (256 sequences of 4 tokens)
 LOGITS_ROWS = 1024
 # nodes of the trees drafted by default (under the draft budget) per prompt_lookup_num_tokens: room for
 # a chain of k and as many alternatives; the budget feeds few of them where steps cost
 TREE_NODES_PER_DRAFT = 2
-# invariant mode cuts prompts into chunks at multiples of this many tokens from their start (at
-# most max_batch_tokens): a chunk's rows then come out the same whatever else runs, and a pooled
-# prefix ends where a fresh prefill's chunk would, so the rest of the prompt is chunked as without it
-PREFILL_UNIT = 128
 
 
 def weights_fingerprint(model: torch.nn.Module) -> tuple | None:
@@ -152,37 +130,6 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple | None:
             parts.append((m._active_adapter if isinstance(m._active_adapter, str) else tuple(m._active_adapter),
                           getattr(m, "_disable_adapters", None), repr(getattr(m, "scaling", None))))
     return tuple(parts)
-
-
-def sdpa_only_reason(specs: list) -> str | None:
-    """Why only the sdpa backend can run layers with these specs, or None."""
-    if any(s.value_head_dim for s in specs):
-        return "its layers' values have another head size than their keys (multi-head latent attention)"
-    if any(s.sinks for s in specs):
-        return "its attention has sinks (an extra logit per head in the softmax, as in gpt-oss)"
-    return None
-
-
-def resolve_compile(requested: bool | str, devices: list[torch.device], backend: str, hooked: bool = False,
-                    eager_only: str | None = None) -> bool:
-    """Whether steps run compiled. True where it cannot work is a ValueError. `hooked`: accelerate
-    hooks move or load weights around module calls (`device_map` dispatch, CPU/disk offload),
-    which neither a compiled graph nor a CUDA graph can hold. `eager_only`: why this model's steps
-    run eagerly only (a patch around each forward, an attention feature the compiled op lacks)."""
-    reason = None
-    if backend not in COMPILABLE_BACKENDS:
-        reason = f"compiled steps support attn_backend {COMPILABLE_BACKENDS}, this model runs {backend!r}"
-    elif len(devices) != 1:
-        reason = f"compiled steps need the model on one device, it is on {[str(d) for d in devices]}"
-    elif hooked:
-        reason = "the model is dispatched or offloaded by accelerate (its modules carry hooks)"
-    elif eager_only:
-        reason = eager_only
-    if requested is True and reason is not None:
-        raise ValueError(f"compile=True cannot run: {reason}; use compile=False or 'auto'")
-    if requested == "auto":
-        return reason is None and COMPILE_AUTO.get(devices[0].type, False)
-    return bool(requested)
 
 
 def warn_eager(stats: SpecStats, min_steps: int = EAGER_WARN_MIN_STEPS) -> bool:
@@ -207,74 +154,36 @@ class Engine:
     def __init__(self, model: torch.nn.Module, options: EngineOptions):
         self.model = model
         parts = [("start", time.perf_counter())]  # wrap's parts, logged at debug level
-        self.specs = layer_specs(model)
-        parts.append(("probe", time.perf_counter()))
-        devices = sorted({s.device for s in self.specs}, key=str)
-        dtypes = sorted({s.dtype for s in self.specs}, key=str)
-        backend = resolve_backend(options.attn_backend, devices, dtypes, sdpa_only_reason(self.specs))
-        # resolved: the backend that runs (what stats report) and its block size
-        chunk = options.max_batch_tokens or MAX_BATCH_TOKENS.get(devices[0].type, MAX_BATCH_TOKENS["cpu"])
-        self.options = replace(options, attn_backend=backend, block_size=resolve_block_size(backend, options.block_size),
-                               max_batch_tokens=chunk)
-        hooked = any(hasattr(m, "_hf_hook") for m in model.modules())  # accelerate dispatch / offload
-        # position embedders handed each step's positions (attention.positions)
-        self.embedders = position_embedders(model)
-        self.use_graphs = options.cuda_graphs and len(devices) == 1 and devices[0].type == "cuda" and not hooked
-        # recurrent mixers (hybrid and state-space models): their per-sequence states (mixers.recurrent)
-        self.mixers = RecurrentMixers(model)
-        eager_only = None  # why steps cannot be compiled or captured
-        if self.mixers:
-            eager_only = "its recurrent mixers run row by row with each sequence's state"
-        elif self.embedders:
-            eager_only = "its position embedding counts positions from its cache (they are handed to it eagerly)"
-        elif any(s.sinks for s in self.specs):
-            eager_only = "its attention has sinks (the compiled attention op has none)"
-        self.use_compile = resolve_compile(options.compile, devices, backend, hooked, eager_only)
-        self.use_graphs = self.use_graphs and eager_only is None  # a captured step holds neither
-        self.tensor_parallel = tensor_parallel(model)  # ranks must agree on every decision (engine.distributed)
-        invariant = resolve_invariant(options.invariant, devices, dtypes, backend, compiled=self.use_compile,
-                                      hooked=hooked, distributed=self.tensor_parallel)
-        packs = invariant and devices[0].type == "cpu" and len(devices) == 1 and not hooked and not self.use_compile
-        if devices[0].type == "cpu":  # a cache (and packing) that cannot fit is said now, not by the OOM killer
-            tokens = options.num_blocks * self.options.block_size if options.num_blocks else options.max_cache_tokens
-            check_cpu_memory(self.specs, tokens, packing_bytes(model) if packs else 0,
-                             sum(p.numel() * p.element_size() for p in model.parameters()))
+        self.plan = plan = EnginePlan.of(model, options, timings=parts)  # what runs (engine.plan)
         parts.append(("setup", time.perf_counter()))
-        if packs:
-            # the C kernels' packed layout becomes the linear weights' only copy (cpu.packed_weight)
-            pack_linears(model)
-            parts.append(("packing", time.perf_counter()))
-            # the other parameters copied off the memory they shared with the linears' originals (a
-            # checkpoint's file mapping is then let go), onto 2 MB pages (cpu.huge_pages)
-            to_huge_pages(model)
-            parts.append(("other weights to 2 MB pages", time.perf_counter()))
-        self.prefill_unit = min(PREFILL_UNIT, self.options.max_batch_tokens) if invariant else None
-        self.invariant = InvariantLinears(model, self.prefill_unit) if invariant else None
+        # the plan's decisions that calls read
+        self.specs, self.options, self.embedders, self.mixers = plan.specs, plan.options, plan.embedders, plan.mixers
+        self.use_compile, self.use_graphs, self.width_policy = plan.use_compile, plan.use_graphs, plan.width_policy
+        self.tensor_parallel, self.tree_min_score = plan.tensor_parallel, plan.tree_min_score
+        self.prefill_unit, self.prefix_cache, self.prefix_unit_pages = (plan.prefill_unit, plan.prefix_cache,
+                                                                        plan.prefix_unit_pages)
+        if plan.packs:
+            self._pack(parts)
+        self.invariant = InvariantLinears(model, plan.prefill_unit) if plan.invariant else None
         # invariant decode steps of a Llama-form model in C, two calls a layer (steps.c_layers)
-        self.c_layers = CpuLayers.of(model, self.invariant.forms) if invariant else None
+        self.c_layers = CpuLayers.of(model, self.invariant.forms) if plan.invariant else None
         parts.append(("invariant mode's checks", time.perf_counter()))
-        if invariant and backend not in CAPTURED_INVARIANT_BACKENDS:
-            self.use_graphs = False
-        auto = options.tree_min_score is None
-        self.tree_min_score = TREE_MIN_SCORE_CUDA if auto else options.tree_min_score
-        self._graphs: GraphRunner | None = None
-        # unpadded eager CPU steps: drafts fed by measured step costs and acceptance (kept across
-        # calls; engine.budget). Padded steps cost their width whatever is fed, and under tensor
-        # parallel the ranks would time their steps apart and disagree.
-        self.budget = (DraftBudget() if auto and devices[0].type == "cpu" and not self.tensor_parallel
-                       and self.pad_to(1) is None else None)
-        # uniform verify steps in CUDA graphs take one width per step, from what steps of each width
-        # measured to cost and how often drafts were accepted (engine.widths), chains and trees alike
-        self.width_policy = self.use_graphs
-        self.step_costs = StepCosts()
+        self.budget = DraftBudget() if plan.budget else None  # kept across calls (engine.budget)
+        self.step_costs = StepCosts()  # what uniform steps of each width cost (engine.widths)
         # tree nodes' acceptance by score, for those widths (a chain's drafts take their row's rate);
         # kept across calls, as the budget's
         self.acceptance = {"tree": Acceptance()}
         # CPU: the LM head's faster matmul layout for multi-row steps (timed, so not under tensor parallel)
-        self.head = None if self.tensor_parallel else head_chooser(model)
+        self.head = None if plan.tensor_parallel else head_chooser(model)
         parts.append(("the rest", time.perf_counter()))
         logger.debug("hf_plookup engine built in %.2f s: %s", parts[-1][1] - parts[0][1],
                      ", ".join(f"{name} {t - t0:.2f} s" for (_, t0), (name, t) in zip(parts, parts[1:])))
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """What calls build and keep: the cache (allocated on first use), the captured or compiled
+        steps, the proposers, the running loop's rows and the calls waiting to join it."""
+        self._graphs: GraphRunner | None = None
         self._capacity: int | None = None
         self._cache: PagedKVCache | None = None
         self.blocks: BlockManager | None = None  # the cache's blocks; all free between calls
@@ -284,22 +193,20 @@ class Engine:
         self._state_lock = threading.Lock()  # guards _batch and _pending
         self._batch: Batch | None = None  # the running loop's rows
         self._pending: list[Call] = []  # calls waiting to join it at the next step
-        # prefix pool (BlockManager): on with invariant mode under "auto"; its pages are kept as
-        # long as the weights' fingerprint does not change
-        self.prefix_cache = invariant if options.prefix_cache == "auto" else bool(options.prefix_cache)
-        if self.mixers:  # a pooled page holds keys, not the recurrent state after it
-            if options.prefix_cache is True:
-                raise ValueError("prefix_cache=True cannot run: this model's recurrent mixers keep a state per "
-                                 "sequence that pooled pages do not hold; use prefix_cache=False or 'auto'")
-            self.prefix_cache = False
-        bs = self.options.block_size
-        unit = self.prefill_unit or max(bs, PREFILL_UNIT // bs * bs)
-        if unit % bs:  # a chunk unit that is not whole pages (max_batch_tokens < block_size)
-            self.prefix_cache = False
-        self.prefix_unit_pages = max(unit // bs, 1)
-        self._weights: tuple | None = None  # the fingerprint the pooled pages were computed under
+        # the weights' fingerprint the prefix pool's pages were computed under: they are kept as
+        # long as it does not change
+        self._weights: tuple | None = None
         # what earlier calls generated: a source of candidate trees (drafting.memory)
-        self.memory = DraftMemory(options.draft_memory_tokens)
+        self.memory = DraftMemory(self.options.draft_memory_tokens)
+
+    def _pack(self, parts: list) -> None:
+        """The C kernels' packed layout becomes the linear weights' only copy (cpu.packed_weight);
+        the other parameters are copied off the memory they shared with the linears' originals (a
+        checkpoint's file mapping is then let go), onto 2 MB pages (cpu.huge_pages)."""
+        pack_linears(self.model)
+        parts.append(("packing", time.perf_counter()))
+        to_huge_pages(self.model)
+        parts.append(("other weights to 2 MB pages", time.perf_counter()))
 
     @property
     def capacity_blocks(self) -> int:
@@ -422,96 +329,156 @@ class Engine:
             return self._loop(call)
 
     def _loop(self, own: Call) -> GenerationResult:
-        """Run steps until every row of `own` and of the calls that join meanwhile is done."""
-        cfg = own.cfg
-        if cfg.do_sample:
-            # the call's sampling seed, from the generator HF's sampling would draw from
+        """Run steps until every row of `own` and of the calls that join meanwhile is done: schedule
+        (drafts proposed) -> lay out -> run -> postprocess (verify, commit)."""
+        self._seed(own)
+        if self.use_compile:  # compiled steps trace plain parameters: weights packed in place (by
+            unpack_linears(self.model)  # another engine of the same modules: cpu.packed_weight) go plain
+        cache = self.cache()
+        graphs = self.graph_runner()
+        graph_seconds = _graph_seconds(graphs)  # compile and capture time before this call
+        batch = self._new_batch(own.cfg, cache, graphs)
+        runner = ModelRunner(self.model, cache, self.options.attn_backend, graphs, self.head, self.invariant,
+                             self.c_layers, self.embedders, self.mixers)
+        pad_to = self.pad_to(batch.width_drafts if batch.proposer is not None else 0)  # plain decoding feeds 1 token
+        self._open(batch, own)
+        try:
+            while self._admit(batch):
+                batch.step_width = None  # set by propose, which decode steps alone call
+                chunks = batch.sched.schedule(batch.propose)
+                layout = lay_out(chunks, batch.history, self.blocks, cache.scratch_block,
+                                 batch.parents if batch.tree else None, batch.pads,
+                                 pad_to if batch.step_width is None else batch.step_width, bool(self.embedders))
+                timer = StepTimer(batch, chunks, graphs, self.budget, self.step_costs)
+                logits = runner.run(layout)  # [N, V] at layout.keep
+                timer.ran(layout)
+                for call in batch.postprocess(chunks, layout, logits, runner.last_path, runner.last_reason):
+                    if call is not own:
+                        call.done.set()  # a joiner returns as soon as its rows are done
+                timer.postprocessed(layout, runner.last_path)
+        except BaseException as e:
+            self._fail_joiners(batch, own, e)
+            raise
+        finally:
+            self._close(own, graphs, graph_seconds)
+        if graphs is not None:
+            warn_eager(own.stats)
+        self._remember(batch)
+        return own.result if own.result is not None else batch.result(own)
+
+    def _seed(self, own: Call) -> None:
+        """A sampling call's seed, from the generator HF's sampling would draw from."""
+        if own.cfg.do_sample:
             own.seed = int(torch.randint(0, 2**63 - 1, (1,), device=self.specs[0].device).item())
             if self.tensor_parallel:
                 # every rank samples with rank 0's seed, so the ranks draw the same tokens
                 own.seed = agree_seed(own.seed)
-        if self.use_compile:  # compiled steps trace plain parameters: weights packed in place (by
-            unpack_linears(self.model)  # another engine of the same modules: cpu.packed_weight) go plain
-        cache = self.cache()
-        blocks = self.blocks
-        graphs = self.graph_runner()
-        compile_before = graphs.compile_seconds if graphs is not None else 0.0
-        capture_before = graphs.capture_seconds if graphs is not None else 0.0
-        sched = Scheduler(blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
+
+    def _new_batch(self, cfg: DecodeConfig, cache: PagedKVCache, graphs: GraphRunner | None) -> Batch:
+        """The rows of a loop started by a call of `cfg`: its scheduler, proposer, prefix pool (or
+        the callers' past_key_values) and the widths its uniform steps choose among."""
+        sched = Scheduler(self.blocks, self.options.max_batch_tokens, self.options.max_num_seqs,
                           aligned_prefill=self.prefill_unit, units_per_chunk=1 if self.mixers else None)
         proposer = self.proposer(cfg)
         sized = self.width_policy and isinstance(proposer, TreeProposer)  # trees' widths read the counts
         batch = Batch(cfg, proposer, sched, self._ids, cache, self.tree_min_score, self.budget,
                       self.memory.docs(), self.acceptance if sized else None)
         if self._pool_valid():
-            pool = PrefixPool(batch, blocks, cache, self.prefix_unit_pages)
+            pool = PrefixPool(batch, self.blocks, cache, self.prefix_unit_pages)
             sched.on_admit, sched.defer, batch.register = pool.admit, pool.defer, pool.register
         else:  # the caller's past_key_values still spare their prefill
-            sched.on_admit = functools.partial(copy_caller_kv, batch, blocks, cache)
-        drafts = batch.width_drafts if batch.proposer is not None else 0  # plain decoding feeds 1 token per step
-        widths = ()  # the widths this call's uniform steps choose among (none: each step's is fixed)
-        if self.width_policy and batch.proposer is not None:
-            widths = candidate_widths(cfg.k, batch.proposer.budget if batch.tree else 0)
-            batch.width_of = lambda chances, drafts: choose_width(self.step_costs, batch_bucket(len(drafts)), widths,
-                                                                  chances, drafts)
+            sched.on_admit = functools.partial(copy_caller_kv, batch, self.blocks, cache)
+        widths = self._widths(batch)
         if graphs is not None:
             graphs.widths = widths  # a bucket's widths captured together (steps.graphs)
-        runner = ModelRunner(self.model, cache, self.options.attn_backend, graphs, self.head, self.invariant,
-                             self.c_layers, self.embedders, self.mixers)
-        pad_to = self.pad_to(drafts)
+        return batch
+
+    def _widths(self, batch: Batch) -> tuple:
+        """The widths this loop's uniform steps choose among by measured cost (engine.widths), set
+        as `batch.width_of`; none: each step's width is fixed."""
+        if not (self.width_policy and batch.proposer is not None):
+            return ()
+        widths = candidate_widths(batch.cfg.k, batch.proposer.budget if batch.tree else 0)
+        batch.width_of = lambda chances, drafts: choose_width(self.step_costs, batch_bucket(len(drafts)), widths,
+                                                              chances, drafts)
+        return widths
+
+    def _open(self, batch: Batch, own: Call) -> None:
+        """Admit `own`'s rows and let other calls join the loop; a streamer gets the prompt first."""
         batch.add(own)
         with self._state_lock:
             self._batch = batch
-        if cfg.streamer is not None:
-            cfg.streamer.put(torch.from_numpy(cfg.hf_input_ids))
-        try:
-            while True:
-                with self._state_lock:  # admit joiners; end the loop only with none pending
-                    for call in self._pending:
-                        batch.add(call)
-                    self._pending.clear()
-                    if sched.done:
-                        self._batch = None
-                        break
-                batch.step_width = None  # set by propose, which decode steps alone call
-                chunks = sched.schedule(batch.propose)
-                layout = lay_out(chunks, batch.history, blocks, cache.scratch_block,
-                                 batch.parents if batch.tree else None, batch.pads,
-                                 pad_to if batch.step_width is None else batch.step_width, bool(self.embedders))
-                timed = batch.step_width is not None  # a width chosen by cost: time the step for the next choices
-                # an eager decode step under the draft budget: what its fed tokens cost, for the next choices
-                budgeted = self.budget is not None and batch.proposer is not None and not any(c.is_prefill for c in chunks)
-                t0 = time.perf_counter()
-                if timed:
-                    known = len(graphs.graphs)
-                logits = runner.run(layout)  # [N, V] at layout.keep
-                if budgeted:
-                    self.budget.costs.record(layout.num_tokens, time.perf_counter() - t0)
-                for call in batch.postprocess(chunks, layout, logits, runner.last_path, runner.last_reason):
-                    if call is not own:
-                        call.done.set()  # a joiner returns as soon as its rows are done
-                if timed and runner.last_path != "eager" and len(graphs.graphs) == known:
-                    # a uniform step that built no new bucket (no compile, no capture): what its width costs
-                    self.step_costs.record(layout.max_query_len, batch_bucket(layout.num_seqs), time.perf_counter() - t0)
-        except BaseException as e:
-            with self._state_lock:
-                pending, self._pending, self._batch = self._pending, [], None
-            for call in batch.calls + pending:
-                if call is not own and not call.done.is_set():
-                    call.error = e
-                    call.done.set()
-            raise
-        finally:
-            blocks.free_all()
-            self.mixers.states.clear()
-            if graphs is not None:
-                own.stats.compile_time += graphs.compile_seconds - compile_before
-                own.stats.capture_time += graphs.capture_seconds - capture_before
-            if cfg.streamer is not None:
-                cfg.streamer.end()
+        if own.cfg.streamer is not None:
+            own.cfg.streamer.put(torch.from_numpy(own.cfg.hf_input_ids))
+
+    def _admit(self, batch: Batch) -> bool:
+        """Admit the calls waiting to join; False (the loop ends, no call can join it any more)
+        when every row is done and none is waiting."""
+        with self._state_lock:  # end the loop only with none pending
+            for call in self._pending:
+                batch.add(call)
+            self._pending.clear()
+            if batch.sched.done:
+                self._batch = None
+                return False
+        return True
+
+    def _fail_joiners(self, batch: Batch, own: Call, error: BaseException) -> None:
+        """The loop failed: every other call in it or waiting to join that is not done yet gets the
+        error (its `generate` raises it) and returns."""
+        with self._state_lock:
+            pending, self._pending, self._batch = self._pending, [], None
+        for call in batch.calls + pending:
+            if call is not own and not call.done.is_set():
+                call.error = error
+                call.done.set()
+
+    def _close(self, own: Call, graphs: GraphRunner | None, graph_seconds: tuple[float, float]) -> None:
+        """After the loop, however it ended: every page and recurrent state freed, the call's
+        compile and capture time counted, its streamer ended."""
+        self.blocks.free_all()
+        self.mixers.states.clear()
         if graphs is not None:
-            warn_eager(own.stats)
-        for call in batch.calls:  # what every row generated, a source for the next calls' trees
+            own.stats.compile_time += graphs.compile_seconds - graph_seconds[0]
+            own.stats.capture_time += graphs.capture_seconds - graph_seconds[1]
+        if own.cfg.streamer is not None:
+            own.cfg.streamer.end()
+
+    def _remember(self, batch: Batch) -> None:
+        """What every row generated, a source for the next calls' trees (drafting.memory)."""
+        for call in batch.calls:
             for seq in call.seqs:
                 self.memory.add(batch.history[seq.row, seq.prompt_len : seq.num_tokens])
-        return own.result if own.result is not None else batch.result(own)
+
+
+def _graph_seconds(graphs: GraphRunner | None) -> tuple[float, float]:
+    """The compile and capture seconds `graphs` has spent so far (none without one)."""
+    return (graphs.compile_seconds, graphs.capture_seconds) if graphs is not None else (0.0, 0.0)
+
+
+class StepTimer:
+    """Times one step for the choices of the next ones: an eager decode step under the draft
+    budget, what its fed tokens cost (engine.budget); a uniform step whose width was chosen by
+    cost, what that width costs (engine.widths), unless it built a new bucket (compile, capture)."""
+
+    __slots__ = ("graphs", "budget", "step_costs", "budgeted", "known", "t0")
+
+    def __init__(self, batch: Batch, chunks: list, graphs: GraphRunner | None, budget: DraftBudget | None,
+                 step_costs: StepCosts):
+        self.graphs, self.budget, self.step_costs = graphs, budget, step_costs
+        timed = batch.step_width is not None  # a width chosen by cost: time the step for the next choices
+        # an eager decode step under the draft budget: what its fed tokens cost, for the next choices
+        self.budgeted = budget is not None and batch.proposer is not None and not any(c.is_prefill for c in chunks)
+        self.t0 = time.perf_counter()
+        self.known = len(graphs.graphs) if timed else None  # buckets built before the step
+
+    def ran(self, layout) -> None:
+        """After the step's forward: the budget's cost of its fed tokens."""
+        if self.budgeted:
+            self.budget.costs.record(layout.num_tokens, time.perf_counter() - self.t0)
+
+    def postprocessed(self, layout, path: str) -> None:
+        """After the step's postprocess: a uniform step that built no new bucket (no compile, no
+        capture), what its width costs."""
+        if self.known is not None and path != "eager" and len(self.graphs.graphs) == self.known:
+            self.step_costs.record(layout.max_query_len, batch_bucket(layout.num_seqs), time.perf_counter() - self.t0)

@@ -9,7 +9,7 @@ import torch
 import hf_plookup
 from hf_plookup.attention.flash import flash4_paged_attention, flash_paged_attention
 from hf_plookup.attention.sdpa import sdpa_paged_attention
-from hf_plookup.engine.engine import MAX_BATCH_TOKENS
+from hf_plookup.engine.plan import MAX_BATCH_TOKENS
 from hf_plookup.engine.widths import StepCosts
 from tests.conftest import OneLayer, dense_causal, left_padded, paged_step, tiny_model, wrap_copy
 
