@@ -18,9 +18,17 @@ their scores' acceptance, learned over the prompts as an engine learns over its 
 row gets the modeled decode speed over plain greedy: tokens times a 1-token step's cost over the
 costs of the steps it took. That is the trade between tokens per forward and speed on that machine.
 
+With `--recycled W` every tree also runs with the model's own predictions as a source
+(drafting.recycle): the W best-ranked next tokens at each position of the prompt's last token and
+the greedy output are recorded once per prompt (`recorded_successors`: one forward over the prompt
+and its output, the logits a verify step computes at the positions it accepts), and the replay
+writes them into the table as the engine would, after each step, for the positions that step
+verified; "kept" keeps the table across prompts, as an engine keeps it across calls.
+
     python eval/draft_replay.py --model smollm2-135m --k 4 8 --tree-nodes 8 16 32
     python eval/draft_replay.py --model smollm2-135m --dataset cnn_dailymail --num-prompts 24 --max-new-tokens 64
     python eval/draft_replay.py --model gemma3-270m --k 4 8 --tree-nodes 8 16 32
+    python eval/draft_replay.py --model smollm2-135m --dataset cnn_dailymail --num-prompts 24 --recycled 4
 """
 
 from __future__ import annotations
@@ -66,8 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-costs", default=None, metavar="JSON",
                    help="eval/step_bench.py's JSON (CPU, batch 1, several --q): also replay each drafter under the draft "
                         "budget by these costs, and model every drafter's decode speed over greedy")
+    p.add_argument("--recycled", type=int, default=0, metavar="W",
+                   help="also replay every tree with W recycled successors per token (drafting.recycle), per "
+                        "prompt and kept across prompts (default: %(default)s, none)")
     p.add_argument("--json", default=None)
     return show_defaults(p)
+
+
+def recorded_successors(model, prompt: list[int], out: list[int], width: int) -> np.ndarray:
+    """[len(out), width] int64: the model's `width` best-ranked next tokens at the prompt's last
+    position and at every output position but the last (row j: after the token at position
+    len(prompt) - 1 + j), from one forward over the prompt and its output."""
+    import torch
+
+    ids = torch.tensor([prompt + out], device=model.device)
+    with torch.inference_mode():
+        logits = model(input_ids=ids, logits_to_keep=len(out) + 1).logits[0, :-1]  # [len(out), V]
+        return torch.topk(logits.float(), width, dim=-1).indices.cpu().numpy().astype(np.int64)
 
 
 def step_costs(path: str):
@@ -86,7 +109,8 @@ def step_costs(path: str):
 
 
 def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
-           max_new_tokens: int | None = None, budget=None, fed_steps: list | None = None) -> tuple[int, int, float, int]:
+           max_new_tokens: int | None = None, budget=None, fed_steps: list | None = None,
+           successors=None, table=None) -> tuple[int, int, float, int]:
     """(new tokens, forwards, proposer seconds, draft tokens fed) of decoding `out` after `prompt`
     with `proposer`'s drafts, accepted as greedy verification accepts them (trees scored with the
     row's running acceptance rate, nodes below `min_score` left out, and chains cut before their
@@ -96,7 +120,10 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
     the row's length limit, which caps its drafts as the engine caps them (a row may emit at most
     that many tokens); None: len(out), the limit of a row that ran to it. A row that ended at EOS
     before its limit had drafts capped by the limit, not by where it ended: give the limit to count
-    its steps as the engine ran them. `fed_steps`, where given, gets each verify step's drafts fed."""
+    its steps as the engine ran them. `fed_steps`, where given, gets each verify step's drafts fed.
+    `successors` ([len(out), W]: recorded_successors) and `table` (a drafting.recycle.SuccessorTable
+    of width W): the trees read recycled successors from `table`, which gets each verified
+    position's row of `successors` after its step (the prompt's last position after the prefill)."""
     from hf_plookup.drafting.suffix import SuffixIndex
     from hf_plookup.drafting.tree import TreeProposer, accept_tree, acceptance_estimate, chain_budget, walks_rejected
     from hf_plookup.engine.budget import choose_drafts
@@ -110,6 +137,9 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
     n_acc = n_rej = 0  # the row's acceptance record, which sets its trees' decay as in the engine
     fed = 0
     index = SuffixIndex(1, full.shape[1])
+    if table is not None:
+        index.successors = table.succ
+        table.update(full[0, n0 - 1 : n0], successors[:1])  # the prefill's logits
     while t < total:
         length = np.array([n0 + t], dtype=np.int64)
         cap = np.array([limit - t - 1], dtype=np.int64)  # the tokens the row may still emit, less the verified one
@@ -158,6 +188,8 @@ def replay(prompt: list[int], out: list[int], proposer, min_score: float = 0.0,
         if budget is not None:
             budget.acceptance["tree" if tree else "chain"].record(scores[0, :m], hit)
         n_acc += accepted
+        if table is not None:  # the positions this step verified: the row's last token and its accepted drafts
+            table.update(full[0, n0 + t - 1 : n0 + t + accepted], successors[t : t + accepted + 1])
         t += accepted + 1
         forwards += 1
     return total, forwards, spent, fed
@@ -197,6 +229,7 @@ def main(argv=None) -> int:
 
     import hf_plookup
     from hf_plookup.drafting.ngram import NgramProposer
+    from hf_plookup.drafting.recycle import SuccessorTable
     from hf_plookup.drafting.tree import TreeProposer
 
     set_threads(args.threads)
@@ -215,6 +248,7 @@ def main(argv=None) -> int:
         res = run_plookup(wrapped, ids, torch.ones_like(ids), args.max_new_tokens, max(args.k), args.ngram, pad)
         outs.append([int(x) for x in res.tokens[0]])
     costs = step_costs(args.step_costs) if args.step_costs else None
+    recorded = [recorded_successors(model, p, o, args.recycled) for p, o in zip(prompts, outs)] if args.recycled else None
     rows = []
     for k in args.k:
         drafters = [(f"chain (min score {ms:g})", NgramProposer(k, args.ngram), ms) for ms in args.min_score]
@@ -225,7 +259,14 @@ def main(argv=None) -> int:
             drafters += [("chain (budget)", NgramProposer(k, args.ngram), "budget")]
             drafters += [(f"tree {n} (budget)", TreeProposer(k, n, args.ngram), "budget")
                          for n in dict.fromkeys([TREE_NODES_PER_DRAFT * k, *args.tree_nodes])]
-        for name, proposer, ms in drafters:
+        drafters = [(name, proposer, ms, None) for name, proposer, ms in drafters]
+        if args.recycled:  # every tree again, with recycled successors per prompt and kept across prompts
+            drafters += [(f"{name} + recycled {args.recycled}" + (" kept" if kept else ""),
+                          TreeProposer(k, proposer.budget, args.ngram, max_candidates=proposer.max_candidates,
+                                       recycled=args.recycled), ms, kept)
+                         for name, proposer, ms, _ in list(drafters) if isinstance(proposer, TreeProposer)
+                         for kept in (False, True)]
+        for name, proposer, ms, kept in drafters:
             tok = fw = fed = 0
             spent = 0.0
             budget = None
@@ -233,8 +274,12 @@ def main(argv=None) -> int:
                 budget = DraftBudget()
                 budget.costs = costs
             widths: list[int] = []
-            for p, o in zip(prompts, outs):
-                a, b, s, f = replay(p, o, proposer, 0.0 if budget else ms, args.max_new_tokens, budget, widths)
+            table = SuccessorTable(model.config.get_text_config().vocab_size, args.recycled) if kept is not None else None
+            for j, (p, o) in enumerate(zip(prompts, outs)):
+                if table is not None and not kept:
+                    table.clear()
+                a, b, s, f = replay(p, o, proposer, 0.0 if budget else ms, args.max_new_tokens, budget, widths,
+                                    recorded[j] if table is not None else None, table)
                 tok, fw, spent, fed = tok + a, fw + b, spent + s, fed + f
             steps = max(fw - len(prompts), 1)
             row = {"k": k, "drafter": name, "tokens": tok, "forwards": fw, "tokens_per_forward": tok / fw,

@@ -221,7 +221,7 @@ def _warn_past_context(model, width: int, max_new: int) -> None:
 
 
 # generate arguments of hf_plookup's own (HF's generate does not know them): drafting options
-OWN_ARGS = ("prompt_lookup_tree_nodes", "draft_cross_rows", "draft_corpus")
+OWN_ARGS = ("prompt_lookup_tree_nodes", "draft_cross_rows", "draft_corpus", "draft_recycled")
 
 
 def _corpus(model, corpus, tokenizer) -> tuple[np.ndarray, ...]:
@@ -256,10 +256,12 @@ class OwnArgs:
     tree_nodes: int | None = None  # prompt_lookup_tree_nodes
     cross_rows: bool = False       # draft_cross_rows
     corpus: tuple[np.ndarray, ...] | None = None  # draft_corpus as token arrays
+    recycled: int = 0              # draft_recycled
 
     def check_drafting(self, k: int) -> None:
         for name, given in (("prompt_lookup_tree_nodes", self.tree_nodes is not None),
-                            ("draft_cross_rows", self.cross_rows), ("draft_corpus", self.corpus is not None)):
+                            ("draft_cross_rows", self.cross_rows), ("draft_corpus", self.corpus is not None),
+                            ("draft_recycled", self.recycled > 0)):
             if given and k == 0:
                 raise ValueError(f"{name} needs prompt_lookup_num_tokens (the longest path of a draft)")
 
@@ -274,7 +276,9 @@ def own_arguments(model, own: dict, args: dict) -> OwnArgs:
         raise TypeError(f"draft_cross_rows must be True or False, got {cross_rows!r}")
     corpus = own.get("draft_corpus")
     corpus = _corpus(model, corpus, args.get("tokenizer")) if corpus is not None else None
-    return OwnArgs(tree_nodes, cross_rows, corpus)
+    # the model's own best-ranked successors drafted per token (drafting.recycle); 0: none
+    recycled = positive_int("draft_recycled", own.get("draft_recycled", 0), minimum=0)
+    return OwnArgs(tree_nodes, cross_rows, corpus, recycled)
 
 
 @dataclass(slots=True)
@@ -441,6 +445,7 @@ def decode_request(model, call: CheckedCall, own: OwnArgs, args: dict) -> Reques
         tree_nodes=own.tree_nodes or 0,
         cross_rows=own.cross_rows,
         corpus=own.corpus,
+        recycled=own.recycled,
         do_sample=bool(config.do_sample),
         processors=processors,
         stopping=stopping,

@@ -24,6 +24,7 @@ class SpecStats:
     new_tokens: int = 0  # generated tokens over all rows (stops included, padding not)
     drafted: int = 0  # draft tokens fed to verification
     accepted: int = 0  # draft tokens accepted
+    accepted_recycled: int = 0  # of those, drafts from recycled successors alone (draft_recycled; drafting.recycle)
     drafted_per_position: list[int] = field(default_factory=list)  # [k]
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
     drafter: str = ""  # "ngram" (one chain of k drafts), "ngram-tree" (candidate trees), "" (none)
@@ -135,6 +136,12 @@ class SpecStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
+    @property
+    def accepted_by_source(self) -> dict[str, int]:
+        """Accepted draft tokens by where they came from: "text" (the prompt, the output, other
+        rows, a corpus, earlier calls) and "recycled" (the model's own earlier predictions alone)."""
+        return {"text": self.accepted - self.accepted_recycled, "recycled": self.accepted_recycled}
+
     def as_dict(self) -> dict:
         return {
             "num_sequences": self.num_sequences,
@@ -147,6 +154,7 @@ class SpecStats:
             "new_tokens": self.new_tokens,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "accepted_by_source": self.accepted_by_source,
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_forward": self.tokens_per_forward,
             "acceptance_per_position": self.acceptance_per_position,

@@ -123,6 +123,9 @@ def _table(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.full(cap, _EMPTY, dtype=np.int64), np.empty(cap, dtype=np.int64)
 
 
+NO_SUCCESSORS = np.full((1, 1), -1, dtype=np.int64)  # Sources.successors where none are kept
+
+
 class Sources(NamedTuple):
     """Where candidates come from: history rows 0..R-1, then the corpus documents (`SuffixIndex`)."""
 
@@ -137,6 +140,7 @@ class Sources(NamedTuple):
     entry_prev: np.ndarray      # [E] the entry before it with the same token (-1: none)
     corpus_tokens: np.ndarray   # every document's tokens, concatenated
     corpus_offsets: np.ndarray  # [D + 1] where each document starts
+    successors: np.ndarray      # [V, width] recycled successors (drafting.recycle), or [1, 1] -1: none
 
 
 class SuffixIndex:
@@ -166,6 +170,8 @@ class SuffixIndex:
         self.e_prev = np.empty(n_cross, dtype=np.int64)
         self.any_keys, self.any_vals = _table(n_cross)
         self.n_entries = 0
+        # a drafting.recycle.SuccessorTable's array where the trees read recycled successors
+        self.successors = NO_SUCCESSORS
         if len(self.corpus_tokens):
             self.n_entries = _index_corpus(self.corpus_tokens, self.corpus_offsets, rows, self.e_src, self.e_pos,
                                            self.e_prev, 0, self.any_keys, self.any_vals)
@@ -190,11 +196,13 @@ class SuffixIndex:
         """An index for more rows or a wider history holding the same sources (re-indexed by the
         next `update`): rows join an engine loop between steps."""
         corpus = [self.corpus_tokens[a:b] for a, b in zip(self.corpus_offsets[:-1], self.corpus_offsets[1:])]
-        return SuffixIndex(rows, width, self.cross_rows, corpus)
+        grown = SuffixIndex(rows, width, self.cross_rows, corpus)
+        grown.successors = self.successors
+        return grown
 
     def sources(self, history: np.ndarray):
         """What the tree kernel reads: `history` [R, W] and this index."""
         return Sources(history=history, indexed=self.indexed, prev_own=self.prev_own, cross=self.cross,
                        any_keys=self.any_keys, any_vals=self.any_vals, entry_source=self.e_src,
                        entry_pos=self.e_pos, entry_prev=self.e_prev, corpus_tokens=self.corpus_tokens,
-                       corpus_offsets=self.corpus_offsets)
+                       corpus_offsets=self.corpus_offsets, successors=self.successors)

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..base.checks import positive_int
 from .ngram import RECENT_WEIGHT, RECENT_WINDOW, SHORT_WEIGHT, match_cap, vote
-from .suffix import SuffixIndex, _slot
+from .suffix import NO_SUCCESSORS, SuffixIndex, _slot
 
 __all__ = ["TreeProposer", "accept_tree", "acceptance_estimate", "ancestor_mask",
            "chain_budget", "compaction", "depths", "walks_rejected"]
@@ -63,6 +63,12 @@ SUB_MIN_MATCH = 2
 # a row walks max_candidates // SUB_SHARE substitution candidates: each adds a branch that rarely
 # pays, and inserting it walks the trie's sibling lists
 SUB_SHARE = 4
+# recycled successors (drafting.recycle): the path through a row's last token's r-th best-ranked
+# successor votes RECYCLE_WEIGHT * RECYCLE_RANK_DECAY ** r of a regular vote, so where the text
+# votes, its candidates decide and recycled nodes fill what budget is left; where it is silent,
+# the recycled paths alone make the tree
+RECYCLE_WEIGHT = 0.1
+RECYCLE_RANK_DECAY = 0.5
 # the trie's integer fields per node, rows of Scratch.trie [T, TRIE_FIELDS, nodes]
 TOKEN = 0         # the token it drafts
 PARENT = 1        # its parent trie node (-1: the root)
@@ -72,7 +78,8 @@ NEXT_SIBLING = 4  # ... and each child's next sibling (-1: none)
 OUTPUT_NODE = 5   # its node number in the output tree (1-based), once kept
 ON_CHAIN = 6      # 1 on the voted path (the chain drafter's rule, drafting.ngram)
 FRONTIER = 7      # not a per-node field: the list of candidate nodes while keeping the best
-TRIE_FIELDS = 8
+FROM_TEXT = 8     # 1 where a candidate of the text passes through it, 0 for recycled successors' alone
+TRIE_FIELDS = 9
 
 
 class TreeParams(NamedTuple):
@@ -87,6 +94,8 @@ class TreeParams(NamedTuple):
     recent_window: int    # own occurrences among the row's last this many tokens ...
     recent_weight: float  # ... vote this many times more (drafting.ngram.vote)
     min_score: float      # nodes scoring below it are left out
+    recycled: int         # recycled successors per row's last token drafted (0: none)
+    recycle_weight: float  # the best-ranked recycled path's vote (RECYCLE_WEIGHT)
 
 
 class Scratch(NamedTuple):
@@ -98,6 +107,7 @@ class Scratch(NamedTuple):
     trie: np.ndarray            # [T, TRIE_FIELDS, N * k] int64 fields above
     trie_weight: np.ndarray     # [T, N * k] the votes through each trie node
     decay_at_depth: np.ndarray  # [T, k] decay ** (depth - 1)
+    path: np.ndarray            # [T, k] int64 the tokens of the candidate being inserted
 
 
 class Trees(NamedTuple):
@@ -107,6 +117,7 @@ class Trees(NamedTuple):
     parents: np.ndarray    # [B, budget] int64, output node numbers (0: the root)
     num_nodes: np.ndarray  # [B] int64
     scores: np.ndarray     # [B, budget] float64: each node's score (0 where unused)
+    recycled: np.ndarray   # [B, budget] bool: the node comes from recycled successors alone
 
 
 @numba.njit(cache=True, nogil=True)
@@ -195,11 +206,21 @@ def _find_candidates(sources, params, row, length, scratch, t):
 def _insert(sources, row, length, depth_cap, s, start, w, n_nodes, root_first, scratch, t):
     """Add one candidate's continuation (up to depth_cap tokens of source s from `start`) to the
     trie with its vote `w`. Returns (the trie's node count, the root's first child)."""
+    end = length if s == row else _source_length(sources, s)
+    n = min(depth_cap, end - start)
+    for d in range(n):
+        scratch.path[t, d] = _source_token(sources, s, start + d)
+    return _insert_path(n, w, True, n_nodes, root_first, scratch, t)
+
+
+@numba.njit(cache=True, nogil=True)
+def _insert_path(n, w, text, n_nodes, root_first, scratch, t):
+    """Add the path scratch.path[t, :n] to the trie with its vote `w` (`text`: a candidate of the
+    text, else recycled successors). Returns (the trie's node count, the root's first child)."""
     trie, weight = scratch.trie, scratch.trie_weight
     node = -1  # the root
-    end = length if s == row else _source_length(sources, s)
-    for d in range(min(depth_cap, end - start)):
-        tok = _source_token(sources, s, start + d)
+    for d in range(n):
+        tok = scratch.path[t, d]
         child = root_first if node < 0 else trie[t, FIRST_CHILD, node]
         prev_sibling = -1
         while child >= 0 and trie[t, TOKEN, child] != tok:
@@ -214,6 +235,7 @@ def _insert(sources, row, length, depth_cap, s, start, w, n_nodes, root_first, s
             trie[t, FIRST_CHILD, child] = -1
             trie[t, NEXT_SIBLING, child] = -1
             trie[t, ON_CHAIN, child] = 0
+            trie[t, FROM_TEXT, child] = 0
             weight[t, child] = 0.0
             if prev_sibling >= 0:
                 trie[t, NEXT_SIBLING, prev_sibling] = child
@@ -222,8 +244,33 @@ def _insert(sources, row, length, depth_cap, s, start, w, n_nodes, root_first, s
             else:
                 trie[t, FIRST_CHILD, node] = child
         weight[t, child] += w
+        if text:
+            trie[t, FROM_TEXT, child] = 1
         node = child
     return n_nodes, root_first
+
+
+@numba.njit(cache=True, nogil=True)
+def _insert_recycled(sources, params, last, depth_cap, n_nodes, root_first, total, scratch, t):
+    """Add the recycled paths of a row whose last token is `last` (drafting.recycle): for each of
+    its first `params.recycled` successors, that token continued by the best-ranked successor of
+    each token in turn, up to depth_cap tokens, voting recycle_weight * RECYCLE_RANK_DECAY ** rank.
+    Returns (the trie's node count, the root's first child, the sum of the votes)."""
+    succ = sources.successors
+    w = params.recycle_weight
+    for r in range(min(params.recycled, succ.shape[1])):
+        tok = succ[last, r] if last < succ.shape[0] else -1
+        if tok < 0:
+            break
+        n = 0
+        while n < depth_cap and tok >= 0:
+            scratch.path[t, n] = tok
+            n += 1
+            tok = succ[tok, 0] if tok < succ.shape[0] else -1
+        n_nodes, root_first = _insert_path(n, w, False, n_nodes, root_first, scratch, t)
+        total += w
+        w *= RECYCLE_RANK_DECAY
+    return n_nodes, root_first, total
 
 
 @numba.njit(cache=True, nogil=True)
@@ -251,6 +298,7 @@ def _build_trie(sources, params, row, length, depth_cap, found, regular, best_ma
     (their match counted up to best_match, never recent), or 0 below SUB_MIN_MATCH. Before the
     substitutions vote, the path that takes the child with the most votes at every level (ties:
     the first created) is marked ON_CHAIN: the chain drafter's rule over the regular candidates.
+    Last come the recycled successors' paths, where the proposer drafts them (`_insert_recycled`).
     Returns (the root's first child, the sum of the votes)."""
     n_nodes = 0
     total = 0.0
@@ -274,6 +322,10 @@ def _build_trie(sources, params, row, length, depth_cap, found, regular, best_ma
         n_nodes, root_first = _insert(sources, row, length, depth_cap, s, start, w, n_nodes, root_first, scratch, t)
     if found == regular:
         _mark_voted_path(root_first, scratch, t)
+    if params.recycled > 0:
+        last = sources.history[row, length - 1]
+        n_nodes, root_first, total = _insert_recycled(sources, params, last, depth_cap, n_nodes, root_first, total,
+                                                      scratch, t)
     return root_first, total
 
 
@@ -313,6 +365,7 @@ def _keep_best(params, depth_cap, budget, decay, root_first, total, scratch, t, 
         trie[t, FRONTIER, best] = trie[t, FRONTIER, n_front]
         trees.scores[i, n] = scratch.trie_weight[t, q] / total * scratch.decay_at_depth[t, trie[t, DEPTH, q] - 1]
         trees.tokens[i, n] = trie[t, TOKEN, q]
+        trees.recycled[i, n] = trie[t, FROM_TEXT, q] == 0
         parent = trie[t, PARENT, q]
         trees.parents[i, n] = 0 if parent < 0 else trie[t, OUTPUT_NODE, parent]
         n += 1
@@ -326,11 +379,19 @@ def _keep_best(params, depth_cap, budget, decay, root_first, total, scratch, t, 
 
 
 @numba.njit(cache=True, nogil=True)
+def _has_recycled(sources, params, last):
+    """Whether the row whose last token is `last` gets recycled paths."""
+    succ = sources.successors
+    return params.recycled > 0 and last < succ.shape[0] and succ[last, 0] >= 0
+
+
+@numba.njit(cache=True, nogil=True)
 def _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratch, t):
     """Output row i: the tree of history row rows[i], built in scratch slice t."""
     trees.tokens[i, :] = -1
     trees.parents[i, :] = -1
     trees.scores[i, :] = 0.0
+    trees.recycled[i, :] = False
     trees.num_nodes[i] = 0
     row, length = rows[i], lengths[i]
     depth_cap = min(params.k, max_depth[i])
@@ -338,7 +399,7 @@ def _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratc
     if depth_cap <= 0 or budget <= 0 or length < 2:
         return
     found, regular, best_match = _find_candidates(sources, params, row, length, scratch, t)
-    if found == 0:
+    if found == 0 and not _has_recycled(sources, params, sources.history[row, length - 1]):
         return
     root_first, total = _build_trie(sources, params, row, length, depth_cap, found, regular, best_match, scratch, t)
     trees.num_nodes[i] = _keep_best(params, depth_cap, budget, decay[i], root_first, total, scratch, t, trees, i)
@@ -379,7 +440,8 @@ class TreeProposer:
 
     def __init__(self, k: int, budget: int, max_ngram: int = 2, min_ngram: int = 1,
                  short_weight: float = SHORT_WEIGHT,
-                 decay: float = 0.8, max_candidates: int = MAX_CANDIDATES):
+                 decay: float = 0.8, max_candidates: int = MAX_CANDIDATES, recycled: int = 0,
+                 recycle_weight: float = RECYCLE_WEIGHT):
         from .ngram import PARALLEL_MIN_BATCH
 
         self.k = positive_int("prompt_lookup_num_tokens", k)
@@ -394,6 +456,11 @@ class TreeProposer:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.short_weight, self.decay = float(short_weight), float(decay)
         self.max_candidates = positive_int("max_candidates", max_candidates)
+        # recycled successors drafted per row (drafting.recycle), read from the index's table
+        self.recycled = positive_int("draft_recycled", recycled, minimum=0)
+        if not recycle_weight > 0.0:
+            raise ValueError(f"recycle_weight must be > 0, got {recycle_weight}")
+        self.recycle_weight = float(recycle_weight)
         self._parallel_min = PARALLEL_MIN_BATCH
         self._scratch: Scratch | None = None
         hist = np.array([[1, 2, 1, 2, 1]] * PARALLEL_MIN_BATCH, dtype=np.int64)  # warm both kernels
@@ -407,14 +474,15 @@ class TreeProposer:
         (at most k nodes each)."""
         threads = numba.get_num_threads()
         if self._scratch is None or self._scratch.cand_source.shape[0] != threads:
-            c = 3 * self.max_candidates + match_cap(self.max_ngram)
+            c = 3 * self.max_candidates + match_cap(self.max_ngram) + self.recycled
             n = c * self.k
             self._scratch = Scratch(cand_source=np.empty((threads, c), np.int64),
                                     cand_start=np.empty((threads, c), np.int64),
                                     cand_match=np.empty((threads, c), np.int64),
                                     trie=np.empty((threads, TRIE_FIELDS, n), np.int64),
                                     trie_weight=np.empty((threads, n)),
-                                    decay_at_depth=np.empty((threads, self.k)))
+                                    decay_at_depth=np.empty((threads, self.k)),
+                                    path=np.empty((threads, self.k), np.int64))
         return self._scratch
 
     def candidates(self, batch: int, cross: bool = False) -> int:
@@ -427,7 +495,8 @@ class TreeProposer:
 
     def propose(self, history: np.ndarray, lengths: np.ndarray, max_depth: np.ndarray | None = None,
                 min_score: float = 0.0, rows: np.ndarray | None = None, index: SuffixIndex | None = None,
-                decay: np.ndarray | None = None, scores: np.ndarray | None = None):
+                decay: np.ndarray | None = None, scores: np.ndarray | None = None,
+                recycled: np.ndarray | None = None):
         """Trees for history rows `rows` [B] (default: every row) of `history` [R, W] int64, row
         r's tokens being history[r, :lengths[i]]. max_depth [B]: the longest path and most nodes
         allowed per row (the tokens it may still emit; default k). `min_score`: leave out nodes
@@ -435,7 +504,9 @@ class TreeProposer:
         `lengths` here); None indexes these rows afresh. `decay` [B]: per-row decay (default: the
         proposer's), e.g. each row's measured acceptance rate. `scores` [B, budget] float64, where
         given, gets each kept node's score (0 where unused): nodes come best first, so the scores of a
-        row never rise along its nodes, and cutting a row to its first n nodes keeps a tree. Returns
+        row never rise along its nodes, and cutting a row to its first n nodes keeps a tree.
+        `recycled` [B, budget] bool, where given, gets which nodes come from recycled successors
+        alone (drafting.recycle; False where a text candidate passes through the node). Returns
         (tokens [B, budget], parents [B, budget], num_nodes [B]), int64, -1 where unused."""
         history = np.ascontiguousarray(history, dtype=np.int64)
         lengths = np.ascontiguousarray(lengths, dtype=np.int64)
@@ -454,14 +525,19 @@ class TreeProposer:
         index.update(history, rows, lengths)
         if scores is not None and (scores.shape != (batch, self.budget) or scores.dtype != np.float64):
             raise ValueError(f"scores must be a float64 array of shape ({batch}, {self.budget})")
+        if recycled is not None and (recycled.shape != (batch, self.budget) or recycled.dtype != np.bool_):
+            raise ValueError(f"recycled must be a bool array of shape ({batch}, {self.budget})")
         trees = Trees(np.empty((batch, self.budget), dtype=np.int64), np.empty((batch, self.budget), dtype=np.int64),
                       np.empty(batch, dtype=np.int64),
-                      scores if scores is not None else np.empty((batch, self.budget), dtype=np.float64))
+                      scores if scores is not None else np.empty((batch, self.budget), dtype=np.float64),
+                      recycled if recycled is not None else np.empty((batch, self.budget), dtype=np.bool_))
         params = TreeParams(k=self.k, budget=self.budget, max_candidates=self.candidates(batch, index.cross),
                             longest=match_cap(self.max_ngram), min_ngram=self.min_ngram,
                             short_weight=self.short_weight, recent_window=RECENT_WINDOW,
                             recent_weight=float(RECENT_WEIGHT),
-                            min_score=float(min_score))
+                            min_score=float(min_score),
+                            recycled=self.recycled if index.successors is not NO_SUCCESSORS else 0,
+                            recycle_weight=self.recycle_weight)
         kernel = propose_tree_batch if batch >= self._parallel_min else propose_tree_serial
         kernel(index.sources(history), params, rows, lengths, max_depth, decay, trees, self._buffers())
         return trees.tokens, trees.parents, trees.num_nodes

@@ -14,6 +14,7 @@ import torch
 
 from ..base.layout import StepLayout
 from ..drafting.ngram import NgramProposer
+from ..drafting.recycle import SuccessorTable
 from ..drafting.sampling import process_scores
 from ..drafting.suffix import SuffixIndex
 from ..drafting.tree import TreeProposer, acceptance_estimate, chain_budget, compaction, walks_rejected
@@ -59,6 +60,7 @@ def joinable(running: DecodeConfig, cfg: DecodeConfig) -> bool:
 
     return (plain(running) and plain(cfg) and running.k == cfg.k and running.max_ngram == cfg.max_ngram
             and running.tree_nodes == cfg.tree_nodes and running.eos_token_ids == cfg.eos_token_ids
+            and running.recycled == cfg.recycled
             and not (running.cross_rows or cfg.cross_rows or running.corpus or cfg.corpus))
 
 
@@ -70,7 +72,8 @@ class Batch:
 
     def __init__(self, cfg: DecodeConfig, proposer: NgramProposer | TreeProposer | None, sched: Scheduler, ids,
                  cache, tree_min_score: float = 0.0, budget: DraftBudget | None = None,
-                 memory: list[np.ndarray] | None = None, acceptance: dict[str, Acceptance] | None = None):
+                 memory: list[np.ndarray] | None = None, acceptance: dict[str, Acceptance] | None = None,
+                 successors: SuccessorTable | None = None):
         self.cfg = cfg  # the first call's config: it sets drafting and stopping for every row
         self.proposer = proposer
         self.tree = isinstance(proposer, TreeProposer)
@@ -82,6 +85,9 @@ class Batch:
         # nothing reads them, so nothing is counted
         self.acceptance = budget.acceptance if budget is not None else acceptance
         self.memory = memory or []  # earlier calls' generated rows: trees draft from them (drafting.memory)
+        # the model's best-ranked successors per token (drafting.recycle), written from each step's
+        # verified positions; the trees read them (None: no recycled source)
+        self.successors = successors
         self.sched = sched
         self.cache = cache  # the engine's PagedKVCache (tree paths move in it; past_key_values read from it)
         self.register = None  # the prefix pool's hook: a sequence's prefilled prompt pages enter the pool
@@ -98,6 +104,7 @@ class Batch:
         self.parents = np.full((0, self.width_drafts), -1, dtype=np.int64)
         self.n_drafts = np.zeros(0, dtype=np.int64)  # [B]
         self.scores = np.zeros((0, self.width_drafts))  # [B, K] the fed drafts' scores (budget: their acceptance is counted)
+        self.recycled = np.zeros((0, self.width_drafts), dtype=bool)  # [B, K] drafts from recycled successors alone
         self._index: SuffixIndex | None = None  # trees: occurrences of every source (drafting.suffix)
         # per row: drafts accepted and verify steps that rejected one (the row's acceptance rate
         # scores its trees' deeper nodes: see accept_rate)
@@ -131,6 +138,7 @@ class Batch:
         self.parents = np.concatenate([self.parents, np.full((b, self.parents.shape[1]), -1, dtype=np.int64)])
         self.n_drafts = np.concatenate([self.n_drafts, np.zeros(b, dtype=np.int64)])
         self.scores = np.concatenate([self.scores, np.zeros((b, self.scores.shape[1]))])
+        self.recycled = np.concatenate([self.recycled, np.zeros((b, self.recycled.shape[1]), dtype=bool)])
         self.n_accepted = np.concatenate([self.n_accepted, np.zeros(b, dtype=np.int64)])
         self.n_rejected = np.concatenate([self.n_rejected, np.zeros(b, dtype=np.int64)])
         self.seeds = np.concatenate([self.seeds, row_seeds(call.seed, b)])  # sampling (drafting.verify)
@@ -171,6 +179,8 @@ class Batch:
         rows, width = self.history.shape
         if self._index is None:
             self._index = SuffixIndex(rows, width, self.cfg.cross_rows, list(self.cfg.corpus or ()) + self.memory)
+            if self.successors is not None:
+                self._index.successors = self.successors.succ
         elif (self._index.rows, self._index.width) != (rows, width):
             self._index = self._index.grow(rows, width)
         return self._index
@@ -190,8 +200,11 @@ class Batch:
             if index.cross_rows:  # every row's committed tokens are a source, running or not
                 index.update(self.history, np.array([s.row for s in seqs]), np.array([s.num_tokens for s in seqs]))
             sc = np.empty((len(rows), self.proposer.budget))
+            rec = np.empty((len(rows), self.proposer.budget), dtype=bool)
             d, par, nd = self.proposer.propose(self.history, lengths, cap, min_score=0.0 if budget else self.tree_min_score,
-                                               rows=rows, index=index, decay=self.accept_rate(rows), scores=sc)
+                                               rows=rows, index=index, decay=self.accept_rate(rows), scores=sc,
+                                               recycled=rec)
+            self.recycled[rows, : rec.shape[1]] = rec
             if self.acceptance is not None:  # each node's chance by its score (engine.budget.Acceptance)
                 chances = self.acceptance["tree"].chances(sc)
             if budget is not None:
@@ -334,6 +347,8 @@ class Batch:
         scores, targets = self._targets(rows, n_pos, fed_depth, gen, logits)
         drafts, parents = self.drafts[rows], self.parents[rows]  # [S, K]
         accepted, paths, final = accept_paths(targets, offsets, num_drafts, drafts, parents)
+        if self.successors is not None:
+            self._recycle(logits, seqs, rows, offsets, accepted, paths, drafts)
         if self.acceptance is not None:  # how the fed drafts' scores fared (engine.budget.Acceptance)
             fed = np.arange(drafts.shape[1])[None, :] < num_drafts[:, None]  # [S, K]
             hit = np.zeros_like(fed)  # [S, K] the drafts on each row's accepted path
@@ -346,7 +361,7 @@ class Batch:
         deepest = np.maximum.reduceat(fed_depth, offsets)  # [S] each row's deepest fed node
         # the loop below works on Python ints: per row, numpy's per-call cost would outweigh the work
         acc_l, m_l, deep_l, final_l = accepted.tolist(), num_drafts.tolist(), deepest.tolist(), final.tolist()
-        paths_l, drafts_l = paths.tolist(), drafts.tolist()
+        paths_l, drafts_l, recycled_l = paths.tolist(), drafts.tolist(), self.recycled[rows].tolist()
         move_src, move_dst = [], []
         for i, (c, seq) in enumerate(zip(active, seqs)):
             stats = self.call_of_row[seq.row].stats
@@ -354,6 +369,7 @@ class Batch:
             path = paths_l[i][:a]  # chunk indices of the accepted drafts
             if not c.is_prefill:
                 stats.count_verify(m_l[i], a, deep_l[i])
+                stats.accepted_recycled += sum(recycled_l[i][p - 1] for p in path)
                 if self.tree:  # a chain's path is in place already; a tree's may not be
                     src, dst = compaction(path)
                     if len(src):
@@ -375,6 +391,22 @@ class Batch:
                     self.rec_logits[seq.row].extend(logits[kept].float())
         if move_src:  # accepted tree paths into the slots a chain would have used
             self.cache.move_slots(np.concatenate(move_src), np.concatenate(move_dst))
+
+    def _recycle(self, logits: torch.Tensor, seqs: list[Sequence], rows: np.ndarray, offsets: np.ndarray,
+                 accepted: np.ndarray, paths: np.ndarray, drafts: np.ndarray) -> None:
+        """Write the model's best-ranked next tokens at every verified position (each row's last
+        token and its accepted drafts; a prompt's last token) into the successor table, keyed by
+        the token there (drafting.recycle). Only the [N, width] top ranks leave the device."""
+        idx, tokens = [], []
+        for i, seq in enumerate(seqs):
+            path = paths[i, : accepted[i]]
+            idx.append(offsets[i])
+            tokens.append(self.history[rows[i], seq.num_tokens - 1])
+            idx.extend(offsets[i] + path)
+            tokens.extend(drafts[i, path - 1])
+        at = torch.as_tensor(np.asarray(idx, dtype=np.int64), device=logits.device)
+        top = torch.topk(logits.index_select(0, at), self.successors.width, dim=-1).indices
+        self.successors.update(np.asarray(tokens, dtype=np.int64), top.cpu().numpy())
 
     def _check_criteria(self) -> None:
         """Run HF's stopping-criteria calls that every row has reached (engine.stopping), and cut

@@ -24,6 +24,7 @@ from ..invariant.linears import InvariantLinears
 from ..steps.graphs import GraphRunner, batch_bucket
 from ..drafting.memory import DraftMemory
 from ..drafting.ngram import NgramProposer
+from ..drafting.recycle import SuccessorTable
 from ..drafting.sampling import history_free
 from ..drafting.tree import TreeProposer
 from ..stats import SpecStats
@@ -198,6 +199,9 @@ class Engine:
         self._weights: tuple | None = None
         # what earlier calls generated: a source of candidate trees (drafting.memory)
         self.memory = DraftMemory(self.options.draft_memory_tokens)
+        # recycled successors (drafting.recycle) by table width, kept across calls where earlier
+        # calls' outputs are kept too (draft_memory_tokens); else each loop starts its own
+        self._successors: dict[int, SuccessorTable] = {}
 
     def _pack(self, parts: list) -> None:
         """The C kernels' packed layout becomes the linear weights' only copy (cpu.packed_weight);
@@ -275,7 +279,8 @@ class Engine:
         at the tokens (a tree's branches have different histories); otherwise the call drafts one
         chain of k from its own row. Models with recurrent mixers draft chains: their states
         follow one chain of tokens."""
-        asked = cfg.tree_nodes > 0 or cfg.cross_rows or cfg.corpus is not None or self.budget is not None
+        asked = (cfg.tree_nodes > 0 or cfg.cross_rows or cfg.corpus is not None or cfg.recycled > 0
+                 or self.budget is not None)
         return (cfg.k > 0 and asked and self.options.attn_backend in TREE_BACKENDS and history_free(cfg.processors)
                 and not self.mixers)
 
@@ -284,9 +289,10 @@ class Engine:
             return None
         # a tree's nodes: as asked, else TREE_NODES_PER_DRAFT per draft of a chain
         nodes = (cfg.tree_nodes or TREE_NODES_PER_DRAFT * cfg.k) if self.uses_trees(cfg) else 0
-        key = (cfg.k, cfg.max_ngram, nodes)
+        key = (cfg.k, cfg.max_ngram, nodes, cfg.recycled if nodes else 0)
         if key not in self._proposers:
-            self._proposers[key] = TreeProposer(cfg.k, nodes, cfg.max_ngram) if nodes else NgramProposer(cfg.k, cfg.max_ngram)
+            self._proposers[key] = (TreeProposer(cfg.k, nodes, cfg.max_ngram, recycled=cfg.recycled) if nodes
+                                    else NgramProposer(cfg.k, cfg.max_ngram))
         return self._proposers[key]
 
     @contextlib.contextmanager
@@ -374,6 +380,15 @@ class Engine:
                 # every rank samples with rank 0's seed, so the ranks draw the same tokens
                 own.seed = agree_seed(own.seed)
 
+    def _successor_table(self, proposer) -> SuccessorTable | None:
+        """The table a loop's trees read recycled successors from (None: they draft none)."""
+        width = getattr(proposer, "recycled", 0)
+        if not width:
+            return None
+        if width not in self._successors or not self.options.draft_memory_tokens:
+            self._successors[width] = SuccessorTable(self.model.config.get_text_config().vocab_size, width)
+        return self._successors[width]
+
     def _new_batch(self, cfg: DecodeConfig, cache: PagedKVCache, graphs: GraphRunner | None) -> Batch:
         """The rows of a loop started by a call of `cfg`: its scheduler, proposer, prefix pool (or
         the callers' past_key_values) and the widths its uniform steps choose among."""
@@ -382,7 +397,7 @@ class Engine:
         proposer = self.proposer(cfg)
         sized = self.width_policy and isinstance(proposer, TreeProposer)  # trees' widths read the counts
         batch = Batch(cfg, proposer, sched, self._ids, cache, self.tree_min_score, self.budget,
-                      self.memory.docs(), self.acceptance if sized else None)
+                      self.memory.docs(), self.acceptance if sized else None, self._successor_table(proposer))
         if self._pool_valid():
             pool = PrefixPool(batch, self.blocks, cache, self.prefix_unit_pages)
             sched.on_admit, sched.defer, batch.register = pool.admit, pool.defer, pool.register

@@ -20,6 +20,7 @@ class DecodeConfig:
     tree_nodes: int = 0  # prompt_lookup_tree_nodes: draft nodes per candidate tree (0: one chain of k)
     cross_rows: bool = False  # draft_cross_rows: the call's other rows are drafting sources (trees)
     corpus: tuple[np.ndarray, ...] | None = None  # draft_corpus as token arrays: sources for every row (trees)
+    recycled: int = 0  # draft_recycled: the model's best-ranked successors drafted per token (trees)
     do_sample: bool = False
     processors: LogitsProcessorList | None = None  # HF processors and warpers, per position
     stopping: StoppingCriteriaList | None = None  # criteria beyond EOS and length

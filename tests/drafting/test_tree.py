@@ -22,6 +22,8 @@ from hf_plookup.drafting.ngram import (
 from hf_plookup.drafting.tree import (
     MAX_CANDIDATES,
     RECORD_SCAN,
+    RECYCLE_RANK_DECAY,
+    RECYCLE_WEIGHT,
     SUB_MIN_MATCH,
     SUB_SHARE,
     SUB_WEIGHT,
@@ -50,7 +52,8 @@ def _match(src: list[int], p: int, row: list[int], max_ngram: int) -> int:
 
 def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int, max_depth: int,
              short_weight: float = SHORT_WEIGHT, decay: float = 0.8, min_score: float = 0.0,
-             others: list[list[int]] | None = None, max_candidates: int = MAX_CANDIDATES):
+             others: list[list[int]] | None = None, max_candidates: int = MAX_CANDIDATES,
+             successors: np.ndarray | None = None, recycled: int = 0, recycle_weight: float = RECYCLE_WEIGHT):
     """(tokens, parents) of one row's tree, built the plain way: every earlier occurrence of the
     last token in the row (newest first; past max_candidates, only those matching more than any
     newer one, among RECORD_SCAN * max_candidates occurrences), then in `others` (sources in the index's insertion
@@ -58,7 +61,10 @@ def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int
     candidates (the second-to-last token's earlier occurrences in the row followed by another
     token than the last); a dict trie of all their continuations with their votes; the voted
     path (most votes at every level, over the regular candidates); nodes ranked by score
-    (stable), those below min_score left out except the voted path; the best `budget` kept."""
+    (stable), those below min_score left out except the voted path; the best `budget` kept.
+    `successors` [V, W] and `recycled`: after the text's candidates (and the voted path), the
+    paths through the last token's first `recycled` successors, each continued by its tokens'
+    first successors, voting recycle_weight * RECYCLE_RANK_DECAY ** rank."""
     n = len(row)
     cap, budget = min(k, max_depth), min(budget, max_depth)
     if cap <= 0 or budget <= 0 or n < 2:
@@ -85,11 +91,21 @@ def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int
             m = _match(src, p, row, longest)
             if m >= min_ngram:
                 cands.append((src, p + 1, m, -1))
-    if not cands:
+    rec_paths = []  # the recycled paths, best-ranked first
+    for r in range(min(recycled, 0 if successors is None else successors.shape[1])):
+        tok = int(successors[row[-1], r]) if row[-1] < len(successors) else -1
+        if tok < 0:
+            break
+        path = []
+        while len(path) < cap and tok >= 0:
+            path.append(tok)
+            tok = int(successors[tok, 0]) if tok < len(successors) else -1
+        rec_paths.append(path)
+    if not cands and not rec_paths:
         return [], []
     regular = len(cands)
-    best = max(m for _, _, m, _ in cands)
-    for p in range(n - 3, -1, -1):  # substitutions: the second-to-last token at p, then not the last
+    best = max((m for _, _, m, _ in cands), default=0)
+    for p in range(n - 3, -1, -1) if regular else ():  # substitutions: the second-to-last token at p, then not the last
         if len(cands) == regular + max(max_candidates // SUB_SHARE, 1):
             break
         if row[p] == row[-2] and row[p + 1] != row[-1]:
@@ -133,6 +149,16 @@ def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int
             info[node][2] += w
     if voted is None:
         voted = voted_path()
+    for r, path in enumerate(rec_paths):
+        w = recycle_weight * RECYCLE_RANK_DECAY ** r
+        total += w
+        node = -1
+        for d, tok in enumerate(path):
+            if (node, tok) not in nodes:
+                nodes[node, tok] = len(info)
+                info.append([tok, node, 0.0, d + 1])
+            node = nodes[node, tok]
+            info[node][2] += w
     score = [w / total * decay ** (d - 1) for (_, _, w, d) in info]
     order = sorted(range(len(info)), key=lambda q: -score[q])
     keep = [q for q in order if score[q] >= min_score] + [q for q in voted if score[q] < min_score]
@@ -144,6 +170,70 @@ def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int
     return tokens, parents
 
 
+rows_strategy = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=40), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=rows_strategy, k=st.integers(1, 6), budget=st.integers(1, 12), max_ngram=st.integers(1, 3),
+       caps=st.lists(st.integers(0, 8), min_size=6, max_size=6),
+       table=st.lists(st.lists(st.integers(-1, 4), min_size=3, max_size=3), min_size=5, max_size=5),
+       recycled=st.integers(1, 3), weight=st.sampled_from([RECYCLE_WEIGHT, 1.0, 5.0]),
+       min_score=st.sampled_from([0.0, 0.1, 0.4]))
+def test_tree_builder_with_recycled_successors_matches_reference(rows, k, budget, max_ngram, caps, table, recycled,
+                                                                 weight, min_score):
+    """Recycled successors (drafting.recycle) merged into the text's trees, against the plain
+    trie: where the text votes, where it is silent, with gaps (-1) in the table."""
+    from hf_plookup.drafting.suffix import SuffixIndex
+
+    width = max(len(r) for r in rows) + 1
+    hist = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        hist[i, : len(r)] = r
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    cap = np.array(caps[: len(rows)], dtype=np.int64)
+    succ = np.array(table, dtype=np.int64)
+    index = SuffixIndex(len(rows), width)
+    index.successors = succ
+    prop = TreeProposer(k, budget, max_ngram, recycled=recycled, recycle_weight=weight)
+    tokens, parents, num = prop.propose(hist, lengths, cap, min_score=min_score, index=index)
+    for i, r in enumerate(rows):
+        t_ref, p_ref = ref_tree(r, k, budget, max_ngram, 1, int(cap[i]), min_score=min_score, successors=succ,
+                                recycled=recycled, recycle_weight=weight)
+        n = int(num[i])
+        assert tokens[i, :n].tolist() == t_ref and parents[i, :n].tolist() == p_ref, (r, k, budget, cap[i])
+
+
+def test_recycled_successors_example():
+    """drafting.recycle's example: a row ending in 5 whose text has no earlier 5 drafts 3 and 9
+    under the root and 4 under 9, scored 2/3, 1/3 and 1/3 * decay; without a table, nothing."""
+    from hf_plookup.drafting.recycle import SuccessorTable
+    from hf_plookup.drafting.suffix import SuffixIndex
+
+    table = SuccessorTable(20, 2)
+    table.update(np.array([5, 9, 5]), np.array([[9, 7], [4, 1], [3, 9]]))
+    assert table.succ[5].tolist() == [3, 9] and table.succ[9].tolist() == [4, 1] and (table.succ[7] == -1).all()
+    hist, lengths = np.array([[1, 2, 3, 5]]), np.array([4])
+    index = SuffixIndex(1, 4)
+    index.successors = table.succ
+    scores, rec = np.empty((1, 6)), np.empty((1, 6), dtype=bool)
+    tokens, parents, num = TreeProposer(3, 6, recycled=2, decay=0.8).propose(hist, lengths, index=index, scores=scores,
+                                                                            recycled=rec)
+    assert tokens[0, :3].tolist() == [3, 9, 4] and parents[0, :3].tolist() == [0, 0, 2] and num[0] == 3
+    assert scores[0, :3] == pytest.approx([2 / 3, 1 / 3, 0.8 / 3]) and rec[0, :3].all()
+    # a row whose text has an earlier 5 followed by 3 8: the 3 is the text's (and recycled), 8 the text's alone
+    hist, lengths = np.array([[5, 3, 8, 2, 5]]), np.array([5])
+    index = SuffixIndex(1, 5)
+    index.successors = table.succ
+    tokens, parents, num = TreeProposer(3, 6, recycled=2).propose(hist, lengths, np.array([6]), index=index,
+                                                                  recycled=rec)
+    assert tokens[0, :num[0]].tolist() == [3, 8, 2, 9, 4] and rec[0, :num[0]].tolist() == [False, False, False, True, True]
+    assert TreeProposer(3, 6, recycled=2).propose(np.array([[1, 2, 3, 5]]), np.array([4]))[2][0] == 0  # no table
+    with pytest.raises(ValueError, match="top must have shape"):
+        table.update(np.array([1]), np.array([[1, 2, 3]]))
+    with pytest.raises(TypeError, match="draft_recycled"):
+        TreeProposer(3, 6, recycled=1.5)
+
+
 def ref_ancestors(parents: list[int], i: int) -> set[int]:
     out = {i}
     while i > 0:
@@ -152,7 +242,6 @@ def ref_ancestors(parents: list[int], i: int) -> set[int]:
     return out
 
 
-rows_strategy = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=40), min_size=1, max_size=6)
 
 
 @settings(max_examples=50, deadline=None)
@@ -614,6 +703,8 @@ def test_corpus_and_cross_row_sources_identical_to_hf(llama):
     (dict(draft_corpus=[[1, 2], [[3]]]), TypeError, r"draft_corpus\[1\]"),
     (dict(draft_corpus=[[1, 10_000]]), ValueError, "outside the vocabulary"),
     (dict(draft_corpus=["text"]), ValueError, "tokenizer="),
+    (dict(draft_recycled=-1), ValueError, "draft_recycled must be >= 0"),
+    (dict(draft_recycled=2.0), TypeError, "draft_recycled must be an int"),
 ])
 def test_source_arguments_checked(llama, kwargs, err, match):
     wrapped = wrap_copy(llama, max_cache_tokens=1024)
@@ -622,6 +713,8 @@ def test_source_arguments_checked(llama, kwargs, err, match):
         wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, prompt_lookup_num_tokens=2, **kwargs)
     with pytest.raises(ValueError, match="needs prompt_lookup_num_tokens"):
         wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, draft_cross_rows=True)
+    with pytest.raises(ValueError, match="draft_recycled needs prompt_lookup_num_tokens"):
+        wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, draft_recycled=4)
 
 
 def test_tree_min_score_prunes_and_is_checked(llama):

@@ -13,6 +13,7 @@ from the drafters' own behaviour, which the replay's published counts pin down.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,3 +183,39 @@ def test_live_forwards_equal_replay_under_the_draft_budget(copying):
     assert fed < every  # the budget left drafts out
     live = wrapped._engine.budget.acceptance["tree"]
     assert (live.fed == budget.acceptance["tree"].fed).all() and (live.accepted == budget.acceptance["tree"].accepted).all()
+
+
+@pytest.mark.parametrize("nodes", [4, 16])
+def test_live_forwards_equal_replay_with_recycled_successors(copying, monkeypatch, nodes):
+    """draft_recycled (drafting.recycle): the engine writes each verified position's top-ranked
+    successors into its table; the replay, given those same rows in position order, drafts the
+    same trees and takes the same forwards; last_stats counts the accepted drafts by source."""
+    from hf_plookup.drafting.recycle import SuccessorTable
+
+    model, wrapped, prompts = copying
+    log = []
+    update = SuccessorTable.update
+    monkeypatch.setattr(SuccessorTable, "update", lambda self, tokens, top: (log.append((tokens, top)),
+                                                                              update(self, tokens, top))[1])
+    ids = torch.tensor([prompts[0]])
+    out = wrapped.generate(ids, max_new_tokens=47, do_sample=False, prompt_lookup_num_tokens=8,
+                           prompt_lookup_tree_nodes=nodes, draft_recycled=4, eos_token_id=None,
+                           pad_token_id=PAD)[0, ids.shape[1]:].tolist()
+    stats = wrapped.last_stats
+    assert stats.drafter == "ngram-tree" and stats.accepted >= 9
+    by_source = stats.accepted_by_source
+    assert by_source["text"] + by_source["recycled"] == stats.accepted
+    assert (by_source["recycled"] > 0) == (nodes == 16), by_source  # 4 nodes: the text's candidates fill them
+    # the engine updated the table once per forward, at the prompt's last position and then at
+    # each step's verified positions: together, every position up to the last output's
+    tokens = np.concatenate([t for t, _ in log])
+    full = prompts[0] + out
+    assert tokens.tolist() == full[len(prompts[0]) - 1 : len(full) - 1] and len(log) == stats.row_steps
+    recorded = np.concatenate([top for _, top in log])
+    table = SuccessorTable(model.config.vocab_size, 4)
+    got = replay(prompts[0], out, TreeProposer(8, nodes, 2, recycled=4), max_new_tokens=47, successors=recorded,
+                 table=table)
+    assert (stats.new_tokens, stats.row_steps, stats.drafted) == (got[0], got[1], got[3]), stats.as_dict()
+    if nodes == 16:  # the recycled nodes changed what was fed
+        plain = _replayed(prompts[:1], [out], 8, nodes, 47)
+        assert plain[1] != got[1] or plain[2] != got[3]
