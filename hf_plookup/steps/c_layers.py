@@ -13,11 +13,11 @@ Which models: a decoder of `model.model.layers` whose layers hold exactly an inp
 post-attention RMSNorm (Llama, Mistral, Qwen2, Qwen3, SmolLM, ...) or Gemma 2/3's four norms
 (input, on the attention's output, before the MLP, on the MLP's output: `LAYER_NORMS`),
 `self_attn` with `q_proj`, `k_proj`, `v_proj`, `o_proj` (and optional per-head `q_norm`,
-`k_norm`) and `mlp` with `gate_proj`, `up_proj`, `down_proj` and an activation module (SiLU,
-Gemma's tanh GELU), with rotary tables per kind of layer where the model has them (Gemma 3's
-local and global layers) and soft-capped logits where the config says so (Gemma 2); every norm one
-`cpu_kernels.rms_norm` reproduces
-and every linear on the "cpu" kernel (`llama_form` says why a model is not taken). Structure
+`k_norm`), every layer's heads of one shape (read per layer, `layer_shape`: Gemma 4's differ), and
+`mlp` with `gate_proj`, `up_proj`, `down_proj` and an activation module (SiLU, Gemma's tanh GELU),
+with rotary tables per kind of layer where the model has them (Gemma 3's local and global layers)
+and soft-capped logits where the config says so (Gemma 2); every norm one `cpu_kernels.rms_norm`
+reproduces and every linear on the "cpu" kernel (`llama_form` says why a model is not taken). Structure
 does not show everything a forward does (a multiplier on the embeddings, a scaled residual), so
 the first decode step is run both ways (`CpuLayers.run`): the C path is used from then on only
 where its logits and its keys and values were bitwise the modules'. That run also records each
@@ -122,6 +122,28 @@ def layer_norms(layer: torch.nn.Module) -> tuple | None:
     return None
 
 
+def layer_config(config, i: int):
+    """Layer `i`'s config: a heterogeneous config's own for the layer (transformers'
+    `per_layer_config`: Gemma 4's full-attention layers have wider heads, and reading such a
+    per-layer attribute on the global config raises AmbiguousGlobalPerLayerAttributeError, which a
+    getattr default does not catch), else the config itself."""
+    if getattr(config, "is_heterogeneous", False):
+        return config.per_layer_config[i]
+    return config
+
+
+def layer_shape(config, attn: torch.nn.Module, i: int) -> tuple[int, int, int]:
+    """(heads, KV heads, head size) of layer `i`, whose attention module is `attn`: the head size
+    the module keeps (`attn.head_dim`) where it has one, the rest from the layer's config."""
+    cfg = layer_config(config, i)
+    h = cfg.num_attention_heads
+    h_kv = getattr(cfg, "num_key_value_heads", None) or h
+    d = getattr(attn, "head_dim", None)
+    if not isinstance(d, int) or isinstance(d, bool):
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+    return h, h_kv, d
+
+
 def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
     """Why `CpuLayers` cannot take `model` (None: it can; the first decode step still checks it).
     `forms`: `norm_forms(model)` where the caller has it (invariant.InvariantLinears does)."""
@@ -139,8 +161,7 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
             not cpu_kernels._plain(p) for p in params):
         return "its weights are not all plain float32 or all plain bfloat16 CPU tensors"
     config = model.config
-    h, h_kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // h
+    shape0 = None  # layer 0's (heads, KV heads, head size): the C path takes one for every layer
     for i, layer in enumerate(parts[1]):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if layer_norms(layer) is None:
@@ -160,6 +181,12 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
         if not all(_linear(m) for m in linears):
             return f"layer {i} has a projection that is not a plain nn.Linear"
         q, k, v, o, g, u, dn = linears
+        h, h_kv, d = layer_shape(config, attn, i)
+        if shape0 is None:
+            shape0 = (h, h_kv, d)
+        elif (h, h_kv, d) != shape0:
+            return (f"layer {i}'s attention has {h} heads of {d} over {h_kv} KV heads, layer 0's {shape0[0]} of "
+                    f"{shape0[2]} over {shape0[1]}: the C layers take one shape for every layer")
         if (q.out_features != h * d or k.out_features != h_kv * d or v.out_features != h_kv * d
                 or o.in_features != h * d or g.out_features != u.out_features or dn.in_features != g.out_features
                 or d % 2):
@@ -185,11 +212,10 @@ class CpuLayers:
         self.norm_form = forms[self.norm]
         self.layers = list(inner.layers)
         config = model.config
-        h = config.num_attention_heads
         self.dtype = self.head.weight.dtype
         attn0, mlp0 = self.layers[0].self_attn, self.layers[0].mlp
-        d = attn0.q_proj.out_features // h
-        self.shape = _Shape(hidden=config.hidden_size, H=h, H_kv=attn0.k_proj.out_features // d, D=d,
+        h, h_kv, d = layer_shape(config, attn0, 0)  # every layer's (llama_form checks)
+        self.shape = _Shape(hidden=config.hidden_size, H=h, H_kv=h_kv, D=d,
                             inter=mlp0.gate_proj.out_features, bf16=int(self.dtype == torch.bfloat16))
         self.norms = [layer_norms(la) for la in self.layers]  # (ln1, ln2, ln_attn_out, ln_mlp_out) each
         self.forms = [tuple(forms[n] if n is not None else None for n in norms)
