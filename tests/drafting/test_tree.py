@@ -170,6 +170,14 @@ def ref_tree(row: list[int], k: int, budget: int, max_ngram: int, min_ngram: int
     return tokens, parents
 
 
+def _rows(rows: list[list[int]], caps: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(history [R, W] with one spare column, lengths [R], caps [R]) of token rows."""
+    hist = np.zeros((len(rows), max(len(r) for r in rows) + 1), dtype=np.int64)
+    for i, r in enumerate(rows):
+        hist[i, : len(r)] = r
+    return hist, np.array([len(r) for r in rows], dtype=np.int64), np.array(caps[: len(rows)], dtype=np.int64)
+
+
 rows_strategy = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=40), min_size=1, max_size=6)
 
 
@@ -185,14 +193,9 @@ def test_tree_builder_with_recycled_successors_matches_reference(rows, k, budget
     trie: where the text votes, where it is silent, with gaps (-1) in the table."""
     from hf_plookup.drafting.suffix import SuffixIndex
 
-    width = max(len(r) for r in rows) + 1
-    hist = np.zeros((len(rows), width), dtype=np.int64)
-    for i, r in enumerate(rows):
-        hist[i, : len(r)] = r
-    lengths = np.array([len(r) for r in rows], dtype=np.int64)
-    cap = np.array(caps[: len(rows)], dtype=np.int64)
+    hist, lengths, cap = _rows(rows, caps)
     succ = np.array(table, dtype=np.int64)
-    index = SuffixIndex(len(rows), width)
+    index = SuffixIndex(len(rows), hist.shape[1])
     index.successors = succ
     prop = TreeProposer(k, budget, max_ngram, recycled=recycled, recycle_weight=weight)
     tokens, parents, num = prop.propose(hist, lengths, cap, min_score=min_score, index=index)
@@ -252,12 +255,7 @@ def ref_ancestors(parents: list[int], i: int) -> set[int]:
        max_candidates=st.sampled_from([2, 5, MAX_CANDIDATES]))
 def test_tree_builder_matches_reference(rows, k, budget, max_ngram, caps, short_weight, decay, min_score,
                                         max_candidates):
-    width = max(len(r) for r in rows) + 1
-    hist = np.zeros((len(rows), width), dtype=np.int64)
-    for i, r in enumerate(rows):
-        hist[i, : len(r)] = r
-    lengths = np.array([len(r) for r in rows], dtype=np.int64)
-    cap = np.array(caps[: len(rows)], dtype=np.int64)
+    hist, lengths, cap = _rows(rows, caps)
     prop = TreeProposer(k, budget, max_ngram, short_weight=short_weight, decay=decay, max_candidates=max_candidates)
     tokens, parents, num = prop.propose(hist, lengths, cap, min_score=min_score)
     for i, r in enumerate(rows):
