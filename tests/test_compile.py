@@ -150,3 +150,39 @@ def test_compile_option_checks(llama):
     cuda = [torch.device("cuda")]
     assert resolve_compile("auto", cuda, "sdpa") is False and resolve_compile(True, cuda, "sdpa") is True
     assert wrap_copy(llama, compile=True)._engine.use_compile is True
+
+
+_COMPILED_CALL = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from tests.conftest import tiny_model, wrap_copy
+torch.manual_seed(0)
+w = wrap_copy(tiny_model("llama"), compile=True, max_cache_tokens=512)
+ids = torch.randint(3, 90, (1, 20), generator=torch.Generator().manual_seed(1))
+out = w.generate(ids, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=2, eos_token_id=None, pad_token_id=0)
+print(json.dumps({"inductor": dict(counters["inductor"]), "tokens": out[0].tolist(),
+                  "steps": w.last_stats.decode_steps_by_path}))
+"""
+
+
+def test_second_process_loads_the_first_ones_compiled_steps(tmp_path):
+    """compile=True: a second process's first call reuses the compiled step that an earlier
+    process wrote to torch's on-disk cache (inductor's FX graph cache: the generated kernels, not
+    compiled again), and generates the same tokens. Counted with torch's own counters."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(Path(__file__).parents[1]))
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _COMPILED_CALL], env=env, capture_output=True, text=True,
+                              timeout=900, cwd=Path(__file__).parents[1])
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["steps"].get("compiled", 0) > 0 and first["inductor"].get("fxgraph_cache_miss", 0) >= 1
+    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0 and second["inductor"].get("fxgraph_cache_hit", 0) >= 1
+    assert second["tokens"] == first["tokens"] and second["steps"] == first["steps"]
