@@ -32,6 +32,10 @@ SHAPES = {
                                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
                                    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                    bos_token_id=1, eos_token_id=2)),
+    # the test suite's tiny Llama (tests/conftest.py): eval/host_work.py's model
+    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=96, max_position_embeddings=1024,
+                                 bos_token_id=2, eos_token_id=1, initializer_range=0.3)),
     "tiny-qwen3": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=1024,
                                  tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, initializer_range=0.3)),

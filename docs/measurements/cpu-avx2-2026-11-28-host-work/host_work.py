@@ -1,3 +1,4 @@
+# The code of 2026-11-28, kept as it ran; module paths have since moved. The tool now: eval/host_work.py
 """Host work per decode step on the static-buffer step path (what CUDA graphs replay), on CPU
 with a tiny Llama of the test suite: a call's time outside its forwards, and its parts (per
 step: the mean, and the median of accepting and drafting), the fastest of 3 calls.
