@@ -188,7 +188,7 @@ class Engine:
         self._capacity: int | None = None
         self._cache: PagedKVCache | None = None
         self.blocks: BlockManager | None = None  # the cache's blocks; all free between calls
-        self._proposers: dict[tuple[int, int, int], NgramProposer | TreeProposer] = {}
+        self._proposers: dict[tuple[int, int, int, int], NgramProposer | TreeProposer] = {}  # (k, ngram, nodes, recycled)
         self._ids = itertools.count()
         self._loop_lock = threading.Lock()  # one engine loop (or delegated HF call) at a time
         self._state_lock = threading.Lock()  # guards _batch and _pending
