@@ -49,6 +49,9 @@ class SpecStats:
     attn_backend: str = ""
     prefix_cache: bool = False  # the prefix pool was on for this call (engine: EngineOptions.prefix_cache)
     invariant: bool = False  # invariant mode ran (invariant.linears: drafts change no token's arithmetic)
+    # why greedy may part from HF's greedy after a near-tie: a quantized model whose kernels round a
+    # row differently with another row count, accepted by the wrap-time probe (attention.probe); "" else
+    exactness_note: str = ""
     k: int = 0  # prompt_lookup_num_tokens (0: plain greedy)
 
     def __post_init__(self) -> None:
@@ -176,5 +179,6 @@ class SpecStats:
             "delegated_reason": self.delegated_reason,
             "attn_backend": self.attn_backend,
             "invariant": self.invariant,
+            "exactness_note": self.exactness_note,
             "k": self.k,
         }

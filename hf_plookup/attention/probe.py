@@ -11,12 +11,23 @@ fields the architecture may ignore), and the two outputs must agree, or the mode
 the reason. A layer that calls no attention function must be a recurrent mixer whose state
 mixers.recurrent keeps per sequence, or mix no tokens at all; a third run feeds the tokens in
 pieces as the engine does (a prompt chunk, then one token at a time) and must agree too.
+
+Quantized linears (torchao, bitsandbytes, quanto) round a row differently with another row count
+(a GEMV kernel against a dequantize-and-GEMM one; LLM.int8's outlier columns chosen over all rows
+of a call), and int8 activations turn one-ulp differences into whole quantization steps. Such a
+model's own forward moves its logits by more than the tolerance between calls that compute the
+same thing, and so does the engine's. So where a quantized model's outputs differ beyond the
+tolerance, the probe first measures that floor with the model's own forward (`_arithmetic_floor`)
+and takes a difference within `FLOOR_MARGIN` times it for arithmetic: the model runs, with one
+warning and the note `SpecStats.exactness_note` saying that greedy may part from HF's after a
+near-tie. A larger difference is still refused, with the floor in the reason.
 """
 
 from __future__ import annotations
 
 import contextvars
 import inspect
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,8 +41,15 @@ from ..base.layout import StepRows
 from ..mixers.recurrent import RecurrentMixers, mixer_modules, no_mixer_layers
 from .registry import engine_attention
 
+logger = logging.getLogger("hf_plookup")
+
 PROBE_IMPLEMENTATION = "hf_plookup_probe"
 PROBE_TOKENS = 5  # tokens of the probe input
+# a quantized model's outputs may differ from its own forward's by this many times what its own
+# forward varies between calls that compute the same thing (`_arithmetic_floor`): room for the
+# engine's other call shapes, while a semantic difference (keys shared across layers, positions
+# from a cache) is of the logits' own size, far above it (docs/usage.md, "Quantized models")
+FLOOR_MARGIN = 3.0
 
 
 @dataclass(slots=True)
@@ -116,7 +134,8 @@ def _num_layers(model: torch.nn.Module) -> int | None:
 
 
 @torch.inference_mode()
-def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLayout | None]:
+def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3,
+                      notes: list[str] | None = None) -> list[KeyLayout | None]:
     """One `KeyLayout` per decoder layer, None for a layer without keys (a recurrent mixer's,
     mixers.recurrent, or one that mixes no tokens); `ValueError` naming the architecture and the
     reason when the paged attention and the per-sequence states cannot stand in for the model's own.
@@ -124,7 +143,10 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
     Three forwards on a few tokens: the model as it is (the reference), then with a recording
     attention function (each layer's key layout; the outputs must not change: `_refusal`, a
     diagnosis of what differs), then fed as the engine feeds it (a chunk, then later tokens with
-    their position_ids and no cache object: `_continuation_diff`)."""
+    their position_ids and no cache object: `_continuation_diff`). A quantized model whose outputs
+    differ beyond the tolerance but within `FLOOR_MARGIN` times its own forward's variation
+    (`_arithmetic_floor`) runs: one warning, and the note appended to `notes` (what
+    `SpecStats.exactness_note` reports)."""
     if AttentionInterface._global_mapping.get(PROBE_IMPLEMENTATION) is not _probe_attention:
         AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -151,19 +173,133 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3) -> list[KeyLay
     n = _checked_layers(model, rec, mixers)
     tol = atol if reference.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32 else 5e-2
     scale = max(float(reference.abs().max()), 1.0)
+    floor: _Floor | None = None  # measured once a quantized model's outputs differ beyond tol
     diff = float((reference - probed).abs().max())
     if not diff <= tol * scale:  # the probe's outputs are not the model's own
-        raise _refusal(model, ids, pos, probed, diff, tol * scale)
+        floor = _floor_of(model, ids, pos, reference, tol * scale)
+        if floor is None or not floor.covers(diff):
+            raise _refusal(model, ids, pos, probed, diff, tol * scale, floor)
     # recurrent mixers compute a prompt chunk (a chunked scan) and single tokens (a recurrence step)
     # differently, so HF's own generate rounds differently from one whole forward: the pieces are
     # compared with HF fed the same pieces through its own cache
-    diff = _continuation_diff(model, ids, _cached_reference(model, ids, pos) if mixers else reference, mixers)
-    if not diff <= tol * scale:
-        raise ValueError(f"hf_plookup cannot run {_arch(model)}: fed the way the engine feeds later tokens (their "
-                         "position_ids and the earlier tokens' keys, no cache object), its outputs change (max logit "
-                         f"difference {diff:.3g}): it takes positions or state from somewhere else, such as its own "
-                         "cache's length")
+    cont = _continuation_diff(model, ids, _cached_reference(model, ids, pos) if mixers else reference, mixers)
+    if not cont <= tol * scale:
+        floor = floor or _floor_of(model, ids, pos, reference, tol * scale)
+        if floor is None or not floor.covers(cont):
+            raise ValueError(f"hf_plookup cannot run {_arch(model)}: fed the way the engine feeds later tokens (their "
+                             "position_ids and the earlier tokens' keys, no cache object), its outputs change (max "
+                             f"logit difference {cont:.3g}"
+                             + ("" if floor is None else f", {floor.beyond()}, so not its quantized kernels' rounding")
+                             + "): it takes positions or state from somewhere else, such as its own cache's length")
+    if floor is not None:  # accepted on the floor: the quantized kernels' arithmetic, not the model's semantics
+        note = floor.note(model, max(diff, cont))
+        logger.warning(f"hf_plookup: {note}")
+        if notes is not None:
+            notes.append(note)
     return [rec.layouts.get(i) for i in range(n)]
+
+
+@dataclass(slots=True)
+class _Floor:
+    """How far a quantized model's own forward moves its logits between calls that compute the
+    same thing (`_arithmetic_floor`), and what the engine's differences are judged against."""
+
+    value: float  # the largest max-logit difference of the model's own forward
+    cause: str  # "rows" (fed in calls of other row counts) or "rounding" (its input moved by one ulp)
+    quantizer: str  # what quantized it (HF's quant_method, or the quantized weights' type)
+    tol: float  # the probe's tolerance, scaled to the logits
+
+    def covers(self, diff: float) -> bool:
+        """Whether `diff` is the quantized arithmetic: the model's own forward already varies
+        beyond the tolerance, and `diff` is within FLOOR_MARGIN times that."""
+        return self.value > self.tol and diff <= FLOOR_MARGIN * self.value
+
+    def _varies(self) -> str:
+        if self.cause == "rows":
+            return ("its own forward, fed the same tokens in calls of other row counts through its own cache, changes "
+                    f"its logits by up to {self.value:.3g}")
+        return f"its own forward changes its logits by up to {self.value:.3g} when its input moves by one ulp"
+
+    def beyond(self) -> str:
+        """Why a difference above the floor is not the quantized arithmetic (for a refusal)."""
+        return f"more than {FLOOR_MARGIN:g} times what its {self.quantizer} quantization explains ({self._varies()})"
+
+    def note(self, model: torch.nn.Module, diff: float) -> str:
+        """The warning and `SpecStats.exactness_note` of a model accepted on the floor."""
+        how = ("its quantized kernels round a row differently with another row count" if self.cause == "rows" else
+               "its quantized layers magnify one-ulp differences, such as the engine's attention rounding apart "
+               "from its own kernel's")
+        return (f"{_arch(model)} ({self.quantizer} quantization) runs with logits up to {diff:.3g} apart from its "
+                f"own forward's, as {self._varies()}: {how}. Greedy output may part from HF's greedy after a "
+                "near-tie (two tokens' logits closer than that); sampling draws from logits that differ as much")
+
+
+# packages whose tensor subclasses or modules hold quantized weights (their top-level names)
+QUANTIZER_PACKAGES = frozenset({"torchao", "optimum", "bitsandbytes", "hqq", "awq", "auto_gptq", "gptqmodel",
+                                "compressed_tensors", "fbgemm_gpu"})
+
+
+def _quantizer(model: torch.nn.Module) -> str | None:
+    """What quantized the model's weights, None where they are plain float tensors: HF's quantizer
+    (`from_pretrained(..., quantization_config=...)`: its quant_method), else the type of the
+    first weight that is an integer tensor or comes from a quantization package (torchao's
+    `quantize_` tensor subclasses, quanto's QLinear, bitsandbytes' Int8Params / Params4bit); the
+    package's own packed weights (cpu.packed_weight) are no quantization."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        config = getattr(model.config, "quantization_config", None)
+        method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+        return str(getattr(method, "value", method) or type(model.hf_quantizer).__name__)
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(w, torch.Tensor):
+            continue
+        if (not w.is_floating_point() or type(w).__module__.split(".")[0] in QUANTIZER_PACKAGES
+                or type(module).__module__.split(".")[0] in QUANTIZER_PACKAGES):
+            return type(w).__name__ if type(w) not in (torch.Tensor, torch.nn.Parameter) else type(module).__name__
+    return None
+
+
+def _floor_of(model: torch.nn.Module, ids: torch.Tensor, pos: dict, reference: torch.Tensor,
+              tol: float) -> _Floor | None:
+    """The floor of a quantized model (`_arithmetic_floor`); None for any other: its differences
+    are judged against the tolerance alone, as before."""
+    quantizer = _quantizer(model)
+    if quantizer is None:
+        return None
+    value, cause = _arithmetic_floor(model, ids, pos, reference)
+    return _Floor(value, cause, quantizer, tol)
+
+
+def _arithmetic_floor(model: torch.nn.Module, ids: torch.Tensor, pos: dict,
+                      reference: torch.Tensor) -> tuple[float, str]:
+    """How far the model's own forward, under its own attention, moves its logits from
+    `reference` (one call of the probe tokens) between calls that compute the same thing: the
+    tokens fed in the continuation's pieces and one token per call through its own cache (as HF's
+    generate feeds them), and one call with its embeddings' outputs moved by one ulp (every other
+    element), the size of the differences another attention kernel's rounding makes. Returns the
+    largest and "rows" or "rounding", whichever gave it."""
+    one_per_call = tuple((i, i + 1) for i in range(PROBE_TOKENS))
+    rows = max(float((reference - _cached_reference(model, ids, pos, pieces)).abs().max())
+               for pieces in (_pieces(), one_per_call))
+    rounding = 0.0
+    step = torch.tensor(float("inf"))
+
+    def nudge(module, args, out):  # every other element one ulp up
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return None
+        up = torch.nextafter(out, step.to(out.device, out.dtype).expand_as(out))
+        odd = (torch.arange(out.numel(), device=out.device) % 2 == 1).view(out.shape)
+        return torch.where(odd, up, out)
+
+    handle = model.get_input_embeddings().register_forward_hook(nudge)
+    try:
+        nudged = model(input_ids=ids, use_cache=False, **pos).logits.float()
+        rounding = float((reference - nudged).abs().max())
+    except Exception:  # noqa: BLE001 - a model the nudge cannot run on: the row counts stand
+        pass
+    finally:
+        handle.remove()
+    return (rows, "rows") if rows >= rounding else (rounding, "rounding")
 
 
 def _failed_probe(model: torch.nn.Module, rec: _Recording, error: Exception) -> ValueError:
@@ -200,10 +336,12 @@ def _checked_layers(model: torch.nn.Module, rec: _Recording, mixers) -> int:
 
 
 def _refusal(model: torch.nn.Module, ids: torch.Tensor, pos: dict, probed: torch.Tensor, diff: float,
-             tol: float) -> ValueError:
+             tol: float, floor: _Floor | None = None) -> ValueError:
     """Why the probe's outputs differ from the model's own (max logit difference `diff` above
-    `tol`), as best known: attention both ways, a configured kernel other than eager that the
-    paged attention does not match, or attention the paged cache does not reproduce."""
+    `tol`, and beyond a quantized model's `floor`), as best known: attention both ways, a
+    configured kernel other than eager that the paged attention does not match, or attention the
+    paged cache does not reproduce."""
+    beyond = "" if floor is None else f", {floor.beyond()}"
     if any(getattr(m, "is_causal", None) is False for m in model.modules()):
         return ValueError(f"hf_plookup cannot run {_arch(model)}: its attention layers attend both ways "
                           "(is_causal=False), not only to earlier tokens as a generating model does; a BERT-style "
@@ -219,10 +357,10 @@ def _refusal(model: torch.nn.Module, ids: torch.Tensor, pos: dict, probed: torch
             eager = None
         if eager is not None and float((eager - probed).abs().max()) <= tol:
             return ValueError(f"hf_plookup cannot run {_arch(model)} with attn_implementation={own!r}: its "
-                              f"outputs differ from its eager attention's (max logit difference {diff:.3g}), whose "
+                              f"outputs differ from its eager attention's (max logit difference {diff:.3g}{beyond}), whose "
                               "arithmetic the paged cache reproduces; load the model with attn_implementation='eager'")
     return ValueError(f"hf_plookup cannot run {_arch(model)}: its outputs change when its attention runs through "
-                      f"AttentionInterface (max logit difference {diff:.3g}); it attends in a way the paged cache "
+                      f"AttentionInterface (max logit difference {diff:.3g}{beyond}); it attends in a way the paged cache "
                       "does not reproduce (e.g. keys shared across layers)")
 
 
@@ -232,15 +370,16 @@ def _pieces() -> tuple[tuple[int, int], ...]:
     return (0, split), (split, split + 1), (split + 1, PROBE_TOKENS)
 
 
-def _cached_reference(model: torch.nn.Module, ids: torch.Tensor, pos: dict) -> torch.Tensor:
-    """The logits HF's generate computes for the probe tokens fed in `_pieces` through its own
-    cache; the whole-input forward's where the model cannot be fed so."""
+def _cached_reference(model: torch.nn.Module, ids: torch.Tensor, pos: dict,
+                      pieces: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
+    """The logits HF's generate computes for the probe tokens fed in `pieces` (default
+    `_pieces()`) through its own cache; the whole-input forward's where the model cannot be fed so."""
     params = inspect.signature(model.forward).parameters
     name = next((n for n in ("cache", "past_key_values", "cache_params") if n in params), None)
     parts = []
     try:
         cache = DynamicCache(config=model.config)
-        for lo, hi in _pieces():
+        for lo, hi in pieces or _pieces():
             extra = {"position_ids": pos["position_ids"][:, lo:hi]} if pos else {}
             parts.append(model(input_ids=ids[:, lo:hi], **{name: cache}, use_cache=True, **extra).logits.float())
     except Exception:

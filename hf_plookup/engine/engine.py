@@ -318,6 +318,7 @@ class Engine:
         stats.attn_backend = self.options.attn_backend
         stats.invariant = self.invariant is not None
         stats.prefix_cache = self.prefix_cache
+        stats.exactness_note = self.plan.exactness_note
         stats.prompt_tokens = sum(len(p) for p in prompts)
         call = Call(prompts, cfg, stats)
         with self._state_lock:

@@ -144,12 +144,16 @@ class EnginePlan:
     width_policy: bool
     prefix_cache: bool  # the prefix pool (prefix_policy)
     prefix_unit_pages: int  # pages of one prefill unit
+    # why greedy may part from HF's greedy after a near-tie: the probe's note on a quantized
+    # model's row-count dependent arithmetic (attention.probe, FLOOR_MARGIN); "" for any other
+    exactness_note: str = ""
 
     @classmethod
     def of(cls, model: torch.nn.Module, options: EngineOptions, timings: list | None = None) -> EnginePlan:
         """The plan for `model` under `options`; a ValueError where an option asked for cannot run.
         `timings`: ("probe", time) is appended once the layers are probed (wrap's parts)."""
-        specs = layer_specs(model)
+        notes: list[str] = []
+        specs = layer_specs(model, notes)
         if timings is not None:
             timings.append(("probe", time.perf_counter()))
         devices = sorted({s.device for s in specs}, key=str)
@@ -182,4 +186,5 @@ class EnginePlan:
                    tensor_parallel=distributed, invariant=invariant, packs=packs, prefill_unit=prefill_unit,
                    tree_min_score=TREE_MIN_SCORE_CUDA if auto else options.tree_min_score,
                    budget=auto and devices[0].type == "cpu" and not distributed and not padded,
-                   width_policy=use_graphs, prefix_cache=prefix_cache, prefix_unit_pages=unit_pages)
+                   width_policy=use_graphs, prefix_cache=prefix_cache, prefix_unit_pages=unit_pages,
+                   exactness_note=" ".join(notes))

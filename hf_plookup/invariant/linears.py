@@ -145,8 +145,11 @@ def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     first of "cpu" (cpu.kernels, float32/bfloat16 on CPU), "plain" (the batched `F.linear`,
     HF's own arithmetic), "numba" (invariant.row_linear, float32 on CPU) and "triton"
     (invariant.triton_linear, CUDA) that takes the weight and gives every row bitwise as a 1-row
-    call does for every row count up to PROBE_ROWS; else "rows" (one 1-row `F.linear` per row)."""
-    key = (*weight.shape, weight.dtype, weight.device, bias is None, torch.get_num_threads())
+    call does for every row count up to PROBE_ROWS; else "rows" (one 1-row `F.linear` per row).
+    The weight's type is part of the key: a quantized tensor subclass of a plain weight's shape
+    takes other kernels."""
+    key = (*weight.shape, weight.dtype, weight.device, type(weight), type(getattr(weight, "data", weight)),
+           bias is None, torch.get_num_threads())
     got = _STRATEGIES.get(key)
     if got is None:
         gen = torch.Generator(device="cpu").manual_seed(0)

@@ -62,10 +62,13 @@ class HeadChooser:
 
 
 def head_chooser(model: torch.nn.Module) -> HeadChooser | None:
-    """A chooser for a CPU model whose output embeddings are a plain `nn.Linear`, else None."""
+    """A chooser for a CPU model whose output embeddings are a plain `nn.Linear` with a plain
+    floating weight, else None (a quantized weight, a tensor subclass, has no plain matmul layout)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or head.weight.device.type != "cpu" or "forward" in vars(head):
         return None  # not a plain CPU linear, or its forward is already replaced (accelerate hooks)
+    if type(head.weight.data) is not torch.Tensor or not head.weight.dtype.is_floating_point:
+        return None
     return HeadChooser(head)
 
 

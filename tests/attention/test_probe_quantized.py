@@ -1,0 +1,221 @@
+"""The wrap-time probe on quantized models (attention.probe, `_arithmetic_floor`): quantized linears
+whose arithmetic depends on a call's row count run, with one warning and
+`SpecStats.exactness_note`, instead of being refused for semantics they do not have; a real
+semantic failure in a quantized model is still refused, naming it. The real quantizers (torchao,
+optimum-quanto, bitsandbytes) are tested where installed, on a tiny random Llama."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_plookup
+from hf_plookup.attention import probe
+
+from ..conftest import left_padded, tiny_model, wrap_copy
+
+K = 4  # prompt_lookup_num_tokens
+
+
+class RowCountLinear(torch.nn.Module):
+    """A stand-in for a quantized linear: int8 weights with a per-row scale; a call of one row
+    runs in fp32 (a GEMV kernel), a call of more rows through bf16 inputs (a dequantize-and-GEMM
+    kernel), so the same row rounds differently with another row count."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight.detach()
+        scale = w.abs().amax(1, keepdim=True) / 127
+        self.weight = torch.nn.Parameter((w / scale).round().to(torch.int8), requires_grad=False)
+        self.register_buffer("scale", scale)
+        self.bias = None
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float() * self.scale
+        if x.shape[:-1].numel() > 1:
+            x = x.to(torch.bfloat16).float()
+        return x @ w.T
+
+
+def _row_count_model(seed: int = 0) -> torch.nn.Module:
+    model = tiny_model("llama", seed=seed)
+    for layer in model.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(layer.self_attn, name, RowCountLinear(getattr(layer.self_attn, name)))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(layer.mlp, name, RowCountLinear(getattr(layer.mlp, name)))
+    return model
+
+
+def _linears_but_head(module: torch.nn.Module, name: str) -> bool:
+    """What HF's quantizers convert: the linears but the LM head (modules_to_not_convert)."""
+    return isinstance(module, torch.nn.Linear) and "lm_head" not in name
+
+
+def _greedy(model, ids, mask, n=16, **kw):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kw)
+
+
+def test_row_count_dependent_linears_run_with_one_warning_and_the_note(caplog):
+    model = _row_count_model()
+    ids, mask = left_padded(1)
+    probe_ids = ((torch.arange(probe.PROBE_TOKENS) * 7 + 3) % 96)[None]
+    pos = {"position_ids": torch.arange(probe.PROBE_TOKENS)[None]}
+    with torch.inference_mode():  # its own forward moves by more than the tolerance between row counts
+        reference = model(input_ids=probe_ids, use_cache=False, **pos).logits.float()
+        value, cause = probe._arithmetic_floor(model, probe_ids, pos, reference)
+    assert cause == "rows" and value > 1e-3
+    with caplog.at_level(logging.WARNING, logger="hf_plookup"):
+        wrapped = wrap_copy(model, max_cache_tokens=256)
+        wrapped.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=K)
+    notes = [r.getMessage() for r in caplog.records if "quantization" in r.getMessage()]
+    assert len(notes) == 1, notes  # at wrap, once; not per call
+    assert "round a row differently with another row count" in notes[0] and "near-tie" in notes[0]
+    assert "keys shared" not in notes[0] and "cache's length" not in notes[0]
+    stats = wrapped.last_stats
+    assert stats.exactness_note and stats.exactness_note in notes[0]
+    assert stats.as_dict()["exactness_note"] == stats.exactness_note
+
+
+def test_plain_models_get_no_note(llama):
+    wrapped = wrap_copy(llama, max_cache_tokens=256)
+    ids, mask = left_padded(1)
+    wrapped.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert wrapped.last_stats.exactness_note == ""
+    assert probe._quantizer(llama) is None
+
+
+def _positions_from_cache(model: torch.nn.Module) -> None:
+    """Positions counted from the model's own cache, whatever position_ids it is given: right under
+    HF's generate, wrong when fed as the engine feeds it (no cache object)."""
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # `cache` from transformers 5.24 on
+        past = cache.get_seq_length() if cache is not None else 0
+        n = kwargs["input_ids"].shape[1]
+        kwargs["position_ids"] = (past + torch.arange(n, device=kwargs["input_ids"].device))[None]
+        return args, kwargs
+
+    model.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_a_quantized_model_with_a_semantic_failure_is_still_refused_naming_it():
+    model = _row_count_model()
+    _positions_from_cache(model)
+    with pytest.raises(ValueError) as info:
+        hf_plookup.wrap(model)
+    message = str(info.value)
+    assert "takes positions or state from somewhere else" in message
+    assert "quantization explains" in message and "not its quantized kernels' rounding" in message
+
+
+def test_the_same_failure_unquantized_keeps_its_message():
+    model = tiny_model("llama")
+    _positions_from_cache(model)
+    with pytest.raises(ValueError, match="takes positions or state from somewhere else") as info:
+        hf_plookup.wrap(model)
+    assert "quantization" not in str(info.value)
+
+
+# -- real quantizers, where installed ------------------------------------------------------------
+def _check_runs(model: torch.nn.Module, quantizer: str) -> None:
+    """Wraps; greedy with k drafts at batch 1 and 2 equals HF greedy of the same quantized model
+    in fp32 where the probe found its arithmetic row-count invariant (no note); with a note, the
+    note names the quantizer and every row is generated."""
+    # wrap's defaults: on CPU in fp32, invariant mode, whose row strategies are kept per weight
+    # type (a plain weight of the same shape met earlier in this process does not decide)
+    wrapped = wrap_copy(model, max_cache_tokens=512)
+    exact = next(model.parameters()).dtype == torch.float32
+    for batch in (1, 2):
+        ids, mask = left_padded(batch, seed=5)
+        ours = _greedy(wrapped, ids, mask, prompt_lookup_num_tokens=K)
+        note = wrapped.last_stats.exactness_note
+        if note:
+            assert quantizer in note and "near-tie" in note
+            assert torch.equal(ours[:, : ids.shape[1]], ids) and ours.shape[1] <= ids.shape[1] + 16
+        elif exact:  # (bf16 greedy parts from HF's after near-ties, quantized or not: docs/engine.md)
+            torch.testing.assert_close(ours, _greedy(model, ids, mask), rtol=0, atol=0)
+        else:
+            assert torch.equal(ours[:, : ids.shape[1]], ids) and ours.shape[1] <= ids.shape[1] + 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchao_int8_weight_only(dtype):
+    quantization = pytest.importorskip("torchao.quantization")
+    model = tiny_model("llama").to(dtype)
+    quantization.quantize_(model, quantization.Int8WeightOnlyConfig(), filter_fn=_linears_but_head)
+    assert probe._quantizer(model) is not None
+    _check_runs(model, probe._quantizer(model))
+
+
+def test_torchao_quantized_head_keeps_the_models_own():
+    """torchao's `quantize_` without a filter quantizes `lm_head` too: the CPU head's transposed
+    layout (steps.head) takes plain weights only, so the model's own head runs; tokens as HF's."""
+    quantization = pytest.importorskip("torchao.quantization")
+    from hf_plookup.steps.head import head_chooser
+
+    model = tiny_model("llama")
+    assert head_chooser(model) is not None
+    quantization.quantize_(model, quantization.Int8WeightOnlyConfig())
+    assert head_chooser(model) is None
+    wrapped = wrap_copy(model, max_cache_tokens=512, invariant=False)
+    ids, mask = left_padded(2, seed=5)
+    ours = _greedy(wrapped, ids, mask, prompt_lookup_num_tokens=K)
+    if not wrapped.last_stats.exactness_note:
+        torch.testing.assert_close(ours, _greedy(model, ids, mask), rtol=0, atol=0)
+
+
+def test_row_strategy_is_kept_per_weight_type():
+    """A quantized weight of a plain weight's shape gets its own row strategy."""
+    quantization = pytest.importorskip("torchao.quantization")
+    from hf_plookup.invariant.linears import row_strategy
+
+    plain = torch.nn.Linear(64, 96, bias=False)
+    assert row_strategy(plain.weight, None) in ("cpu", "numba", "plain", "rows")
+    quantized = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False))
+    quantization.quantize_(quantized, quantization.Int8WeightOnlyConfig())
+    got = row_strategy(quantized[0].weight, None)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        from hf_plookup.invariant.linears import invariant_rows
+
+        rows = invariant_rows(x, quantized[0].weight, None)
+        one = torch.cat([quantized(x[i : i + 1]) for i in range(5)])
+    assert torch.equal(rows, one), got
+
+
+def test_torchao_int8_dynamic_activations():
+    quantization = pytest.importorskip("torchao.quantization")
+    model = tiny_model("llama")
+    quantization.quantize_(model, quantization.Int8DynamicActivationInt8WeightConfig(), filter_fn=_linears_but_head)
+    _check_runs(model, probe._quantizer(model))
+
+
+def test_quanto_int8():
+    quanto = pytest.importorskip("optimum.quanto")
+    model = tiny_model("llama")
+    quanto.quantize(model, weights=quanto.qint8, exclude="lm_head")
+    quanto.freeze(model)
+    assert probe._quantizer(model) is not None
+    _check_runs(model, probe._quantizer(model))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bitsandbytes_from_pretrained(bits, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    config = (BitsAndBytesConfig(load_in_8bit=True) if bits == 8 else
+              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config, device_map="cpu",
+                                                     dtype=torch.float32).eval()
+        model(input_ids=torch.tensor([[3, 4]]))
+    except Exception as e:  # noqa: BLE001 - a bitsandbytes wheel without kernels for this CPU
+        pytest.skip(f"bitsandbytes does not run here: {type(e).__name__}: {e}")
+    assert probe._quantizer(model) == "bitsandbytes"
+    _check_runs(model, "bitsandbytes")
