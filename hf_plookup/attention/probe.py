@@ -179,12 +179,21 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3,
         floor = _floor_of(model, ids, pos, reference, tol * scale)
         if floor is None or not floor.covers(diff):
             raise _refusal(model, ids, pos, probed, diff, tol * scale, floor)
+    _check_continuation(model, ids, pos, reference, mixers, tol * scale, floor, diff, notes)
+    return [rec.layouts.get(i) for i in range(n)]
+
+
+def _check_continuation(model, ids, pos, reference, mixers, limit: float, floor, diff: float,
+                        notes: list[str] | None) -> None:
+    """The probe's third forward: the tokens fed as the engine feeds them must give the model's own
+    outputs within `limit`, or within the quantized arithmetic's floor (measured here if the whole
+    forward did not need it already); a model accepted on the floor gets its warning and note."""
     # recurrent mixers compute a prompt chunk (a chunked scan) and single tokens (a recurrence step)
     # differently, so HF's own generate rounds differently from one whole forward: the pieces are
     # compared with HF fed the same pieces through its own cache
     cont = _continuation_diff(model, ids, _cached_reference(model, ids, pos) if mixers else reference, mixers)
-    if not cont <= tol * scale:
-        floor = floor or _floor_of(model, ids, pos, reference, tol * scale)
+    if not cont <= limit:
+        floor = floor or _floor_of(model, ids, pos, reference, limit)
         if floor is None or not floor.covers(cont):
             raise ValueError(f"hf_plookup cannot run {_arch(model)}: fed the way the engine feeds later tokens (their "
                              "position_ids and the earlier tokens' keys, no cache object), its outputs change (max "
@@ -196,7 +205,6 @@ def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3,
         logger.warning(f"hf_plookup: {note}")
         if notes is not None:
             notes.append(note)
-    return [rec.layouts.get(i) for i in range(n)]
 
 
 @dataclass(slots=True)
