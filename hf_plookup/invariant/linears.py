@@ -140,6 +140,13 @@ _MERGE_PROBE_SIZES = (128, 65, 128, 128, 101, 128, 77, 128)
 _MERGE_SAFE: dict[tuple, bool] = {}
 
 
+def strategy_key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """What `row_strategy`'s choice is kept by: shape, dtype, device, the weight's type (and its
+    data's), whether there is a bias, and torch's thread count."""
+    return (*weight.shape, weight.dtype, weight.device, type(weight), type(getattr(weight, "data", weight)),
+            bias is None, torch.get_num_threads())
+
+
 def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """How decode rows of this weight are computed, checked once per shape on random inputs: the
     first of "cpu" (cpu.kernels, float32/bfloat16 on CPU), "plain" (the batched `F.linear`,
@@ -148,8 +155,7 @@ def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     call does for every row count up to PROBE_ROWS; else "rows" (one 1-row `F.linear` per row).
     The weight's type is part of the key: a quantized tensor subclass of a plain weight's shape
     takes other kernels."""
-    key = (*weight.shape, weight.dtype, weight.device, type(weight), type(getattr(weight, "data", weight)),
-           bias is None, torch.get_num_threads())
+    key = strategy_key(weight, bias)
     got = _STRATEGIES.get(key)
     if got is None:
         gen = torch.Generator(device="cpu").manual_seed(0)

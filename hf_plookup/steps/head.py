@@ -18,6 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..cpu.packed_weight import PackedWeight
+
 
 def _transposed(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # row-major result: what follows (soft-capping, argmax, sampling) reads logits row by row,
@@ -67,7 +69,8 @@ def head_chooser(model: torch.nn.Module) -> HeadChooser | None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or head.weight.device.type != "cpu" or "forward" in vars(head):
         return None  # not a plain CPU linear, or its forward is already replaced (accelerate hooks)
-    if type(head.weight.data) is not torch.Tensor or not head.weight.dtype.is_floating_point:
+    plain = isinstance(head.weight, PackedWeight) or type(head.weight.data) is torch.Tensor
+    if not plain or not head.weight.dtype.is_floating_point:
         return None
     return HeadChooser(head)
 

@@ -480,11 +480,11 @@ def test_merged_prompt_calls_equal_each_chunk_alone(dtype):
     elif row_strategy(w, None) == "cpu":  # the 40-row chunk and the decode rows: one call of the row kernel
         assert calls == [*torch_calls, [256, 299, "cpu"]]
     # a weight whose decode rows take another strategy: short chunks take it too, alone, never merged
-    invariant_mod._STRATEGIES[(*w.shape, w.dtype, w.device, True, torch.get_num_threads())] = "rows"
+    invariant_mod._STRATEGIES[invariant_mod.strategy_key(w, None)] = "rows"
     try:
         calls = invariant_mod._merged([(0, 40, True), (40, 80, True), (80, 208, True), (208, 336, True)], w, None)
     finally:
-        invariant_mod._STRATEGIES.pop((*w.shape, w.dtype, w.device, True, torch.get_num_threads()))
+        invariant_mod._STRATEGIES.pop(invariant_mod.strategy_key(w, None))
     assert calls == [[0, 40, "rows"], [40, 80, "rows"], *([[80, 336, "gemm"]] if safe else [[80, 208, "gemm"], [208, 336, "gemm"]])]
 
 
