@@ -145,8 +145,8 @@ def test_layer_order_literal_cases():
 
 def test_no_module_imports_one_above_it():
     """docs/architecture.md's layering, as LAYERS lists it: every module of the package is in a layer,
-    and none imports from a layer above its own (the engine's loop holds no device code: the CPU-only
-    and CUDA-only modules sit in cpu/ and cuda/, below it)."""
+    and none imports from a layer above its own (the engine's loop holds no device code: how a step
+    runs on a device is in steps/ and the layers below it)."""
     graph = {m: deps for m, deps in import_graph().items() if deps or m not in PACKAGES}
     for module in graph:
         layer_of(module)
