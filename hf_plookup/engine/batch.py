@@ -200,11 +200,13 @@ class Batch:
             if index.cross_rows:  # every row's committed tokens are a source, running or not
                 index.update(self.history, np.array([s.row for s in seqs]), np.array([s.num_tokens for s in seqs]))
             sc = np.empty((len(rows), self.proposer.budget))
-            rec = np.empty((len(rows), self.proposer.budget), dtype=bool)
+            # which nodes come from recycled successors alone: asked only where the source is on
+            rec = np.empty((len(rows), self.proposer.budget), dtype=bool) if self.successors is not None else None
             d, par, nd = self.proposer.propose(self.history, lengths, cap, min_score=0.0 if budget else self.tree_min_score,
                                                rows=rows, index=index, decay=self.accept_rate(rows), scores=sc,
                                                recycled=rec)
-            self.recycled[rows, : rec.shape[1]] = rec
+            if rec is not None:
+                self.recycled[rows, : rec.shape[1]] = rec
             if self.acceptance is not None:  # each node's chance by its score (engine.budget.Acceptance)
                 chances = self.acceptance["tree"].chances(sc)
             if budget is not None:
@@ -361,7 +363,7 @@ class Batch:
         deepest = np.maximum.reduceat(fed_depth, offsets)  # [S] each row's deepest fed node
         # the loop below works on Python ints: per row, numpy's per-call cost would outweigh the work
         acc_l, m_l, deep_l, final_l = accepted.tolist(), num_drafts.tolist(), deepest.tolist(), final.tolist()
-        paths_l, drafts_l, recycled_l = paths.tolist(), drafts.tolist(), self.recycled[rows].tolist()
+        paths_l, drafts_l = paths.tolist(), drafts.tolist()
         move_src, move_dst = [], []
         for i, (c, seq) in enumerate(zip(active, seqs)):
             stats = self.call_of_row[seq.row].stats
@@ -369,7 +371,6 @@ class Batch:
             path = paths_l[i][:a]  # chunk indices of the accepted drafts
             if not c.is_prefill:
                 stats.count_verify(m_l[i], a, deep_l[i])
-                stats.accepted_recycled += sum(recycled_l[i][p - 1] for p in path)
                 if self.tree:  # a chain's path is in place already; a tree's may not be
                     src, dst = compaction(path)
                     if len(src):
@@ -396,10 +397,12 @@ class Batch:
                  accepted: np.ndarray, paths: np.ndarray, drafts: np.ndarray) -> None:
         """Write the model's best-ranked next tokens at every verified position (each row's last
         token and its accepted drafts; a prompt's last token) into the successor table, keyed by
-        the token there (drafting.recycle). Only the [N, width] top ranks leave the device."""
+        the token there (drafting.recycle), and count each call's accepted drafts that came from
+        the table alone. Only the [N, width] top ranks leave the device."""
         idx, tokens = [], []
         for i, seq in enumerate(seqs):
             path = paths[i, : accepted[i]]
+            self.call_of_row[seq.row].stats.accepted_recycled += int(self.recycled[rows[i], path - 1].sum())
             idx.append(offsets[i])
             tokens.append(self.history[rows[i], seq.num_tokens - 1])
             idx.extend(offsets[i] + path)
