@@ -33,7 +33,7 @@ from .budget import Acceptance, DraftBudget
 from .distributed import agree_min, agree_seed
 from .layout import lay_out
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens
-from .plan import EnginePlan
+from .plan import EnginePlan, pads_drafts
 from .prefix import PrefixPool, copy_caller_kv
 from ..steps.c_layers import CpuLayers
 from ..steps.runner import ModelRunner
@@ -269,7 +269,7 @@ class Engine:
     def pad_to(self, drafts: int) -> int | None:
         """Tokens every sequence feeds in a verify step when drafts are padded (`drafts` + 1: k for
         a chain, the node budget for trees), else None."""
-        return drafts + 1 if self.options.pad_drafts or self.use_graphs or self.use_compile else None
+        return drafts + 1 if pads_drafts(self.options.pad_drafts, self.use_graphs, self.use_compile) else None
 
     def uses_trees(self, cfg: DecodeConfig) -> bool:
         """Candidate trees run when asked for (`prompt_lookup_tree_nodes`, or sources beyond the

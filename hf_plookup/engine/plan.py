@@ -43,6 +43,12 @@ MAX_BATCH_TOKENS = {"cuda": 8192, "cpu": 1024}
 PREFILL_UNIT = 128
 
 
+def pads_drafts(pad_drafts: bool, use_graphs: bool, use_compile: bool) -> bool:
+    """Whether every row of a verify step feeds the step's whole width (missing drafts padded):
+    asked for (`pad_drafts`), or needed by steps in CUDA graphs or compiled per bucket."""
+    return pad_drafts or use_graphs or use_compile
+
+
 def sdpa_only_reason(specs: list) -> str | None:
     """Why only the sdpa backend can run layers with these specs, or None."""
     if any(s.value_head_dim for s in specs):
@@ -178,7 +184,7 @@ class EnginePlan:
             _check_cpu_memory(model, resolved, specs, packs)
         prefill_unit = min(PREFILL_UNIT, chunk) if invariant else None
         auto = options.tree_min_score is None
-        padded = options.pad_drafts or use_graphs or use_compile  # as Engine.pad_to
+        padded = pads_drafts(options.pad_drafts, use_graphs, use_compile)
         prefix_cache, unit_pages = prefix_policy(options.prefix_cache, invariant, mixers, resolved.block_size,
                                                  prefill_unit)
         return cls(options=resolved, specs=specs, devices=devices, dtypes=dtypes, hooked=hooked, embedders=embedders,
