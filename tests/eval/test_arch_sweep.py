@@ -105,8 +105,8 @@ MIN_IDENTICAL = 144
 
 
 def _sweep_dir(tmp_path_factory) -> str:
-    """A folder every chunk of this session can see: under xdist each worker's base temp is a
-    subfolder of the session's."""
+    """A folder every chunk of this test run can see: under xdist each worker's base temp is a
+    subfolder of the run's."""
     base = tmp_path_factory.getbasetemp()
     return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "arch_sweep")
 

@@ -53,8 +53,6 @@ def test_layers_of_different_shapes_keep_their_modules_with_the_reason():
 def test_per_layer_head_sizes_generate_hf_greedy_tokens(model_type, invariant):
     """`wrap` once raised AmbiguousGlobalPerLayerAttributeError on these (invariant mode, the CPU
     default, builds the C layers' check)."""
-    if invariant and not cpu_kernels.available():
-        pytest.skip("invariant mode on fp32 CPU needs the C kernels")
     model = _gemma4(model_type)
     ids, mask = left_pad(repeat_prompts(2))
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD)
