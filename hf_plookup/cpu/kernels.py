@@ -66,7 +66,7 @@ def _load():
         lib = ctypes.CDLL(_ext.__file__)  # the extension module already imported: no second copy
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         lib.linear.restype = i64
-        lib.linear.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64]
+        lib.linear.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64]
         lib.attend.restype = i64
         lib.attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, f32, f32, ptr, i64, i64]
         lib.uses_avx2.restype = i64
@@ -164,11 +164,101 @@ def _plain(t: torch.Tensor) -> bool:
     return (type(t) in (torch.Tensor, torch.nn.Parameter) or _own_packing(t) is not None) and t.device.type == "cpu"
 
 
+# the kinds of weight the C linears read (csrc/cpu_kernels.h): a float weight of the call's dtype, or
+# int8 values with one scale per output column (`int8_parts`)
+W_FLOAT, W_Q8 = 0, 1
+
+
+# id(weight) -> (a weak reference to it, its int8_parts): a quantized tensor's attributes cost
+# microseconds each to read, and `linear` asks for them on every call
+_INT8_PARTS: dict[int, tuple] = {}
+_INT8_TYPES = {"Int8Tensor": "torchao", "WeightQBytesTensor": "optimum.quanto"}  # class -> its library
+
+
+def int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values [N, K] int8, scales [N]) of a CPU weight quantized to int8 with one scale per output
+    column and no activation quantization, as two libraries hold it: torchao's `Int8Tensor`
+    (`Int8WeightOnlyConfig`; `qdata`, `scale` [N, 1]) and optimum-quanto's `WeightQBytesTensor` of
+    qint8 on axis 0 (`_data`, `_scale` [N, 1]); else None. The weight's dtype (float32 or bfloat16)
+    is the one its linear computes in; the scales are rounded to it before use (torchao keeps
+    float32 scales for a bfloat16 model and rounds them so).
+
+    Both libraries' linears compute x @ values^T, then scale each output column: torchao as
+    `mm(x, values.to(dtype)) * scale`, quanto in float32 by scaling the values first (the same
+    products, rounded in another place). `linear` takes torchao's order (cpu_kernels.h, W_Q8). A
+    torchao zero point is not read: torchao's own weight-only linear does not read it either.
+    Read once per weight object and kept while it lives (a tensor put in the place of its values, as
+    opposed to values changed in place, is not seen)."""
+    cls = type(weight)
+    if cls.__name__ not in _INT8_TYPES or not cls.__module__.startswith(_INT8_TYPES[cls.__name__]):
+        return None  # (nor a weak reference to other tensors: one would keep swap_tensors from them)
+    entry = _INT8_PARTS.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        return entry[1]
+    got = _read_int8_parts(weight)
+    key = id(weight)
+    _INT8_PARTS[key] = (weakref.ref(weight, lambda _, key=key: _INT8_PARTS.pop(key, None)), got)
+    return got
+
+
+def _read_int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    cls = type(weight)
+    if weight.device.type != "cpu" or weight.dtype not in DTYPES:
+        return None
+    name, module = cls.__name__, cls.__module__
+    if name == "Int8Tensor" and module.startswith("torchao"):
+        q, scale = weight.qdata, weight.scale
+        if (weight.act_quant_kwargs is not None or getattr(weight, "act_pre_scale", None) is not None
+                or list(weight.block_size) != [1, q.shape[-1]]):
+            return None
+    elif name == "WeightQBytesTensor" and module.startswith("optimum.quanto"):
+        q, scale = weight._data, weight._scale
+        if weight.qtype.name != "qint8" or weight.axis != 0 or getattr(weight, "activation_qtype", None) is not None:
+            return None
+    else:
+        return None
+    if (type(q) is not torch.Tensor or q.dtype != torch.int8 or q.dim() != 2 or scale.numel() != q.shape[0]
+            or scale.dtype not in DTYPES or tuple(weight.shape) != tuple(q.shape)):
+        return None
+    return q, scale.reshape(-1)
+
+
+def weight_kind(weight: torch.Tensor) -> int:
+    """W_Q8 for a weight `int8_parts` reads, else W_FLOAT."""
+    if type(weight) in (torch.Tensor, torch.nn.Parameter):
+        return W_FLOAT
+    return W_Q8 if int8_parts(weight) is not None else W_FLOAT
+
+
 def supported(weight: torch.Tensor) -> bool:
-    """Whether `linear` takes this weight: a plain 2-D float32/bfloat16 CPU tensor (not a tensor
-    subclass such as a sharded DTensor) and the kernels built (`linear` and `attend` may be called
-    once this or `available()` said so)."""
-    return _plain(weight) and weight.dtype in DTYPES and weight.dim() == 2 and available()
+    """Whether `linear` takes this weight, the kernels being built (`linear` and `attend` may be
+    called once this or `available()` said so): a plain 2-D float32/bfloat16 CPU tensor or one
+    packed in place (not another tensor subclass, such as a sharded DTensor), or an int8 weight of
+    `int8_parts`."""
+    if not available():
+        return False
+    if _plain(weight):
+        return weight.dtype in DTYPES and weight.dim() == 2
+    return int8_parts(weight) is not None
+
+
+def pack_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 `values` [N, K] and `scales` [N] in the W_Q8 layout `linear` reads for calls in `dtype`
+    (bytes): panels of 8 output columns [P, K2, 8] int8 (K2: K, rounded up to even for bfloat16; zeros
+    past N and K), then, from the next 64-byte boundary, P * 8 float32 scales (each rounded to `dtype`
+    first; zeros past N).
+
+    Example: values [[1, 2], [3, 4]], scales [0.5, 2] (float32) give the panel bytes
+    [[1, 3, 0, 0, 0, 0, 0, 0], [2, 4, 0, 0, 0, 0, 0, 0]], then from byte 64 the floats [0.5, 2, 0, ..., 0]."""
+    n, k = values.shape
+    p, k2 = -(-n // 8), k + (k & 1) if dtype == torch.bfloat16 else k
+    at = (p * k2 * 8 + 63) // 64 * 64
+    out = torch.zeros(at + p * 8 * 4, dtype=torch.uint8)
+    with torch.no_grad():
+        panels = F.pad(values, (0, k2 - k, 0, 8 * p - n)).view(p, 8, k2).permute(0, 2, 1)
+        out[: p * k2 * 8].view(torch.int8).view(p, k2, 8).copy_(panels)
+        out[at:].view(torch.float32)[:n].copy_(scales.to(dtype).float())
+    return out
 
 
 def pack_reference(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,38 +360,57 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _current(weight: torch.Tensor) -> torch.Tensor | None:
+def values_of(weight: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that holds `weight`'s values: an int8 weight's integers (`int8_parts`), a
+    PackedWeight's panels, else the weight itself. Its address and version counter say whether the
+    values moved or changed."""
+    parts = int8_parts(weight)
+    if parts is not None:
+        return parts[0]
+    got = _own_packing(weight)
+    return weight if got is None else got
+
+
+def _current(weight: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
     entry = _PACKED.get(id(weight))
-    if entry is not None and entry[0]() is weight and entry[1] == weight.data_ptr() and entry[2] == _version(weight):
+    if entry is not None and entry[0]() is weight and entry[1] == src.data_ptr() and entry[2] == _version(src):
         return entry[3]
     return None
 
 
-def _keep(weight: torch.Tensor, copy: torch.Tensor) -> None:
+def _keep(weight: torch.Tensor, src: torch.Tensor, copy: torch.Tensor) -> None:
     key = id(weight)
-    _PACKED[key] = (weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None)), weight.data_ptr(), _version(weight), copy)
+    _PACKED[key] = (weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None)), src.data_ptr(), _version(src), copy)
+
+
+def _pack_any(weight: torch.Tensor) -> torch.Tensor:
+    parts = int8_parts(weight)
+    return pack(weight) if parts is None else pack_q8(*parts, weight.dtype)
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
-    """`pack(weight)`, made once and kept while `weight` lives, at the same address and with the
-    same version counter (an in-place change, such as `load_state_dict` or merging an adapter, bumps
-    it; a new `.data` moves it): then packed again."""
+    """`pack(weight)` (for an int8 weight, `pack_q8` of its `int8_parts`), made once and kept while
+    `weight` lives, its values at the same address and with the same version counter (an in-place
+    change, such as `load_state_dict` or merging an adapter, bumps it; a new `.data` moves it): then
+    packed again."""
     got = _own_packing(weight)
     if got is not None:  # a PackedWeight: the packed values are the weight itself
         return got
-    got = _current(weight)
+    src = values_of(weight)
+    got = _current(weight, src)
     if got is None:
         with _PACK_LOCK:
-            got = _current(weight)
+            got = _current(weight, src)
             if got is None:
-                got = pack(weight)
-                _keep(weight, got)
+                got = _pack_any(weight)
+                _keep(weight, src, got)
     return got
 
 
 def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x2d, weight, bias)` for x2d [M, K] in weight's dtype (float32 or bfloat16), each
-    row computed as it would be alone, from `packed(weight)`. `supported(weight)` must hold."""
+    """`F.linear(x2d, weight, bias)` for x2d [M, K] in weight's dtype (float32 or bfloat16; an int8
+    weight's: that of its scales), each row computed as it would be alone, from `packed(weight)`.
+    `supported(weight)` must hold."""
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
     if x2d.dtype != weight.dtype:
@@ -312,8 +421,8 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=weight.dtype)
     if m:  # (the kernel reads and writes raw memory: autograd never sees it, as in inference)
-        if _LIB.linear(x2d.data_ptr(), m, w.data_ptr(), k, None if b is None else b.data_ptr(), n, out.data_ptr(),
-                       weight.dtype == torch.bfloat16, threads()):
+        if _LIB.linear(x2d.data_ptr(), m, w.data_ptr(), weight_kind(weight), k, None if b is None else b.data_ptr(), n,
+                       out.data_ptr(), weight.dtype == torch.bfloat16, threads()):
             raise MemoryError("cpu_kernels.linear: no memory for the transposed input")
     return out
 

@@ -106,7 +106,21 @@ static inline int64_t now_ns(void) {
  * Every output n of row m is one FMA chain over k in order, from 0:
  *   s = fma(w[n][K-1], x[m][K-1], ... fma(w[n][1], x[m][1], fma(w[n][0], x[m][0], 0)) ...)
  * then s + bias[n], then (bf16) one rounding to nearest even. Nothing in it depends on the row count,
- * the row's place or the thread, and a padding zero adds 0 * 0. */
+ * the row's place or the thread, and a padding zero adds 0 * 0.
+ *
+ * Weight kinds (each linear of a call has its own, `wkind`): W_FLOAT, the call's dtype as above; W_Q8,
+ * int8 weights with one scale per output column (torchao's int8 weight-only, optimum-quanto's qint8):
+ * int8 panels [P][K2][8] (K2 as the call's dtype makes it; a byte of column c at k, widened exactly to
+ * fp32), then, from byte q8_scales_at(P, K2), P * 8 fp32 scales (the model's scale widened, exactly;
+ * zeros past N). Its output n is the same FMA chain over k of the integer weights, then
+ *   s = rnd(rnd(s) * scale[n])
+ * (rnd: to bf16 for a bf16 call, else nothing), then + bias[n] and the rounding above: torchao's
+ * order (the product of x and the integer weights, rounded to the dtype, times the scale, rounded,
+ * plus the bias). */
+enum { W_FLOAT = 0, W_Q8 = 1 };
+
+/* where a W_Q8 weight's scales start, in bytes from its first panel (a cache line after the panels) */
+static inline int64_t q8_scales_at(int64_t P, int64_t K2) { return (P * K2 * 8 + 63) / 64 * 64; }
 
 /* Calls of more than 9 rows (a batch's verify step, a prompt chunk) go in blocks of rows: fp32 in
  * blocks of MANY_ROWS rows, each over MANY_PANELS panels and MANY_KBLOCK values at a time, so that
@@ -147,8 +161,8 @@ static inline void x_row_rest(const void* x, int64_t m, int64_t K, int64_t K2, i
     for (k = K; k < K2; k++) xm[k * ld] = 0.0f;
 }
 
-int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const void* const* bias,
-                void* const* out, const int64_t* N, int64_t bf16, int64_t threads);
+int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const int64_t* wkind,
+                const void* const* bias, void* const* out, const int64_t* N, int64_t bf16, int64_t threads);
 
 /* ------------------------------------------------------------------ attention (attention.c) */
 
@@ -208,10 +222,10 @@ typedef void (*wsum_fn)(const float* p, int64_t ld, const void* vb, const int64_
 typedef struct {
     int level;
     /* linears: x [M, K] into the tiles' transposed blocks (x_block), and the outputs of panels
-     * [p_lo, p_hi) of a packed linear, every row (linear.c says what they compute) */
+     * [p_lo, p_hi) of a packed linear of weight kind wkind, every row (linear.c says what they compute) */
     void (*pack_x)(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
-    void (*linear_range)(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
-                         int64_t p_hi, void* out, int64_t N, int64_t bf16);
+    void (*linear_range)(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
+                         int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16);
     /* a weight [N, K] into packed panels [p_lo, p_hi), or back when unpack (pack.c says the moves) */
     void (*pack_range)(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
                        int64_t p_hi);
@@ -241,8 +255,8 @@ extern kernel_ops ops; /* module.c: the level's kernels, set between calls, neve
 
 /* portable C (level 0) */
 void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
-void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
-                    int64_t p_hi, void* out, int64_t N, int64_t bf16);
+void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
+                    int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16);
 void pack_range_c(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
                   int64_t p_hi);
 extern const scores_fn scores_c[MAX_NH + 1];
@@ -257,8 +271,8 @@ void rope_c(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const vo
 #if HAVE_X86_KERNELS
 /* AVX2 + FMA (level 1 and up; arch/x86) */
 void pack_x_avx2(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
-void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
-                       int64_t p_hi, void* out, int64_t N, int64_t bf16);
+void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
+                    int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16);
 void pack_range_avx2(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
                      int64_t p_hi);
 extern const scores_fn scores_avx2[MAX_NH + 1];
@@ -289,8 +303,8 @@ void pool_after_fork_child(void);
 
 /* ------------------------------------------------------------------ entry points (ctypes) */
 
-EXPORT int64_t linear(const void* x, int64_t M, const void* w, int64_t K, const void* bias, int64_t N, void* out,
-                      int64_t bf16, int64_t threads);
+EXPORT int64_t linear(const void* x, int64_t M, const void* w, int64_t wkind, int64_t K, const void* bias, int64_t N,
+                      void* out, int64_t bf16, int64_t threads);
 EXPORT void pack_weight(const void* w, int64_t N, int64_t K, int64_t bf16, void* packed, int64_t unpack,
                         int64_t threads);
 EXPORT int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const void* k_cache,

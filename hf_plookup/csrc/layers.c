@@ -70,6 +70,7 @@ typedef struct { /* one layer's tensors (NULL: absent) */
     const void *ln_attn_out, *ln_mlp_out;
     float eps_attn_out, eps_mlp_out;
     int64_t form_attn_out, form_mlp_out;
+    int64_t wkind[7]; /* the weight kind (cpu_kernels.h) of wq, wk, wv, wo, wg, wu, wd */
 } dec_layer;
 
 typedef struct { /* one step of T tokens */
@@ -121,7 +122,7 @@ EXPORT int64_t layer_attention(const dec_shape* S, const dec_layer* L, const dec
     const void* b[3] = {L->bq, L->bk, L->bv};
     void* o[3] = {P->q, P->k, P->v};
     int64_t N[3] = {qn, kn, kn};
-    if (linears(P->x, T, hid, 3, w, b, o, N, b16, P->threads)) return -1;
+    if (linears(P->x, T, hid, 3, w, L->wkind, b, o, N, b16, P->threads)) return -1;
     PHASE(1);
     if (L->q_norm) rms_norm(P->q, T * S->H, D, L->q_norm, L->eps_qk, L->form_qk, P->q, b16, 1);
     if (L->k_norm) rms_norm(P->k, T * S->H_kv, D, L->k_norm, L->eps_qk, L->form_qk, P->k, b16, 1);
@@ -136,7 +137,7 @@ EXPORT int64_t layer_attention(const dec_shape* S, const dec_layer* L, const dec
                K->run_hi, K->extra_off, K->extra, L->scale, L->softcap, P->a, b16, P->threads))
         return -1;
     PHASE(2);
-    if (linear(P->a, T, L->wo, qn, L->bo, hid, P->x, b16, P->threads)) return -1;
+    if (linear(P->a, T, L->wo, L->wkind[3], qn, L->bo, hid, P->x, b16, P->threads)) return -1;
     PHASE(3);
     if (L->ln_attn_out) rms_norm(P->x, T, hid, L->ln_attn_out, L->eps_attn_out, L->form_attn_out, P->x, b16, P->threads);
     ops.add_into(P->h, P->x, T * hid, (int)b16);
@@ -146,7 +147,7 @@ EXPORT int64_t layer_attention(const dec_shape* S, const dec_layer* L, const dec
     const void* b2[2] = {L->bg, L->bu};
     void* o2[2] = {P->g, P->u};
     int64_t N2[2] = {S->inter, S->inter};
-    int64_t failed = linears(P->x, T, hid, 2, w2, b2, o2, N2, b16, P->threads);
+    int64_t failed = linears(P->x, T, hid, 2, w2, L->wkind + 4, b2, o2, N2, b16, P->threads);
     PHASE(4);
     return failed;
 }
@@ -159,7 +160,7 @@ EXPORT int64_t layer_mlp(const dec_shape* S, const dec_layer* L, const dec_step*
     int64_t phase_t = phase_on ? now_ns() : 0;
     ops.mul_to(P->g, y, P->u, n, b16);
     PHASE(0);
-    if (linear(P->g, T, L->wd, S->inter, L->bd, S->hidden, P->x, S->bf16, P->threads)) return -1;
+    if (linear(P->g, T, L->wd, L->wkind[6], S->inter, L->bd, S->hidden, P->x, S->bf16, P->threads)) return -1;
     PHASE(5);
     if (L->ln_mlp_out)
         rms_norm(P->x, T, S->hidden, L->ln_mlp_out, L->eps_mlp_out, L->form_mlp_out, P->x, S->bf16, P->threads);

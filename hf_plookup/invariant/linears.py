@@ -11,7 +11,8 @@ engine forward and restored after):
   prompt chunks per sequence, cut at fixed offsets by the scheduler); on Triton, the
   kernel's invariant form (`attention.triton.paged_attention(invariant=True)`: query blocks
   and key splits of fixed sizes).
-- **linear layers and LM head** (`InvariantLinears`): every `nn.Linear` of the model goes
+- **linear layers and LM head** (`InvariantLinears`): every `nn.Linear` of the model (and each
+  layer `linear_module` finds computing just `F.linear`, such as a frozen quanto `QLinear`) goes
   through the op `hf_plookup::invariant_linear`, which computes each decode row exactly as it
   would be alone. How is decided once per weight shape, dtype, device and thread count by a
   check on this machine (`row_strategy`: rows of 2..PROBE_ROWS-row calls bitwise equal to 1-row
@@ -71,6 +72,21 @@ INVARIANT_BACKENDS = ("sdpa", "triton")  # attention backends with an invariant 
 # the invariant forms a CUDA graph can capture: sdpa's lays its per-query calls out on the host
 # for each step, which a replayed graph cannot redo (compiled steps run it: it is an opaque op there)
 CAPTURED_INVARIANT_BACKENDS = ("triton",)
+
+
+def linear_module(module: torch.nn.Module) -> bool:
+    """Whether `module`'s forward is `F.linear(x, module.weight, module.bias)` and nothing more, with
+    no forward set on the instance: a plain `nn.Linear` (its weight may be a quantized tensor subclass,
+    as torchao's are), or optimum-quanto's `QLinear` whose weights are frozen (quantized once) and
+    whose activations are not quantized (its forward is then `F.linear` with its quantized weight;
+    unfrozen, it quantizes the weight again on every call)."""
+    if "forward" in vars(module):
+        return False
+    if type(module) is torch.nn.Linear:
+        return True
+    cls = type(module)
+    return (cls.__name__ == "QLinear" and cls.__module__.startswith("optimum.quanto")
+            and getattr(module, "activation_qtype", True) is None and getattr(module, "frozen", False))
 
 
 def check_capturable(backend: str) -> None:
@@ -142,9 +158,10 @@ _MERGE_SAFE: dict[tuple, bool] = {}
 
 def strategy_key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     """What `row_strategy`'s choice is kept by: shape, dtype, device, the weight's type (and its
-    data's), whether there is a bias, and torch's thread count."""
+    data's) and the C kernels' kind of it (a torchao `Int8Tensor` is weight-only or not), whether
+    there is a bias, and torch's thread count."""
     return (*weight.shape, weight.dtype, weight.device, type(weight), type(getattr(weight, "data", weight)),
-            bias is None, torch.get_num_threads())
+            cpu_kernels.weight_kind(weight), bias is None, torch.get_num_threads())
 
 
 def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
@@ -303,7 +320,7 @@ class InvariantLinears:
         # a prompt chunk spanning several of the scheduler's units is computed unit by unit where
         # the rows' bits would depend on the chunk's length (invariant.attention.build_layout)
         self.prefill_unit = prefill_unit
-        self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m)]
+        self.modules = [m for m in model.modules() if linear_module(m)]
         self.forwards = [self._bind(m) for m in self.modules]
         # RMSNorm modules whose arithmetic cpu_kernels.rms_norm reproduces: one C call instead of
         # the half-dozen torch ops of HF's forward (row-local either way)
@@ -315,7 +332,7 @@ class InvariantLinears:
         # decode steps whose linears all run the C kernels (whose bits do not depend on threads)
         # run torch's own ops on one thread (cpu_kernels.serial_torch)
         self.serial_decode = bool(self.modules) and all(
-            cpu_kernels.supported(m.weight) for m in self.modules if type(m) is torch.nn.Linear)
+            cpu_kernels.supported(m.weight) for m in self.modules if linear_module(m))
         # the norms' forms, for the decode steps that run a Llama-form model's layers in C (steps.c_layers)
         self.forms = forms
 

@@ -39,6 +39,7 @@ import torch
 from torch.nn.modules import module as _hooks
 
 from ..invariant.attention import build_layout
+from ..invariant.linears import linear_module
 from ..attention.registry import record_attention
 from ..cpu import kernels as cpu_kernels
 from ..cpu.kernels import rms_eps, rms_form
@@ -57,7 +58,8 @@ class _Layer(ctypes.Structure):
                 + [(n, _I) for n in ("form1", "form2", "form_qk")]
                 + [(n, _P) for n in ("ln_attn_out", "ln_mlp_out")]
                 + [(n, _F) for n in ("eps_attn_out", "eps_mlp_out")]
-                + [(n, _I) for n in ("form_attn_out", "form_mlp_out")])
+                + [(n, _I) for n in ("form_attn_out", "form_mlp_out")]
+                + [("wkind", _I * 7)])  # cpu_kernels.W_FLOAT or W_Q8, of wq .. wd in this order
 
 
 class _Step(ctypes.Structure):
@@ -94,8 +96,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear(m) -> bool:
-    return type(m) is torch.nn.Linear and "forward" not in vars(m)
+_linear = linear_module
 
 
 def norm_forms(model: torch.nn.Module) -> dict:
@@ -156,10 +157,13 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
         return "not a decoder of model.model.{embed_tokens, layers, norm, rotary_emb} and model.lm_head"
     if not isinstance(parts[0], torch.nn.Embedding) or not len(parts[1]):
         return "its embedding is not an nn.Embedding, or it has no layers"
+    # every parameter of one dtype, plain, but the linears' weights, which may also be int8 weights the
+    # C linears read (cpu_kernels.int8_parts; the check below)
+    linear_weights = {id(m.weight) for m in model.modules() if _linear(m)}
     params = list(model.parameters())
     if len({p.dtype for p in params}) != 1 or params[0].dtype not in cpu_kernels.DTYPES or any(
-            not cpu_kernels._plain(p) for p in params):
-        return "its weights are not all plain float32 or all plain bfloat16 CPU tensors"
+            not cpu_kernels._plain(p) for p in params if id(p) not in linear_weights):
+        return "its weights are not all plain (or int8-quantized) float32 or all bfloat16 CPU tensors"
     config = model.config
     shape0 = None  # layer 0's (heads, KV heads, head size): the C path takes one for every layer
     for i, layer in enumerate(parts[1]):
@@ -260,11 +264,12 @@ class CpuLayers:
                 and not any(d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d for d in self._module_dicts))
 
     def _tensors(self, cache) -> list[torch.Tensor]:
-        """Every tensor the layer structs point into, read from the modules and the cache now."""
+        """Every tensor the layer structs point into (of an int8 weight, its integers:
+        `cpu_kernels.values_of`), read from the modules and the cache now."""
         if self._refs is None:  # (a module's parameter dict, name) of every weight of the layers
             self._refs = [(m._parameters, n) for la in self.layers for m in la.modules()
                           for n, p in m._parameters.items() if p is not None]
-        return [d[n] for d, n in self._refs] + [*cache.keys, *cache.values]
+        return [cpu_kernels.values_of(d[n]) for d, n in self._refs] + [*cache.keys, *cache.values]
 
     def _plan(self, cache) -> tuple[list[_Layer], list[int | None]] | None:
         """The layers as C structs, rebuilt whenever a weight or a page tensor has moved (a
@@ -275,8 +280,11 @@ class CpuLayers:
         key = [t.data_ptr() for t in tensors] + [cpu_kernels._version(d[n]) for d, n in self._refs]
         if key == self._plan_key:
             return self._structs, self._windows
-        if not all(t.dtype == self.dtype and t.is_contiguous() for t in tensors):  # a weight swapped for another kind
-            self.on = False
+        linears = [getattr(la.self_attn, n) for la in self.layers for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+            getattr(la.mlp, n) for la in self.layers for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all((t.dtype == self.dtype or t.dtype == torch.int8) and t.is_contiguous() for t in tensors) or not all(
+                cpu_kernels.supported(m.weight) and m.weight.dtype == self.dtype for m in linears):
+            self.on = False  # a weight swapped for another kind
             return None
         structs, windows = [], []
         for la, norms, (f1, f2, fa, fm, fqk) in zip(self.layers, self.norms, self.forms):
@@ -301,11 +309,12 @@ class CpuLayers:
                        eps_mlp_out=rms_eps(ln_m) if ln_m is not None else 0.0,
                        form_attn_out=cpu_kernels.RMS_FORMS[fa] if fa else 0,
                        form_mlp_out=cpu_kernels.RMS_FORMS[fm] if fm else 0)
-            for n, m in lin.items():
+            for i, (n, m) in enumerate(lin.items()):
                 w = cpu_kernels.packed(m.weight)
                 tensors.append(w)
                 setattr(s, "w" + n, w.data_ptr())
                 setattr(s, "b" + n, _ptr(m.bias))
+                s.wkind[i] = cpu_kernels.weight_kind(m.weight)
             structs.append(s)
             windows.append(rec["window"])
         # the structs point into these tensors (and the packed weights): held, their memory outlives a

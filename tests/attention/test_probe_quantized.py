@@ -13,6 +13,7 @@ import torch
 
 import hf_plookup
 from hf_plookup.attention import probe
+from hf_plookup.cpu import kernels as cpu_kernels
 
 from ..conftest import left_padded, tiny_model, wrap_copy
 
@@ -169,22 +170,28 @@ def test_torchao_quantized_head_keeps_the_models_own():
 
 
 def test_row_strategy_is_kept_per_weight_type():
-    """A quantized weight of a plain weight's shape gets its own row strategy."""
+    """A quantized weight of a plain weight's shape gets its own row strategy, and so does a weight of
+    the same type that the C kernels do not read (torchao's dynamic activation quantization, an
+    `Int8Tensor` too): each computes its rows as 1-row calls of its own strategy do."""
     quantization = pytest.importorskip("torchao.quantization")
-    from hf_plookup.invariant.linears import row_strategy
+    from hf_plookup.invariant.linears import invariant_rows, row_strategy
 
     plain = torch.nn.Linear(64, 96, bias=False)
     assert row_strategy(plain.weight, None) in ("cpu", "numba", "plain", "rows")
-    quantized = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False))
-    quantization.quantize_(quantized, quantization.Int8WeightOnlyConfig())
-    got = row_strategy(quantized[0].weight, None)
     x = torch.randn(5, 64)
-    with torch.inference_mode():
-        from hf_plookup.invariant.linears import invariant_rows
-
-        rows = invariant_rows(x, quantized[0].weight, None)
-        one = torch.cat([quantized(x[i : i + 1]) for i in range(5)])
-    assert torch.equal(rows, one), got
+    for config in (quantization.Int8WeightOnlyConfig(), quantization.Int8DynamicActivationInt8WeightConfig()):
+        quantized = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False))
+        quantization.quantize_(quantized, config)
+        got = row_strategy(quantized[0].weight, None)
+        with torch.inference_mode():
+            rows = invariant_rows(x, quantized[0].weight, None)
+            one = torch.cat([invariant_rows(x[i : i + 1], quantized[0].weight, None) for i in range(5)])
+        assert torch.equal(rows, one), got
+        assert torch.allclose(rows, quantized(x), rtol=0.05, atol=0.05), got
+        if isinstance(config, quantization.Int8WeightOnlyConfig) and cpu_kernels.available():
+            assert got == "cpu"  # the C kernel over the int8 weight (cpu.kernels W_Q8)
+        else:
+            assert got != "cpu"
 
 
 def test_torchao_int8_dynamic_activations():

@@ -12,11 +12,12 @@
 
 #if HAVE_X86_KERNELS
 
-/* 4 KB ahead in both dtypes: bf16 16 KB ahead was as fast on the AMD EPYCs and slower on an Intel Xeon,
+/* 4 KB ahead in both dtypes (and int8): bf16 16 KB ahead was as fast on the AMD EPYCs and slower on an Intel Xeon,
  * whose 1-row linears then streamed the weights well below its read bandwidth (docs/results.md, "Larger
  * models on CPU") */
 #define PACK_AHEAD_F32 4096
 #define PACK_AHEAD_BF16 4096
+#define PACK_AHEAD_Q8 4096
 /* a tile: sums over values [0, kn) of panels K values long (wp and xt at the first of them), into o
  * [MB][NP * 8], from 0 or (init) from o's sums: a chain cut at a block of K goes on bitwise */
 typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init);
@@ -72,10 +73,32 @@ typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K
         }                                                                                               \
         UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) _mm256_storeu_ps(o + (i * NP + j) * 8, acc[i][j]); \
     }
+/* W_Q8: 8 bytes a k (the 8 columns' integers), widened to int32 then fp32, both exact; one line
+ * of a panel holds 8 values of k, so one prefetch per 8 */
+#define PTILE_Q8(MB, NP)                                                                                \
+    AVX2 static void pq8_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init) { \
+        const int8_t* w = (const int8_t*)wp;                                                            \
+        __m256 acc[MB][NP];                                                                             \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = init ? _mm256_loadu_ps(o + (i * NP + j) * 8) : _mm256_setzero_ps(); \
+        for (int64_t k = 0; k < kn; k++) {                                                              \
+            __m256 wv[NP];                                                                              \
+            UNROLL for (int j = 0; j < NP; j++) {                                                       \
+                const int8_t* p = w + (j * K + k) * 8;                                                  \
+                if (!(k & 7)) _mm_prefetch((const char*)p + PACK_AHEAD_Q8, _MM_HINT_T1);                \
+                wv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));   \
+            }                                                                                           \
+            UNROLL for (int i = 0; i < MB; i++) {                                                       \
+                __m256 xb = _mm256_broadcast_ss(xt + k * ldx + i);                                      \
+                UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);  \
+            }                                                                                           \
+        }                                                                                               \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) _mm256_storeu_ps(o + (i * NP + j) * 8, acc[i][j]); \
+    }
 #define PTILES_X1(T) T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(5, 1) T(6, 1) T(7, 1) T(8, 1) T(9, 1)
 PTILES_X1(PTILE_F32) PTILE_F32(1, 4) PTILE_F32(2, 4) PTILE_F32(3, 3) PTILE_F32(4, 3) PTILE_F32(5, 2) PTILE_F32(6, 2)
 PTILES_X1(PTILE_BF16) PTILE_BF16(1, 4) PTILE_BF16(2, 3) PTILE_BF16(3, 3) PTILE_BF16(4, 2) PTILE_BF16(5, 2)
 PTILE_F32(1, 3) PTILE_F32(2, 3)
+PTILES_X1(PTILE_Q8) PTILE_Q8(1, 4) PTILE_Q8(2, 4) PTILE_Q8(3, 3) PTILE_Q8(4, 3) PTILE_Q8(5, 2) PTILE_Q8(6, 2)
 /* by rows (1-9): the tile of one pass over the panels, and its panels; the 1-panel tile of as many rows */
 static const ptile_fn pf32_wide[] = {0, pf32_1x4, pf32_2x4, pf32_3x3, pf32_4x3, pf32_5x2, pf32_6x2, pf32_7x1, pf32_8x1, pf32_9x1};
 static const int pf32_np[] = {0, 4, 4, 3, 3, 2, 2, 1, 1, 1};
@@ -83,6 +106,8 @@ static const ptile_fn pf32_one[] = {0, pf32_1x1, pf32_2x1, pf32_3x1, pf32_4x1, p
 static const ptile_fn pbf16_wide[] = {0, pbf16_1x4, pbf16_2x3, pbf16_3x3, pbf16_4x2, pbf16_5x2, pbf16_6x1, pbf16_7x1, pbf16_8x1, pbf16_9x1};
 static const int pbf16_np[] = {0, 4, 3, 3, 2, 2, 1, 1, 1, 1};
 static const ptile_fn pbf16_one[] = {0, pbf16_1x1, pbf16_2x1, pbf16_3x1, pbf16_4x1, pbf16_5x1, pbf16_6x1, pbf16_7x1, pbf16_8x1, pbf16_9x1};
+static const ptile_fn pq8_wide[] = {0, pq8_1x4, pq8_2x4, pq8_3x3, pq8_4x3, pq8_5x2, pq8_6x2, pq8_7x1, pq8_8x1, pq8_9x1};
+static const ptile_fn pq8_one[] = {0, pq8_1x1, pq8_2x1, pq8_3x1, pq8_4x1, pq8_5x1, pq8_6x1, pq8_7x1, pq8_8x1, pq8_9x1};
 /* fp32 calls of more than 9 rows: MANY_ROWS rows x MANY_PANELS panels (the 4 x 3 tile has the fewest
  * broadcasts per FMA), fewer rows in the last block */
 static const ptile_fn pf32_many[] = {0, pf32_1x3, pf32_2x3, pf32_3x3, pf32_4x3};
@@ -122,27 +147,48 @@ AVX2 static void packed_store(const float* o, int mb, int np, int64_t m0, int64_
     }
 }
 
+/* a W_Q8 tile's sums o [mb][np * 8] of panels p.. scaled in place as q8_scaled (linear.c) does each:
+ * rnd(rnd(s) * scale), 8 columns a vector (the scales run on to a whole panel, zeros past N) */
+AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scales, int bf16) {
+    for (int j = 0; j < np; j++) {
+        __m256 sc = _mm256_loadu_ps(scales + (p + j) * 8);
+        for (int i = 0; i < mb; i++) {
+            float* q = o + (i * np + j) * 8;
+            __m256 v = _mm256_loadu_ps(q);
+            if (bf16) v = widen8(bf16x8(v));
+            v = _mm256_mul_ps(v, sc);
+            if (bf16) v = widen8(bf16x8(v));
+            _mm256_storeu_ps(q, v);
+        }
+    }
+}
+
 /* the tiles' part of linear_range_c (linear.c): up to 9 rows in one pass over the panels, more in
  * blocks of rows (MANY_ROWS, cpu_kernels.h) */
-void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t K2, const void* bias, int64_t p_lo,
-                       int64_t p_hi, void* out, int64_t N, int64_t bf16) {
-    const ptile_fn *wide = bf16 ? pbf16_wide : pf32_wide, *one = bf16 ? pbf16_one : pf32_one;
-    int64_t panel = K2 * 8 * (bf16 ? 2 : 4); /* bytes */
+void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
+                       int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16) {
+    int q8 = wkind == W_Q8;
+    const ptile_fn *wide = q8 ? pq8_wide : bf16 ? pbf16_wide : pf32_wide, *one = q8 ? pq8_one : bf16 ? pbf16_one : pf32_one;
+    int64_t panel = K2 * 8 * (q8 ? 1 : bf16 ? 2 : 4); /* bytes */
+    const float* scales = q8 ? (const float*)((const char*)wp + q8_scales_at((N + 7) / 8, K2)) : NULL;
     float o[9 * 32];
     if (M <= 9) {
-        int np = (bf16 ? pbf16_np : pf32_np)[M];
+        int np = (q8 ? pf32_np : bf16 ? pbf16_np : pf32_np)[M]; /* (W_Q8 holds as many registers as fp32) */
         for (int64_t p = p_lo; p < p_hi;) {
             int n = p + np <= p_hi ? np : 1;
             (n == np ? wide : one)[M](xt, M, (const char*)wp + p * panel, K2, K2, o, 0);
+            if (q8) q8_scale(o, (int)M, n, p, scales, (int)bf16);
             packed_store(o, (int)M, n, 0, p, bias, out, N, (int)bf16);
             p += n;
         }
         return;
     }
+    /* more rows: fp32 weights by MANY_PANELS panels and K blocks, bf16 and W_Q8 (each pass widens the
+     * panel again) one panel at a time over its whole K */
     int64_t B = x_block(M, bf16), blocks = (M + B - 1) / B;
     float acc[MANY_BLOCK_ROWS * MANY_PANELS * 8];
     for (int64_t p = p_lo; p < p_hi;) {
-        int n = !bf16 && p + MANY_PANELS <= p_hi ? MANY_PANELS : 1;
+        int n = !bf16 && !q8 && p + MANY_PANELS <= p_hi ? MANY_PANELS : 1;
         int64_t kb = n == MANY_PANELS ? MANY_KBLOCK : K2;
         for (int64_t b0 = 0; b0 < blocks; b0 += MANY_BLOCK_ROWS / B) {
             int64_t b1 = b0 + MANY_BLOCK_ROWS / B < blocks ? b0 + MANY_BLOCK_ROWS / B : blocks;
@@ -154,6 +200,7 @@ void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t K2, c
                         K2 - k0 < kb ? K2 - k0 : kb, acc + (m0 - b0 * B) * n * 8, k0 > 0);
                 }
             int64_t r1 = b1 * B < M ? b1 * B : M;
+            if (q8) q8_scale(acc, (int)(r1 - b0 * B), n, p, scales, (int)bf16);
             packed_store(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)bf16);
         }
         p += n;

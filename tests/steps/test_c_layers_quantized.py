@@ -1,0 +1,81 @@
+"""steps.c_layers and the invariant linears on int8 weight-only models (torchao's
+`Int8WeightOnlyConfig`, optimum-quanto's qint8, the LM head left as it is, as HF's quantizers leave
+it): decode steps run in C on the int8 weights (cpu.kernels W_Q8) with bitwise the logits of the same
+steps through the modules, and greedy with drafts gives HF's greedy of the quantized model (float32)
+or hf_plookup's own greedy (bfloat16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_plookup.api import _state
+from hf_plookup.cpu import kernels as cpu_kernels
+from hf_plookup.invariant.linears import linear_module, row_strategy
+from hf_plookup.steps.c_layers import llama_form
+from tests.conftest import greedy_logits, left_pad, repeat_prompts, tiny_model, wrap_copy
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
+
+
+def _torchao(model):
+    tq = pytest.importorskip("torchao.quantization")
+    tq.quantize_(model, tq.Int8WeightOnlyConfig(),
+                 filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and "lm_head" not in name)
+    return model
+
+
+def _quanto(model):
+    quanto = pytest.importorskip("optimum.quanto")
+    quanto.quantize(model, weights=quanto.qint8, exclude=["lm_head"])
+    quanto.freeze(model)
+    return model
+
+
+QUANTIZERS = {"torchao": _torchao, "quanto": _quanto}
+
+
+def _quantized(arch: str, dtype: torch.dtype, how: str):
+    return QUANTIZERS[how](tiny_model(arch).to(dtype))
+
+
+@pytest.mark.parametrize("how", list(QUANTIZERS))
+def test_int8_linears_take_the_c_kernel(how):
+    model = _quantized("llama", torch.float32, how)
+    projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
+    assert projections and all(linear_module(m) and cpu_kernels.weight_kind(m.weight) == cpu_kernels.W_Q8
+                               for m in projections)
+    assert all(row_strategy(m.weight, m.bias) == "cpu" for m in projections)
+    assert llama_form(model) is None
+
+
+@pytest.mark.parametrize("how", list(QUANTIZERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_c_layers_on_int8_give_the_modules_logits(arch, dtype, how):
+    hf = _quantized(arch, dtype, how)
+    ids, mask = left_pad(repeat_prompts(3))
+    fast, plain = wrap_copy(hf, invariant=True), wrap_copy(hf, invariant=True)
+    _state(plain).engine.c_layers = None
+    got, _ = greedy_logits(fast, ids, mask, 16, prompt_lookup_num_tokens=4)
+    want, _ = greedy_logits(plain, ids, mask, 16, prompt_lookup_num_tokens=4)
+    layers = _state(fast).engine.c_layers
+    assert layers is not None and layers.checked and layers.on
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("how", list(QUANTIZERS))
+def test_int8_greedy_with_drafts(how):
+    """float32: HF's greedy of the same quantized model; bfloat16: lossless against hf_plookup's own
+    greedy, batched, with chains and trees."""
+    ids, mask = left_pad(repeat_prompts(3))
+    hf = _quantized("llama", torch.float32, how)
+    want = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    model = wrap_copy(hf)
+    for kw in ({}, {"prompt_lookup_num_tokens": 4}, {"prompt_lookup_num_tokens": 4, "prompt_lookup_tree_nodes": 8}):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, **kw), want)
+    assert _state(model).engine.c_layers.on
+    bf = wrap_copy(_quantized("llama", torch.bfloat16, how))
+    own = bf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    for kw in ({"prompt_lookup_num_tokens": 4}, {"prompt_lookup_num_tokens": 4, "prompt_lookup_tree_nodes": 8}):
+        assert torch.equal(bf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, **kw), own)
