@@ -37,6 +37,11 @@ the CPU ones give README's figures, the CUDA ones the four random shapes in bf16
     python eval/bench.py --device cuda --model random:qwen3-8b --batch-sizes 1 16 64 --time-budget 540
     python eval/bench.py --device cuda --model shared/SmolLM2-135M-Instruct.Q4_1.gguf --batch-sizes 1 16 --k 4 8
     python eval/bench.py --smoke --json /tmp/bench.json     # every variant on a tiny random model, CPU, seconds
+    python eval/bench.py --model smollm2-135m --quantization torchao-int8   # HF's quantizer at load, for every variant
+
+--quantization NAME (eval/lib/quantization.py) quantizes each model at load with transformers' own
+quantizer; the HF variants, hf-greedy the reference among them, run the same quantized model (its
+own copy, as for a plain model), and the table's model column names the quantization.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from eval.lib.batching import left_pad, pad_id, workload
 from eval.lib.calls import CallResult, run_hf, run_hf_generate_batch, run_plookup
 from eval.lib.cli import DTYPES, INVARIANT, add_threads_option, default_device, default_model, parse_dtype, set_threads, show_defaults
 from eval.lib.models import SHAPES, check_name, is_random, label, load_model
+from eval.lib.quantization import add_quantization_option, check_option, copy_model, quantized_linears, weight_bytes
 from eval.lib.prompts import builtin_prompts, dataset_prompts, plain_vocab, random_vocab, synthetic_prompts
 from eval.lib.report import cell, report, write_json
 from eval.lib.machine import rss_bytes
@@ -107,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"random:SHAPE ({', '.join(sorted(SHAPES))}) (default: the embedded default on CPU, "
                         f"{' '.join(DEVICE_DEFAULTS['model'][1])} on CUDA)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help=_defaults("dtype"))
+    add_quantization_option(p)
     add_threads_option(p, "torch CPU threads (--smoke: 1)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help=_defaults("batch_sizes"))
     p.add_argument("--k", type=int, nargs="+", default=None, help=f"prompt_lookup_num_tokens values ({_defaults('k')})")
@@ -158,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
+    check_option(p, args)
     if args.smoke:
         args.device = args.device or "cpu"
         args.threads = args.threads or 1
@@ -416,18 +424,20 @@ def step_kernels(engines: dict, name: str, batch: int, q: int | None, device) ->
 
 
 # -- one model ------------------------------------------------------------------------------------
-def hf_model_for(model, args, device) -> tuple[object, str | None]:
+def hf_model_for(model, args, device, reload=None) -> tuple[object, str | None]:
     """The model HF's variants run (and why they cannot run, or None). On CPU `wrap` packs the linear
     weights of the modules it is given in place (cpu.packed_weight), and the engines here share
-    `model`'s modules: HF's variants get a deep copy taken before, where two copies fit in memory;
-    where they do not, no HF variant runs (eval/cpu_memory.py measures such models one after the other)."""
+    `model`'s modules: HF's variants get a copy taken before, where two copies fit in memory;
+    where they do not, no HF variant runs (eval/cpu_memory.py measures such models one after the other).
+    The copy is a deep copy, or `reload()` (the same load again) for quantized weights that cannot
+    be deep-copied (quantization.copy_model): a quantized model's HF variants run it quantized."""
     if device.type != "cpu" or not any(v.startswith("hf") for v in args.variants):
         return model, None
-    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    need = weight_bytes(model)
     free = available_memory()
     if free is not None and need > 0.8 * free:
         return model, f"no memory for the plain copy HF's variants need ({need / 2**30:.1f} GiB of {free / 2**30:.1f})"
-    return copy.deepcopy(model), None
+    return (copy.deepcopy(model) if reload is None else copy_model(model, reload)), None
 
 
 def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = float("inf")) -> tuple[dict, list[dict]]:
@@ -437,9 +447,10 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
     device = torch.device(args.device)
     tag = label(name)
     t0 = time.perf_counter()
-    model, tok = load_model(name, parse_dtype(args.dtype), device, args.seed)
+    quantization = args.quantization
+    model, tok = load_model(name, parse_dtype(args.dtype), device, args.seed, quantization)
     load_s = time.perf_counter() - t0
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    stored_bytes = weight_bytes(model)  # quantized weights at their stored size
     bw = copy_bandwidth(device)
     pad = pad_id(model, tok)
     source = args.prompt_source if args.prompt_source != "auto" else ("synthetic" if tok is None else "builtin")
@@ -454,7 +465,8 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
     lens = [len(p) for p in prompts]
 
     inv = INVARIANT[args.invariant]
-    hf_model, hf_skip = hf_model_for(model, args, device)
+    hf_model, hf_skip = hf_model_for(model, args, device,
+                                     lambda: load_model(name, parse_dtype(args.dtype), device, args.seed, quantization)[0])
     wanted = {engine_of(v) for b in args.batch_sizes
               for v in variant_names(args.variants, args.k, args.tree_nodes, b, args.hf_pl_k)} - {None}
     # the extra engines get a cache sized for the run: sized from free memory, as the default
@@ -470,25 +482,32 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
     engine = engines["default"]._engine if "default" in engines else None
     info = {
         "model": tag, "name": name, "weights": "random" if is_random(name) else "pretrained", "dtype": args.dtype,
-        "load_s": load_s, "num_params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes,
-        "copy_bandwidth_Bps": bw, "bandwidth_bound_step_s": weight_bytes / bw, "prompt_source": source, "prompt_tokens": lens,
+        "quantization": quantization, "quantized_linears": quantized_linears(model),
+        "load_s": load_s, "num_params": sum(p.numel() for p in model.parameters()), "weight_bytes": stored_bytes,
+        "copy_bandwidth_Bps": bw, "bandwidth_bound_step_s": stored_bytes / bw, "prompt_source": source, "prompt_tokens": lens,
         "attn_backend": engine.options.attn_backend if engine else None, "block_size": engine.options.block_size if engine else None,
         "cuda_graphs": engine.use_graphs if engine else None, "compile": engine.use_compile if engine else None,
         "wrap_s": wrap_s, "rss_before_wrap": rss_before, "rss_after_wrap": rss_wrapped, "hf_variants_skipped": hf_skip,
+        # wrap's note when it accepted the model on its quantized arithmetic's floor (docs/usage.md,
+        # "Quantized models"): greedy may then part from HF's after a near-tie
+        "exactness_note": engine.plan.exactness_note if engine else None,
     }
-    print(f"\n== {tag} ({info['weights']} weights, {info['num_params'] / 1e9:.2f}B params, {weight_bytes / 2**30:.2f} GiB), "
-          f"{args.dtype} on {device}, {torch.get_num_threads()} threads; {source} prompts (n={len(prompts)}, "
+    quantized = f", quantized {quantization} ({info['quantized_linears']} linears)" if quantization else ""
+    print(f"\n== {tag} ({info['weights']} weights, {info['num_params'] / 1e9:.2f}B params, {stored_bytes / 2**30:.2f} GiB), "
+          f"{args.dtype}{quantized} on {device}, {torch.get_num_threads()} threads; {source} prompts (n={len(prompts)}, "
           f"{min(lens)}-{max(lens)} tokens), max_new_tokens {args.max_new_tokens}, ngram {args.ngram}, repeats {args.repeats}; "
           f"load {load_s:.1f}s; backend {info['attn_backend']} block {info['block_size']} graphs {info['cuda_graphs']} "
-          f"compile {info['compile']}; copy {bw / 1e12:.3f} TB/s -> bound {1e3 * weight_bytes / bw:.2f} ms/step", flush=True)
+          f"compile {info['compile']}; copy {bw / 1e12:.3f} TB/s -> bound {1e3 * stored_bytes / bw:.2f} ms/step", flush=True)
     print(HEADER, flush=True)
     rows: list[dict] = []
     for bs in args.batch_sizes:
         if time.perf_counter() > deadline:
-            row = {"model": tag, "batch_size": bs, "variant": None, "skipped": f"time budget {args.time_budget}s spent", "error": None}
+            row = {"model": tag, "quantization": quantization, "batch_size": bs, "variant": None,
+                   "skipped": f"time budget {args.time_budget}s spent", "error": None}
             new = [row]
         else:
-            new = [{"model": tag, **r} for r in bench_batch_size(args, hf_model, engines, prompts, pad, bs, hf_skip)]
+            new = [{"model": tag, "quantization": quantization, **r}
+                   for r in bench_batch_size(args, hf_model, engines, prompts, pad, bs, hf_skip)]
             info.setdefault("rss_after_first_batch", rss_bytes())
             for r in new:
                 if r["variant"].startswith("plk") and r["q"] is not None:
@@ -586,7 +605,9 @@ HEADER = ("| model | batch | variant | tok/s | × HF greedy | × HF best | token
 
 
 def format_row(r: dict) -> str:
-    head = f"| {r.get('model', '')} | {r['batch_size']} | {r['variant'] or '–'} |"
+    """One table row; a quantized model's cell names its quantization: "smollm2-135m torchao-int8"."""
+    model = r.get("model", "") + (f" {r['quantization']}" if r.get("quantization") else "")
+    head = f"| {model} | {r['batch_size']} | {r['variant'] or '–'} |"
     if r.get("skipped") or r.get("error"):
         what = f"skipped ({r['skipped'][:60]})" if r.get("skipped") else f"error ({r['error'][:100]})"
         return f"{head} {what} | | | | | | | | | |"

@@ -11,6 +11,11 @@ bytes over the machine's copy bandwidth); whether prompt lookup gave greedy's to
 
     python eval/cpu_memory.py --model random:qwen3-1.7b --dtype bf16 --json out.json
     python eval/cpu_memory.py --model random:qwen3-8b --dtype bf16 --max-new-tokens 32
+    python eval/cpu_memory.py --model random:qwen3-1.7b --dtype bf16 --quantization torchao-int8
+
+With --quantization NAME (eval/lib/quantization.py) the model is quantized at load by transformers'
+own quantizer; HF greedy runs that quantized model, then `wrap` wraps the same object. The weights'
+bytes are then their stored size, the quantized weights' included.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from eval.lib.calls import run_hf, run_plookup  # noqa: E402
 from eval.lib.cli import DTYPES, parse_dtype, set_threads, show_defaults  # noqa: E402
 from eval.lib.machine import machine_info, rss_bytes  # noqa: E402
 from eval.lib.models import load_model  # noqa: E402
+from eval.lib.quantization import add_quantization_option, check_option, quantized_linears, weight_bytes  # noqa: E402
 from eval.lib.prompts import plain_vocab, random_vocab, synthetic_prompts  # noqa: E402
 from eval.lib.timing import copy_bandwidth  # noqa: E402
 
@@ -39,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="random:qwen3-1.7b", help="random:SHAPE (eval/lib/models.py) or a model name")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    add_quantization_option(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=2, help="distinct prompts, each timed at batch 1")
@@ -66,21 +73,25 @@ def _timed(run, prompts, repeats: int) -> tuple[float, float, list]:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_option(parser, args)
     set_threads(args.threads)
     device = torch.device("cpu")
     gib = 2**30
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, parse_dtype(args.dtype), device, args.seed)
+    model, tok = load_model(args.model, parse_dtype(args.dtype), device, args.seed, args.quantization)
     load_s = time.perf_counter() - t0
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)  # quantized weights at their stored size
+    quantized = quantized_linears(model)
     vocab = plain_vocab(tok) if tok is not None else random_vocab(model.config.vocab_size)
     prompts = synthetic_prompts(vocab, args.num_prompts, args.prompt_len, args.seed)
     batches = [torch.tensor([p]) for p in prompts]
     mask = [torch.ones_like(b) for b in batches]
     bw = copy_bandwidth(device)
     rss = {"loaded": rss_bytes()}
-    print(f"{args.model} {args.dtype}: {weights / gib:.2f} GiB of weights, loaded in {load_s:.1f} s; "
+    what = f", quantized {args.quantization} ({quantized} linears)" if args.quantization else ""
+    print(f"{args.model} {args.dtype}{what}: {weights / gib:.2f} GiB of weights, loaded in {load_s:.1f} s; "
           f"{torch.get_num_threads()} threads; copy {bw / 1e9:.1f} GB/s -> bound {1e3 * weights / bw:.1f} ms/token", flush=True)
 
     def hf(i):
@@ -107,7 +118,9 @@ def main(argv=None) -> int:
     step_s = 1.0 / g_rate  # batch 1 greedy: one token per decode step (prefill included, a small share)
     added = rss["after_first_generate"] - rss["before_wrap"]
     out = {
-        "model": args.model, "dtype": args.dtype, "machine": machine_info(device), "weight_bytes": weights,
+        "model": args.model, "dtype": args.dtype, "quantization": args.quantization, "quantized_linears": quantized,
+        "exactness_note": model.last_stats.exactness_note if model.last_stats is not None else None,
+        "machine": machine_info(device), "weight_bytes": weights,
         "load_s": load_s, "wrap_s": wrap_s, "rss_bytes": rss, "rss_added_by_wrap_and_first_generate": added,
         "rss_added_share_of_weights": added / weights, "copy_bandwidth_Bps": bw, "bandwidth_bound_step_s": weights / bw,
         "prompt_tokens": args.prompt_len, "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),

@@ -294,7 +294,7 @@ def bench_kernels(model, args, device, cache: PagedKVCache, macs: dict, rate: fl
             # weights, which cpu_kernels.packed keeps): the Python wrapper's own cost per call would weigh
             # alike on both sets and blur their ratio (the lambda holds xs and outs, whose memory the
             # pointers name)
-            calls = [(xs[w.shape[1]].data_ptr(), b * q, cpu_kernels.packed(w).data_ptr(), w.shape[1], None, w.shape[0],
+            calls = [(xs[w.shape[1]].data_ptr(), b * q, cpu_kernels.packed(w).data_ptr(), cpu_kernels.weight_kind(w), w.shape[1], None, w.shape[0],
                       outs[w.shape[0]].data_ptr(), w.dtype == torch.bfloat16, cpu_kernels.threads())
                      for l in ws for w in l]
             fns["linears", where, q] = lambda calls=calls, held=(xs, outs): [cpu_kernels._LIB.linear(*c) for c in calls]

