@@ -5,7 +5,9 @@ The engine runs its uniform verify steps on a GraphRunner without capture (the s
 graph replays, run eagerly), with the width policy on, as on a GPU; the model is the test suite's
 tiny Llama (`random:tiny-llama`), whose forward is cheap, so what remains is the host's work that a
 GPU would wait through: scheduling and drafting, laying out and padding the step, uploading it,
-accepting the step's tokens. Each (batch size, k) runs one warm-up call, then `--repeats` calls of
+accepting the step's tokens. The forwards are every forward of the call: the static-buffer steps'
+and the eager ones' (its prompt chunks, and any step the graphs do not take), so a large batch's
+long prefill is not counted as host work between decode steps. Each (batch size, k) runs one warm-up call, then `--repeats` calls of
 which the fastest is reported: per decode step, the call's time, its forwards', the rest ("outside
 forward"), each part's mean, and the medians of accepting (postprocess) and drafting (propose).
 
@@ -45,30 +47,41 @@ class Parts:
     def __init__(self):
         self.times: dict[str, list[float]] = {}
         self._undo = []
+        self._depth: dict[str, int] = {}  # label -> calls of it running now
 
     def wrap(self, owner, name: str, label: str) -> None:
-        f = getattr(owner, name)
+        """Time `owner.name` under `label` (if the engine has it); where methods share a label, a
+        call inside another of the same label counts once, in the outermost."""
+        f = getattr(owner, name, None)
+        if f is None:
+            return
+        depth = self._depth
 
         @functools.wraps(f)
         def timed(*a, **k):
+            depth[label] = depth.get(label, 0) + 1
             t = time.perf_counter()
             try:
                 return f(*a, **k)
             finally:
-                self.times.setdefault(label, []).append(time.perf_counter() - t)
+                depth[label] -= 1
+                if not depth[label]:
+                    self.times.setdefault(label, []).append(time.perf_counter() - t)
 
         setattr(owner, name, timed)
         self._undo.append((owner, name, f))
 
     def install(self) -> None:
         from hf_plookup.engine import batch, engine, scheduler
-        from hf_plookup.steps import graphs, runner
+        from hf_plookup.steps import forward, graphs, runner
 
         self.wrap(graphs.GraphRunner, "_forward", "forward")
+        self.wrap(forward.StepForward, "run", "forward")  # eager steps (prompt chunks) too
         self.wrap(batch.Batch, "postprocess", "postprocess")
         self.wrap(batch.Batch, "propose", "propose")
         self.wrap(scheduler.Scheduler, "schedule", "schedule(+propose)")
         self.wrap(engine, "lay_out", "layout")
+        self.wrap(engine, "lay_out_staged", "layout")  # a step laid out into its bucket's buffer
         self.wrap(graphs, "pad_layout", "pad_layout")
         self.wrap(runner.ModelRunner, "run", "runner.run")
 

@@ -142,6 +142,6 @@ DEVICE_ARRAYS = {
 
 
 def step_tensors(layout: StepLayout, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """`layout.device_arrays()` on `device`: the one upload of a step (a CUDA graph keeps these
-    tensors as its static buffers and copies later steps' arrays into them)."""
+    """`layout.device_arrays()` on `device`: the one upload of an eager step (a graph bucket keeps
+    the same arrays in one buffer of its own, uploaded in one copy: steps.graphs.Staging)."""
     return {name: torch.from_numpy(a).to(device, non_blocking=True) for name, a in layout.device_arrays().items()}

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..base.checks import positive_int
 
-__all__ = ["NgramProposer", "match_cap", "propose_batch", "propose_serial", "vote"]
+__all__ = ["NgramProposer", "match_cap", "parallel_search", "propose_batch", "propose_serial", "vote"]
 
 # match lengths are measured up to this many tokens (or max_ngram if larger): a longer match
 # tells apart occurrences that a short n-gram cannot
@@ -186,8 +186,20 @@ def propose_serial(history, rows, lengths, max_drafts, k, longest, min_ngram, re
                      scratch[0])
 
 
-# batches below this many rows are searched on one thread
+# batches below this many rows, or whose rows hold fewer than PARALLEL_MIN_TOKENS tokens in all,
+# are searched on one thread: the search's work grows with the tokens scanned, and waking numba's
+# worker threads costs more than a serial search of fewer tokens; far more where the host's other
+# cores are busy (other processes, a GPU's launching thread), as a worker then waits for a core
 PARALLEL_MIN_BATCH = 32
+PARALLEL_MIN_TOKENS = 1 << 17
+
+
+def parallel_search(lengths: np.ndarray) -> bool:
+    """Whether a batch of rows of `lengths` [B] tokens is searched in parallel (`propose_batch`)
+    rather than on one thread (`propose_serial`).
+
+    Example: 64 rows of 400 tokens: False (25,600 tokens); 64 rows of 4,096: True."""
+    return len(lengths) >= PARALLEL_MIN_BATCH and int(lengths.sum()) >= PARALLEL_MIN_TOKENS
 
 
 class NgramProposer:
@@ -206,11 +218,25 @@ class NgramProposer:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        # Compiles (or loads from numba's on-disk cache) the specialization real calls use.
+        # Compiles (or loads from numba's on-disk cache) the specializations real calls use: both kernels.
         hist = np.array([[1, 2, 1, 2, 1]], dtype=np.int64)  # [1, 5]
         self.propose(hist, np.array([5], dtype=np.int64))
-        many = np.repeat(hist, PARALLEL_MIN_BATCH, axis=0)  # [32, 5]: the parallel kernel
-        self.propose(many, np.full(PARALLEL_MIN_BATCH, 5, dtype=np.int64))
+        self.propose(hist, np.array([5], dtype=np.int64), parallel=True)
+
+    def propose_rows(self, history: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+                     max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`propose(history, lengths, max_drafts, rows=rows)` of the engine's own arrays, which
+        it keeps well-formed (int64, contiguous, `rows` within `history`, `lengths` within its
+        width, one of each per row): without `propose`'s checks, a dozen numpy calls of fixed
+        cost on every step."""
+        drafts = np.empty((len(rows), self.k), dtype=np.int64)  # [B, k]
+        num = np.empty(len(rows), dtype=np.int64)  # [B]
+        kernel = propose_batch if parallel_search(lengths) else propose_serial
+        scratch = np.empty((numba.get_num_threads() if kernel is propose_batch else 1, 4, history.shape[1]),
+                           dtype=np.int64)
+        kernel(history, rows, lengths, max_drafts, self.k, match_cap(self.max_ngram), self.min_ngram,
+               (float(SHORT_WEIGHT), RECENT_WINDOW, float(RECENT_WEIGHT)), drafts, num, scratch)
+        return drafts, num
 
     def propose(
         self,
@@ -219,10 +245,12 @@ class NgramProposer:
         max_drafts: np.ndarray | None = None,
         out: tuple[np.ndarray, np.ndarray] | None = None,
         rows: np.ndarray | None = None,
+        parallel: bool | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Return (drafts [B, k] int64, -1 where unused; num_drafts [B] int64) for the B rows
         `rows` of `history` [R, L] (default: every row, B = R), whose tokens are
-        history[rows[b], :lengths[b]]; the rows are read in place, not copied.
+        history[rows[b], :lengths[b]]; the rows are read in place, not copied. `parallel`: the
+        parallel kernel or the serial one (None: by the batch's size, `parallel_search`).
 
         Example: NgramProposer(4).propose([[7, 1, 2, 1, 2, 1]], [6]) gives drafts [[2, 1, 2, 1]]
         and num_drafts [4] (the last token, 1, was followed by 2, 1, 2, 1); with history
@@ -261,7 +289,9 @@ class NgramProposer:
                     f"out must be int64 buffers of shapes [>={batch}, {self.k}] and [>={batch}]"
                 )
             drafts, num = d_buf[:batch], n_buf[:batch]  # views [B, k], [B]
-        kernel = propose_batch if batch >= PARALLEL_MIN_BATCH else propose_serial
+        if parallel is None:
+            parallel = parallel_search(lengths)
+        kernel = propose_batch if parallel else propose_serial
         # per call (the proposer keeps no state): only the pages a row's occurrences fill are touched
         scratch = np.empty((numba.get_num_threads() if kernel is propose_batch else 1, 4, width), dtype=np.int64)
         kernel(history, rows, lengths, max_drafts, self.k, match_cap(self.max_ngram), self.min_ngram,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import time
 
+import numba
 import numpy as np
 import torch
 
@@ -21,10 +22,10 @@ from ..drafting.tree import TreeProposer, acceptance_estimate, chain_budget, com
 from ..drafting.verify import accept_paths, chain_parents, position_uniforms, row_seeds, sample_targets
 from ..stats import SpecStats
 from .budget import Acceptance, DraftBudget, choose_drafts
+from .chains import TALLY_MIN_ROWS, accept_chains, chain_chances_of, count_chain_rows
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import DecodeConfig, Sequence
 from .stopping import BatchCriteria
-from .widths import chain_chances
 
 
 @dataclass(slots=True)
@@ -49,6 +50,26 @@ class Call:
     result: GenerationResult | None = None
     error: BaseException | None = None
     seed: int = 0  # sampling: drawn from torch's generator when the call's loop starts (drafting.verify)
+
+
+@numba.njit(cache=True, nogil=True)
+def store_drafts(history, rows, lengths, drafts, num_drafts, most, batch_drafts, batch_num_drafts):
+    """A step's drafts into the batch, in one compiled call (numpy's fancy indexing takes a few
+    calls of fixed cost that outweigh the few tokens a step writes): each row's drafts count is
+    cut to `most` (num_drafts, in place), its drafts [B, K'] go to batch_drafts[rows[b], :K'] and
+    their count to batch_num_drafts[rows[b]], and the drafts it feeds into history right after
+    its last token: history[rows[b], lengths[b] + j] = drafts[b, j] for j < num_drafts[b].
+
+    Example: rows [1], lengths [3], drafts [[7, 8, 9]], num_drafts [3], most 2: num_drafts
+    becomes [2], batch_drafts[1, :3] = [7, 8, 9], batch_num_drafts[1] = 2, history[1, 3:5] = [7, 8]."""
+    for b in range(rows.shape[0]):
+        r = rows[b]
+        num_drafts[b] = min(num_drafts[b], most)
+        batch_num_drafts[r] = num_drafts[b]
+        for j in range(drafts.shape[1]):
+            batch_drafts[r, j] = drafts[b, j]
+        for j in range(num_drafts[b]):
+            history[r, lengths[b] + j] = drafts[b, j]
 
 
 def joinable(running: DecodeConfig, cfg: DecodeConfig) -> bool:
@@ -123,6 +144,7 @@ class Batch:
         self.criteria: BatchCriteria | None = None  # HF's stopping-criteria calls (first call only)
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # row -> per layer (K, V) (keep_kv)
         self._streamed = 0  # tokens of row 0 its streamer has had (streamers run at batch 1)
+        self._eos = np.array(sorted(cfg.eos_token_ids), dtype=np.int64)  # the stop tokens, for accept_chains
 
     def add(self, call: Call) -> None:
         """Give `call`'s prompts rows (growing the buffers) and queue them in the scheduler."""
@@ -135,7 +157,10 @@ class Batch:
         history[:first, : self.history.shape[1]] = self.history
         self.history = history
         self.drafts = np.concatenate([self.drafts, np.full((b, self.drafts.shape[1]), -1, dtype=np.int64)])
-        self.parents = np.concatenate([self.parents, np.full((b, self.parents.shape[1]), -1, dtype=np.int64)])
+        parents = np.full((b, self.parents.shape[1]), -1, dtype=np.int64)
+        if self.proposer is not None and not self.tree:  # a chain's parents never change: set once
+            parents[:, : self.proposer.k] = chain_parents(self.proposer.k)
+        self.parents = np.concatenate([self.parents, parents])
         self.n_drafts = np.concatenate([self.n_drafts, np.zeros(b, dtype=np.int64)])
         self.scores = np.concatenate([self.scores, np.zeros((b, self.scores.shape[1]))])
         self.recycled = np.concatenate([self.recycled, np.zeros((b, self.recycled.shape[1]), dtype=bool)])
@@ -189,7 +214,7 @@ class Batch:
         """Drafts for the running sequences (written into `history` after their last token)."""
         if self.proposer is None:
             return np.zeros(len(running), dtype=np.int64)
-        rows = np.array([s.row for s in running])
+        rows = np.array([s.row for s in running], dtype=np.int64)
         lengths = np.array([s.num_tokens for s in running], dtype=np.int64)
         cap = np.array([s.remaining - 1 for s in running], dtype=np.int64)
         t0 = time.perf_counter()
@@ -213,27 +238,33 @@ class Batch:
                 nd = choose_drafts(chances, nd, budget.costs)
             self.parents[rows, : par.shape[1]] = par
         else:
-            d, nd = self.proposer.propose(self.history, lengths, cap, rows=rows)
-            rate = self.accept_rate(rows)
-            # draft j is reached with chance rate**(j + 1) by the row's acceptance record: its score
-            sc = chances = chain_chances(rate, d.shape[1])
+            d, nd = self.proposer.propose_rows(self.history, rows, lengths, cap)
+            # draft j is reached with chance rate**(j + 1) by the row's acceptance record
+            # (accept_rate, chain_chances): its score
+            sc = chances = chain_chances_of(self.n_accepted, self.n_rejected, rows, d.shape[1])
             if budget is not None:
                 nd = choose_drafts(budget.acceptance["chain"].chances(sc), nd, budget.costs)
-            else:  # the drafts whose chance to be reached is at least tree_min_score (all when 0)
-                nd = np.minimum(nd, chain_budget(rate, self.tree_min_score))
-            self.parents[rows, : d.shape[1]] = chain_parents(d.shape[1])
+            elif self.tree_min_score > 0.0:  # the drafts whose chance to be reached is at least tree_min_score
+                nd = np.minimum(nd, chain_budget(self.accept_rate(rows), self.tree_min_score))
+            # (a chain's parents were set when its row joined: `add`)
+        most = d.shape[1]
         if self.width_of is not None:  # one width for the uniform step, each row's drafts cut to it
             self.step_width = self.width_of(chances, nd)
-            nd = np.minimum(nd, self.step_width - 1)
-        self.scores[rows, : sc.shape[1]] = sc
+            most = self.step_width - 1
+        if self.acceptance is not None:  # read back only where the fed drafts' fate is counted (_commit)
+            self.scores[rows, : sc.shape[1]] = sc
         spent = time.perf_counter() - t0
-        self.drafts[rows, : d.shape[1]], self.n_drafts[rows] = d, nd
-        for call in {id(self.call_of_row[r]): self.call_of_row[r] for r in rows}.values():
+        # the drafts and their counts into the batch; the fed ones (seen by processors) right after
+        # each row's last token
+        nd = np.array(nd, dtype=np.int64)  # its own copy, cut in place
+        store_drafts(self.history, rows, lengths, np.ascontiguousarray(d, dtype=np.int64), nd, most, self.drafts,
+                     self.n_drafts)
+        calls = (self.calls if len(self.calls) == 1 else
+                 {id(self.call_of_row[r]): self.call_of_row[r] for r in rows.tolist()}.values())
+        for call in calls:
             call.stats.count_propose(spent)
-        # drafts are fed (and seen by processors) right after each row's last token
-        i, j = np.nonzero(np.arange(d.shape[1])[None, :] < nd[:, None])  # (running row, draft) pairs
-        self.history[rows[i], lengths[i] + j] = d[i, j]
         if self.hf_rows is not None:
+            i, j = np.nonzero(np.arange(d.shape[1])[None, :] < nd[:, None])  # (running row, draft) pairs
             gen = lengths - np.array([s.prompt_len for s in running], dtype=np.int64)  # [B] generated so far
             self.hf_rows[rows[i], self.width + gen[i] + j] = d[i, j]
         return nd
@@ -291,21 +322,29 @@ class Batch:
         Example: a chain row with 3 drafts and 200 cached tokens whose first two drafts are
         accepted appends 3 tokens and ends the step with 203 cached tokens (its last token's
         keys/values come with the next step); its blocks past 203 tokens are freed."""
-        decoding = {id(self.call_of_row[c.seq.row]) for c in chunks if not c.is_prefill}  # calls with a decode row here
-        for call in {id(self.call_of_row[c.seq.row]): self.call_of_row[c.seq.row] for c in chunks}.values():
-            call.stats.count_forward(chunks[0].is_prefill, path if id(call) in decoding else None, reason)
-        for c in chunks:
-            if c.is_prefill:
-                c.seq.num_cached += c.num_tokens
-                if self.register is not None:
-                    self.register(c.seq)
+        if len(self.calls) == 1:  # the common case, without a pass over the rows per call
+            decodes = any(not c.is_prefill for c in chunks)
+            self.calls[0].stats.count_forward(chunks[0].is_prefill, path if decodes else None, reason)
+        else:
+            decoding = {id(self.call_of_row[c.seq.row]) for c in chunks if not c.is_prefill}  # calls with a decode row here
+            for call in {id(self.call_of_row[c.seq.row]): self.call_of_row[c.seq.row] for c in chunks}.values():
+                call.stats.count_forward(chunks[0].is_prefill, path if id(call) in decoding else None, reason)
+        prompts = [c for c in chunks if c.is_prefill]
+        for c in prompts:
+            c.seq.num_cached += c.num_tokens
+            if self.register is not None:
+                self.register(c.seq)
         # rows with logits: decode chunks and the last chunk of a prompt
-        active = [c for c in chunks if not c.is_prefill or c.seq.num_cached >= c.seq.prompt_len]
+        active = [c for c in chunks if not c.is_prefill or c.seq.num_cached >= c.seq.prompt_len] if prompts else chunks
         if active:
-            # depth of each kept row below its chunk's first token; a prompt's last token scores
-            # the first generated one, at depth 0 as the root of a verify step does
-            fed_depth = np.where(layout.prefill[layout.seq_of_token[layout.keep]], 0, layout.depth[layout.keep])
-            self._commit(active, logits, fed_depth)
+            if self._plain_chains and len(active) == len(chunks) and not chunks[0].is_prefill:
+                self._commit_chains(active, logits)
+            else:
+                # depth of each kept row below its chunk's first token; a prompt's last token scores
+                # the first generated one, at depth 0 as the root of a verify step does
+                fed_depth = (layout.depth[layout.keep] if layout.is_decode else
+                             np.where(layout.prefill[layout.seq_of_token[layout.keep]], 0, layout.depth[layout.keep]))
+                self._commit(active, logits, fed_depth)
             if self.criteria is not None:
                 self.criteria.device = logits.device  # HF's input_ids live on the model's device
                 self._check_criteria()
@@ -317,15 +356,19 @@ class Batch:
         if self.keeps_kv:  # past_key_values: keys/values of finished rows, before their blocks go
             self.save_kv([s for s in self.sched.running if s.finished], self.cache)
         self.sched.retire_finished()
+        trim = self.sched.blocks.trim
         for c in active:
             if not c.seq.finished:
-                self.sched.blocks.trim(c.seq.seq_id, c.seq.num_cached)
+                trim(c.seq.seq_id, c.seq.num_cached)
         return self.finish_calls()
 
     def _targets(self, rows: np.ndarray, n_pos: np.ndarray, fed_depth: np.ndarray, gen: np.ndarray,
                  logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
         """Per fed position, its processed scores [N, V] and the token it emits [N]: the argmax,
         or a draw keyed by (row seed, output position) (drafting.verify)."""
+        if not (self.cfg.processors or self.cfg.do_sample):  # greedy: the argmax, whatever the positions
+            scores = logits.float()
+            return scores, scores.argmax(dim=-1).cpu().numpy()
         out_pos = np.repeat(gen, n_pos) + fed_depth  # [N] the output position each fed row scores
         if self.cfg.processors:
             scores = process_scores(self.cfg.processors, logits, np.repeat(rows, n_pos), self.width + out_pos,
@@ -336,6 +379,46 @@ class Batch:
             u = position_uniforms(self.seeds[np.repeat(rows, n_pos)], out_pos)
             return scores, sample_targets(torch.softmax(scores, dim=-1), u)
         return scores, scores.argmax(dim=-1).cpu().numpy()
+
+    @property
+    def _plain_chains(self) -> bool:
+        """Whether a decode step's rows take `_commit_chains`: greedy chains (or plain decoding)
+        whose steps record nothing beyond the rows' tokens and counts (no processors, criteria,
+        recorded scores or logits, draft acceptance by score, recycled successors)."""
+        cfg = self.cfg
+        return not (self.tree or cfg.do_sample or cfg.processors or self.hf_rows is not None
+                    or self.rec_scores is not None or self.rec_logits is not None or self.acceptance is not None
+                    or self.successors is not None)
+
+    def _commit_chains(self, active: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        """`_commit` of a decode step of greedy chains (`_plain_chains`): the walks, the appended
+        tokens and the rows' acceptance counts in one compiled call for all rows
+        (engine.chains.accept_chains), then each row's sequence and its call's counts."""
+        seqs = [c.seq for c in active]
+        n_pos = np.array([c.num_tokens for c in active], dtype=np.int64)  # [S]
+        rows = np.array([s.row for s in seqs], dtype=np.int64)  # [S]
+        num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)  # [S]
+        remaining = np.array([s.remaining for s in seqs], dtype=np.int64)  # [S]
+        # greedy targets: the logits' argmax, taken in the walk where the logits are on the host in
+        # a dtype numba reads (only at the positions it reaches), else on their device first
+        on_host = logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64)
+        scores = logits.numpy() if on_host else logits.argmax(dim=-1, keepdim=True).cpu().numpy()
+        accepted, emitted = np.empty(len(seqs), dtype=np.int64), np.empty(len(seqs), dtype=np.int64)
+        finished = np.empty(len(seqs), dtype=np.bool_)
+        accept_chains(scores, not on_host, n_pos, rows, self.drafts, self.history, num_tokens, remaining, self._eos,
+                      self.n_accepted, self.n_rejected, accepted, emitted, finished)
+        tallied = len(self.calls) == 1 and len(seqs) >= TALLY_MIN_ROWS
+        if tallied:  # the call's counts for all rows at once
+            count_chain_rows(self.calls[0].stats, n_pos, accepted, emitted)
+        for seq, m, a, e, f in zip(seqs, n_pos.tolist(), accepted.tolist(), emitted.tolist(), finished.tolist()):
+            if not tallied:
+                stats = self.call_of_row[seq.row].stats
+                stats.count_verify(m - 1, a, m - 1)  # a chain's deepest fed node is its last draft
+                stats.count_emitted(e)
+            seq.num_cached += 1 + a
+            seq.num_tokens += e
+            if f:
+                seq.finished = True
 
     def _commit(self, active: list[ScheduledChunk], logits: torch.Tensor, fed_depth: np.ndarray) -> None:
         """Accept drafts and append tokens for every row of `active` (see postprocess)."""
@@ -357,10 +440,17 @@ class Batch:
             on_path = np.nonzero(np.arange(paths.shape[1])[None, :] < accepted[:, None])  # (rows, slots)
             hit[on_path[0], paths[on_path] - 1] = True
             self.acceptance["tree" if self.tree else "chain"].record(self.scores[rows][fed], hit[fed])
-        if dec.any():
+        if self.tree:
+            rejected = walks_rejected(paths, accepted, parents, num_drafts)
+            deepest = np.maximum.reduceat(fed_depth, offsets)  # [S] each row's deepest fed node
+        else:  # a chain's walk stopped above a draft iff it took fewer than it had; its deepest is its last
+            rejected, deepest = accepted < num_drafts, num_drafts
+        if dec.all():
+            self.n_accepted[rows] += accepted
+            self.n_rejected[rows] += rejected
+        elif dec.any():
             self.n_accepted[rows[dec]] += accepted[dec]
-            self.n_rejected[rows[dec]] += walks_rejected(paths, accepted, parents, num_drafts)[dec]
-        deepest = np.maximum.reduceat(fed_depth, offsets)  # [S] each row's deepest fed node
+            self.n_rejected[rows[dec]] += rejected[dec]
         # the loop below works on Python ints: per row, numpy's per-call cost would outweigh the work
         acc_l, m_l, deep_l, final_l = accepted.tolist(), num_drafts.tolist(), deepest.tolist(), final.tolist()
         paths_l, drafts_l = paths.tolist(), drafts.tolist()

@@ -31,7 +31,7 @@ from ..stats import SpecStats
 from .batch import Batch, Call, GenerationResult, joinable
 from .budget import Acceptance, DraftBudget
 from .distributed import agree_min, agree_seed
-from .layout import lay_out
+from .layout import lay_out, lay_out_staged
 from .kv_cache import BlockManager, PagedKVCache, default_num_tokens
 from .plan import EnginePlan, pads_drafts
 from .prefix import PrefixPool, copy_caller_kv
@@ -353,9 +353,7 @@ class Engine:
             while self._admit(batch):
                 batch.step_width = None  # set by propose, which decode steps alone call
                 chunks = batch.sched.schedule(batch.propose)
-                layout = lay_out(chunks, batch.history, self.blocks, cache.scratch_block,
-                                 batch.parents if batch.tree else None, batch.pads,
-                                 pad_to if batch.step_width is None else batch.step_width, bool(self.embedders))
+                layout = self._lay_out(batch, chunks, graphs, pad_to if batch.step_width is None else batch.step_width)
                 timer = StepTimer(batch, chunks, graphs, self.budget, self.step_costs)
                 logits = runner.run(layout)  # [N, V] at layout.keep
                 timer.ran(layout)
@@ -372,6 +370,17 @@ class Engine:
             warn_eager(own.stats)
         self._remember(batch)
         return own.result if own.result is not None else batch.result(own)
+
+    def _lay_out(self, batch: Batch, chunks: list, graphs: GraphRunner | None, width: int | None):
+        """The step's layout (engine.layout): a uniform step of chains whose graph bucket exists is
+        laid out straight into that bucket's buffer, padded (`lay_out_staged`), else plainly."""
+        if (graphs is not None and width is not None and not batch.tree and not self.embedders and chunks
+                and not any(c.is_prefill for c in chunks)):
+            staging = graphs.staged(width, len(chunks), max(c.start for c in chunks) + width)
+            if staging is not None:
+                return lay_out_staged(chunks, batch.history, self.blocks, staging)
+        return lay_out(chunks, batch.history, self.blocks, self._cache.scratch_block,
+                       batch.parents if batch.tree else None, batch.pads, width, bool(self.embedders))
 
     def _seed(self, own: Call) -> None:
         """A sampling call's seed, from the generator HF's sampling would draw from."""

@@ -292,7 +292,9 @@ class BlockManager:
     def ensure(self, seq_id: int, num_tokens: int) -> None:
         """Grow `seq_id`'s table to hold `num_tokens` tokens."""
         table = self.tables.setdefault(seq_id, [])
-        need = self.blocks_for(num_tokens) - len(table)
+        need = -(-num_tokens // self.block_size) - len(table)  # blocks_for, inline: once per row and step
+        if need <= 0:
+            return
         if need > self.num_free:
             raise RuntimeError(f"KV cache out of blocks: need {need}, {self.num_free} free")
         for _ in range(need):
@@ -301,7 +303,7 @@ class BlockManager:
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Shrink `seq_id`'s table to what `num_tokens` tokens need; freed blocks return to the pool."""
         table = self.tables[seq_id]
-        keep = self.blocks_for(num_tokens)
+        keep = -(-num_tokens // self.block_size)  # blocks_for, inline: once per row and step
         while len(table) > keep:
             self._release(table.pop())
 

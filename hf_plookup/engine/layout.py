@@ -8,10 +8,18 @@ drafts (a uniform step's rows fed to its width) to the scratch page.
 Example: two decode chunks feeding 3 and 2 tokens from cached lengths 7 and 4, pages of 4 tokens,
 width None: `input_ids` packs 5 tokens, `positions` = [7, 8, 9, 4, 5], `cu_seqlens_q` = [0, 3, 5],
 `context_lens` = [10, 6], and all 5 rows are kept (a verify step scores every fed token).
+
+A uniform chain step whose bucket the graph runner has met is laid out straight into that
+bucket's buffer, padded as `steps.graphs.pad_layout` pads (`lay_out_staged`): one compiled pass
+over the rows instead of the dozens of numpy calls of laying out and then padding, each of which
+costs the host more than its work on a few rows.
 """
 
 from __future__ import annotations
 
+import itertools
+
+import numba
 import numpy as np
 
 from ..base.layout import StepLayout
@@ -104,3 +112,94 @@ def lay_out(chunks: list[ScheduledChunk], history: np.ndarray, blocks: BlockMana
                       block_tables=tables, cu_seqlens_q=offsets, cu_seqlens_k=cu_k, q_gather=q_gather,
                       q_scatter=q_scatter, tree_mask=tree_mask, embed_positions=embed_pos,
                       seq_ids=np.array([c.seq.seq_id for c in chunks], dtype=np.int64), num_real=n_real)
+
+
+@numba.njit(cache=True, nogil=True)
+def _fill_staged(history, rows, starts, n_real, tables, table_lens, block_size, pad_page, input_ids, positions,
+                 slot_mapping, query_pos, kv_slots, context_lens, block_tables, cu_seqlens_k, keep, ctx32, tables32,
+                 cu_k32):
+    """`lay_out` then `pad_layout` of a uniform chain step, written into the bucket's arrays (their
+    shapes are the bucket's: [Bb * q], [Bb, q], [Bb, Lkb], [Bb, W]); `tables`: the rows' page
+    tables end to end, `table_lens` [B] long each. Returns how many rows are kept (their packed
+    indices in keep[:n])."""
+    bb, q = query_pos.shape
+    lkb, width = kv_slots.shape[1], block_tables.shape[1]  # lkb == width * block_size (a bucket)
+    b = rows.shape[0]
+    pad_slot = pad_page * block_size
+    at = 0  # the row's table in `tables`
+    kept = 0
+    total = 0
+    cu_seqlens_k[0] = 0
+    cu_k32[0] = 0
+    for i in range(bb):
+        lo = i * q
+        if i < b:
+            start, m, row, nt = starts[i], n_real[i], rows[i], table_lens[i]
+            for w in range(width):
+                page = tables[at + w] if w < nt else pad_page
+                block_tables[i, w] = page
+                tables32[i, w] = page
+            at += nt
+            ctx = start + q
+            for w in range(width):  # page by page: no division per key
+                # positions past the row's pages (padded drafts) land in the scratch page via the table
+                first = block_tables[i, w] * block_size
+                for o in range(block_size):
+                    k = w * block_size + o
+                    kv_slots[i, k] = first + o if k < ctx else pad_slot
+            for j in range(q):
+                p = start + j
+                input_ids[lo + j] = history[row, p] if j < m else 0
+                positions[lo + j] = p
+                query_pos[i, j] = p
+                slot_mapping[lo + j] = kv_slots[i, p]
+            for j in range(m):
+                keep[kept] = lo + j
+                kept += 1
+        else:  # a dummy row: token 0 at positions 0..q-1 as a chain, its keys in the scratch page
+            ctx = q
+            for w in range(width):
+                block_tables[i, w] = pad_page
+                tables32[i, w] = pad_page
+            kv_slots[i, :] = pad_slot
+            for j in range(min(q, lkb)):
+                kv_slots[i, j] = pad_slot + j % block_size
+            for j in range(q):
+                input_ids[lo + j] = 0
+                positions[lo + j] = j
+                query_pos[i, j] = j
+                slot_mapping[lo + j] = pad_slot + j % block_size
+        context_lens[i] = ctx
+        ctx32[i] = ctx
+        total += ctx
+        cu_seqlens_k[i + 1] = total
+        cu_k32[i + 1] = total
+    return kept
+
+
+def lay_out_staged(chunks: list[ScheduledChunk], history: np.ndarray, blocks: BlockManager, staging) -> StepLayout:
+    """A uniform decode step of chains (every row feeding `q` tokens, its drafts then padding)
+    laid out into `staging` (a steps.graphs.Staging: the bucket's buffer, from
+    `GraphRunner.staged`), padded to the bucket as `lay_out` then `pad_layout` give it, and its
+    host layout returned (the one `GraphRunner.run` then uploads as it is).
+
+    Example: the module docstring's two chunks (from cached lengths 7 and 4), fed 3 tokens each in
+    a bucket of 2 rows and 16 keys: `positions` = [7, 8, 9, 4, 5, 6], `context_lens` = [10, 7],
+    kept rows [0, 1, 2, 3, 4] (the second row's third token is padding)."""
+    lay, arrays = staging.layout, staging.arrays
+    q, bs = lay.max_query_len, blocks.block_size
+    fed = [c.num_tokens for c in chunks]
+    if max(fed) > q:
+        raise ValueError(f"a decode chunk feeds {max(fed)} tokens, more than pad_to={q}")
+    n_real = np.array(fed, dtype=np.int64)  # [B]
+    starts = np.array([c.start for c in chunks], dtype=np.int64)  # [B]
+    rows = np.array([c.seq.row for c in chunks], dtype=np.int64)  # [B]
+    tables = [blocks.tables[c.seq.seq_id] for c in chunks]
+    lens = np.array([len(t) for t in tables], dtype=np.int64)  # [B]
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
+    kept = _fill_staged(history, rows, starts, n_real, flat, lens, bs, staging.pad_page, lay.input_ids, lay.positions,
+                        lay.slot_mapping, lay.query_pos, lay.kv_slots, lay.context_lens, lay.block_tables,
+                        lay.cu_seqlens_k, staging.keep_host, arrays["cache_seqlens"], arrays["block_tables"],
+                        arrays["cu_seqlens_k"])
+    staging.keep_rows(kept)
+    return lay

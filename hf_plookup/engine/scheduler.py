@@ -8,6 +8,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
+import numpy as np
+
 from .kv_cache import BlockManager
 from .sequence import Sequence
 
@@ -120,8 +122,10 @@ class Scheduler:
                 raise RuntimeError("every prefilling sequence was deferred")
         else:
             drafts = propose(self.running) if propose is not None else [0] * len(self.running)
-            for s, d in zip(self.running, drafts):
-                chunks.append(ScheduledChunk(s, s.num_cached, 1 + int(d), False))
+            if isinstance(drafts, np.ndarray):
+                drafts = drafts.tolist()  # Python ints: one conversion, not one per row
+            chunks = [ScheduledChunk(s, s.num_cached, 1 + int(d), False) for s, d in zip(self.running, drafts)]
+        ensure = self.blocks.ensure
         for c in chunks:
-            self.blocks.ensure(c.seq.seq_id, c.start + c.num_tokens)
+            ensure(c.seq.seq_id, c.start + c.num_tokens)
         return chunks

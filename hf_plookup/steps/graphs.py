@@ -10,10 +10,13 @@ into a graph memory pool shared by all graphs (they never run concurrently). Whe
 choose their width among a few (`widths`, engine.widths), the first step in a new
 `(B bucket, Lk bucket, tree)` captures every one of those widths there at once (on rows that are
 all dummies: `dummy_layout`), so which widths later steps pick by their timings never makes a
-later call capture: new graphs come only with buckets a call has not met before. The graph's static
-input buffers are the padded layout's `step_tensors`; a replay copies the next step's padded
-arrays into them, replays, and returns the logits of the kept rows. Prefill steps and batches
-beyond the largest bucket run eagerly.
+later call capture: new graphs come only with buckets a call has not met before. Each bucket keeps
+its step arrays in one buffer (`Staging`): the graph's static input buffers are views of its
+device copy, the bucket's host layout views of its host copy. A step of chains whose bucket exists
+is laid out straight into the host copy (engine.layout.lay_out_staged), any other is padded into
+it; a replay then uploads the buffer in one copy (none on CPU, where both are one), replays, and
+returns the logits of the kept rows. Prefill steps and batches beyond the largest bucket run
+eagerly.
 
 `capture=False` runs the same static-buffer forward without a graph: the padding and buffer
 layout are then testable on CPU (tests/attention/test_backends.py); the capture itself needs
@@ -46,7 +49,7 @@ import numpy as np
 import torch
 
 from ..attention.metadata import AttentionMetadata
-from ..base.layout import StepLayout, step_tensors
+from ..base.layout import DEVICE_ARRAYS, StepLayout
 from ..invariant.linears import check_capturable
 from .forward import StepForward
 from .head import head_chooser
@@ -156,13 +159,119 @@ def raise_recompile_limit(n: int) -> None:
             setattr(cfg, name, n)
 
 
+# a staged bucket's arrays start at multiples of this many bytes of its buffer (what kernels and
+# inductor's compiled code expect of an input's alignment)
+_ALIGN = 64
+
+
+class Staging:
+    """One bucket's step arrays in one buffer: every array the device reads of a padded step
+    (`DEVICE_ARRAYS`, in their device dtypes) and the kept rows, laid end to end in one flat
+    host buffer (pinned on CUDA), which goes to the device in one copy; the static buffers a graph
+    replays are views of its device twin (on CPU, of the host buffer itself: no copy at all).
+    `layout` is the host half, a `StepLayout` over views of the same buffer (the int64 forms that
+    the device reads as int32, and `depth`, `prefill`, are host-only arrays beside it): a step is
+    laid out by writing into it (engine.layout.lay_out_staged, or `write` from a padded layout).
+
+    Kept across steps, so nothing is allocated per step: only the arrays' contents change, and a
+    step's `keep` is a view of the bucket's longest one."""
+
+    __slots__ = ("host", "device", "arrays", "inputs", "layout", "keep", "copied", "pad_page", "_keep_host")
+
+    def __init__(self, padded: StepLayout, device: torch.device, pad_page: int):
+        self.pad_page = pad_page  # the cache's scratch page: padding's table entries and slots
+        shapes = {}
+        for name, (src, dtype) in DEVICE_ARRAYS.items():
+            a = getattr(padded, src)
+            if a is not None:
+                shapes[name] = (a.shape, np.dtype(dtype))
+        b, q = padded.query_pos.shape
+        shapes["keep"] = ((b * q,), np.dtype(np.int64))
+        offsets, size = {}, 0
+        for name, (shape, dtype) in shapes.items():
+            offsets[name] = size
+            size += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
+        pinned = device.type == "cuda"
+        self.host = torch.empty(max(size, _ALIGN), dtype=torch.uint8, pin_memory=pinned)
+        self.device = self.host if device.type == "cpu" else torch.empty_like(self.host, device=device)
+        raw = self.host.numpy()
+        self.arrays: dict[str, np.ndarray] = {}  # name -> host view (DEVICE_ARRAYS' names, then "keep")
+        self.inputs: dict[str, torch.Tensor] = {}  # name -> device view: the static buffers
+        for name, (shape, dtype) in shapes.items():
+            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            self.arrays[name] = raw[offsets[name] : offsets[name] + n].view(dtype).reshape(shape)
+            self.inputs[name] = (self.device[offsets[name] : offsets[name] + n]
+                                 .view(_TORCH_DTYPES[dtype]).view(shape))
+        self.keep = self.inputs.pop("keep")
+        self._keep_host = self.arrays.pop("keep")
+        a = self.arrays
+        # the host layout: device arrays in int64 where the device reads them so, host copies of the rest
+        self.layout = StepLayout(
+            input_ids=a["input_ids"], positions=a["positions"], depth=padded.depth.copy(),
+            slot_mapping=a["slot_mapping"], keep=self._keep_host[:0], prefill=np.zeros(b, dtype=bool),
+            query_pos=a["query_pos"], kv_slots=a["kv_slots"], context_lens=a["context_lens"],
+            block_tables=padded.block_tables.astype(np.int64), cu_seqlens_q=padded.cu_seqlens_q.astype(np.int64),
+            cu_seqlens_k=padded.cu_seqlens_k.astype(np.int64), tree_mask=a.get("tree_mask"))
+        self.copied = None  # CUDA: the event after the last upload (the host buffer is free once it passed)
+        self.write(padded)
+
+    def wait(self) -> None:
+        """Before the host buffer is written: the last upload from it has finished (CUDA)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+
+    def keep_rows(self, n: int) -> None:
+        """The step keeps the logits of its first `n` kept rows (`self._keep_host[:n]`, written)."""
+        self.layout.keep = self._keep_host[:n]
+
+    @property
+    def keep_host(self) -> np.ndarray:
+        """[Bb*q] int64: where a step's kept rows are written (the first `len(layout.keep)`)."""
+        return self._keep_host
+
+    def write(self, padded: StepLayout) -> None:
+        """Write a padded step of this bucket's shapes into the buffer (a step not laid out here)."""
+        self.wait()
+        for name, (src, _) in DEVICE_ARRAYS.items():
+            if name in self.arrays:
+                self.arrays[name][...] = getattr(padded, src)
+        lay = self.layout
+        lay.depth[...] = padded.depth
+        lay.prefill[...] = padded.prefill
+        lay.block_tables[...] = padded.block_tables
+        lay.cu_seqlens_q[...] = padded.cu_seqlens_q
+        lay.cu_seqlens_k[...] = padded.cu_seqlens_k
+        self._keep_host[: len(padded.keep)] = padded.keep
+        self.keep_rows(len(padded.keep))
+
+    def upload(self) -> torch.Tensor:
+        """The written step to the device (one copy; none on CPU). Returns its kept rows there."""
+        if self.device is not self.host:
+            self.device.copy_(self.host, non_blocking=True)
+            if self.device.is_cuda:  # the copy from pinned memory runs on: the host waits before rewriting
+                self.copied = torch.cuda.Event()
+                self.copied.record()
+        return self.keep[: len(self.layout.keep)]
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
+
+
 @dataclass(slots=True)
 class _Graph:
-    inputs: dict[str, torch.Tensor]  # static buffers: step_tensors of the bucket's padded layouts
+    staging: Staging  # the bucket's step arrays: host layout, upload buffer, static device buffers
     meta: AttentionMetadata  # over the static buffers
-    layout: StepLayout  # the padded layout the buffers hold
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [Bb*q, V] static output of the graph
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:  # static buffers: the padded layout's device arrays
+        return self.staging.inputs
+
+    @property
+    def layout(self) -> StepLayout:  # the padded layout the buffers hold
+        return self.staging.layout
 
 
 class GraphRunner:
@@ -186,6 +295,7 @@ class GraphRunner:
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, got {self.device}")
         self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}  # (q, B bucket, Lk bucket, tree)
+        self._staged: set[int] = set()  # ids of the buckets' host layouts (kept as long as their graphs)
         self.pool = None  # graph memory pool shared by all captures
         self.num_replays = 0
         # the widths the running call's uniform steps choose among (engine.widths; set by the
@@ -226,6 +336,8 @@ class GraphRunner:
 
     def unsupported(self, layout: StepLayout) -> str | None:
         """Why this runner cannot take the step (it then runs eagerly), or None when it can."""
+        if id(layout) in self._staged:  # laid out in a bucket's buffer: a step this runner takes
+            return None
         if not layout.is_decode:
             return "a prompt chunk"
         if not layout.uniform:
@@ -237,8 +349,23 @@ class GraphRunner:
         return None
 
     def _static(self, padded: StepLayout) -> _Graph:
-        inputs = step_tensors(padded, self.device)
-        return _Graph(inputs, self.forward.metadata(inputs, static_shapes=True), padded)
+        staging = Staging(padded, self.device, self.cache.scratch_block)
+        staging.upload()
+        return _Graph(staging, self.forward.metadata(staging.inputs, static_shapes=True))
+
+    def staged(self, q: int, num_seqs: int, max_context_len: int, tree: bool = False) -> Staging | None:
+        """The buffer of the bucket that a uniform decode step of `num_seqs` rows feeding `q` tokens
+        each, with `max_context_len` keys, runs in, for the step to be laid out into
+        (engine.layout.lay_out_staged; `run` then uploads its layout as it is); None where that
+        bucket has no graph yet (its first step is laid out and padded the plain way, and builds it)."""
+        bb = batch_bucket(num_seqs)
+        if bb is None or bb > self.max_batch:
+            return None
+        g = self.graphs.get((q, bb, context_bucket(max_context_len, self.block_size), tree))
+        if g is None:
+            return None
+        g.staging.wait()
+        return g.staging
 
     def _forward(self, g: _Graph) -> torch.Tensor:
         """The model on the static buffers (holding `g.layout`); logits of every fed row, [Bb*q, V]."""
@@ -283,6 +410,7 @@ class GraphRunner:
             self._forward(g)
             self.compile_seconds += time.perf_counter() - t0
         self.graphs[key] = g
+        self._staged.add(id(g.layout))
         return g
 
     @torch.inference_mode()
@@ -290,22 +418,21 @@ class GraphRunner:
         """Logits of the layout's kept rows, `[N, V]` (a fresh tensor, safe across replays)."""
         bb = batch_bucket(layout.num_seqs)
         lkb = context_bucket(layout.max_context_len, self.block_size)
-        padded = pad_layout(layout, bb, lkb, self.block_size, self.cache.scratch_block)
         tree = layout.tree_mask is not None
         key = (layout.max_query_len, bb, lkb, tree)
         g = self.graphs.get(key)
-        if g is None:
-            g = self._build(key, padded)
-            # the call's other widths at this bucket too (not where each one compiles: seconds apiece)
-            for q in () if self.compiled else self.widths:
-                if (q, bb, lkb, tree) not in self.graphs:
-                    self._build((q, bb, lkb, tree),
-                                pad_layout(dummy_layout(q, tree), bb, lkb, self.block_size, self.cache.scratch_block))
-        else:
-            for name, a in padded.device_arrays().items():
-                g.inputs[name].copy_(torch.from_numpy(a), non_blocking=True)
-            g.layout = padded
-        keep = torch.from_numpy(padded.keep).to(self.device, non_blocking=True)
+        if g is None or layout is not g.layout:  # not laid out in the bucket's buffer: padded to it here
+            padded = pad_layout(layout, bb, lkb, self.block_size, self.cache.scratch_block)
+            if g is None:
+                g = self._build(key, padded)
+                # the call's other widths at this bucket too (not where each one compiles: seconds apiece)
+                for q in () if self.compiled else self.widths:
+                    if (q, bb, lkb, tree) not in self.graphs:
+                        dummies = pad_layout(dummy_layout(q, tree), bb, lkb, self.block_size, self.cache.scratch_block)
+                        self._build((q, bb, lkb, tree), dummies)
+            else:
+                g.staging.write(padded)
+        keep = g.staging.upload()
         if self.capture:
             g.graph.replay()
             logits = g.logits

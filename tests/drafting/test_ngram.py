@@ -280,13 +280,28 @@ def test_compiled_parallel_and_cached():
 
 
 @pytest.mark.parametrize("batch", [31, 32, 70])
-def test_parallel_and_serial_kernels_agree_with_reference(batch):
-    """Batches from PARALLEL_MIN_BATCH rows on take the parallel kernel; both match the reference."""
-    from hf_plookup.drafting.ngram import PARALLEL_MIN_BATCH
-
+@pytest.mark.parametrize("parallel", [False, True])
+def test_parallel_and_serial_kernels_agree_with_reference(batch, parallel):
+    """Either kernel, asked for, gives the reference's drafts."""
     rng = np.random.default_rng(batch)
     history = rng.integers(0, 5, size=(batch, 60)).astype(np.int64)
     lengths = rng.integers(0, 61, size=batch).astype(np.int64)
     max_drafts = rng.integers(0, 8, size=batch).astype(np.int64)
-    assert (batch >= PARALLEL_MIN_BATCH) == (batch != 31)
-    check(history, lengths, 6, 3, 1, max_drafts)
+    p = proposer(6, 3, 1)
+    drafts, num = p.propose(history, lengths, max_drafts, parallel=parallel)
+    ref_drafts, ref_num = reference(history, lengths, 6, 3, 1, max_drafts)
+    np.testing.assert_array_equal(num, ref_num)
+    np.testing.assert_array_equal(drafts, ref_drafts)
+
+
+def test_parallel_search_needs_rows_and_tokens():
+    """The parallel kernel takes batches of PARALLEL_MIN_BATCH rows or more holding
+    PARALLEL_MIN_TOKENS tokens or more; smaller searches stay on one thread."""
+    from hf_plookup.drafting.ngram import PARALLEL_MIN_BATCH, PARALLEL_MIN_TOKENS, parallel_search
+
+    assert (PARALLEL_MIN_BATCH, PARALLEL_MIN_TOKENS) == (32, 1 << 17)
+    assert not parallel_search(np.full(64, 400))  # 25,600 tokens
+    assert parallel_search(np.full(64, 4096))  # 262,144 tokens
+    assert not parallel_search(np.full(31, 8192))  # too few rows, however long
+    assert parallel_search(np.full(32, 4096)) and not parallel_search(np.full(32, 4095))
+    assert not parallel_search(np.zeros(0, dtype=np.int64))

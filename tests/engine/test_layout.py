@@ -11,8 +11,8 @@ import torch
 
 from hf_plookup.attention.metadata import AttentionMetadata
 from hf_plookup.base.layout import StepLayout, step_tensors
-from hf_plookup.steps.graphs import context_bucket, dummy_layout, pad_layout
-from hf_plookup.engine.layout import lay_out
+from hf_plookup.steps.graphs import Staging, batch_bucket, context_bucket, dummy_layout, pad_layout
+from hf_plookup.engine.layout import lay_out, lay_out_staged
 from hf_plookup.engine.scheduler import ScheduledChunk
 
 BS, SCRATCH = 4, 9  # page size; the scratch page's id
@@ -131,3 +131,78 @@ def test_a_bucket_of_dummy_rows_only(tree):
     assert (padded.tree_mask is not None) == tree
     if tree:
         assert (padded.tree_mask == np.tril(np.ones((3, 3), bool))).all()
+
+
+def _staging(q: int, bb: int, lkb: int) -> Staging:
+    """A bucket's buffer as the graph runner keeps it (on CPU), holding a step of dummy rows."""
+    return Staging(pad_layout(dummy_layout(q, False), bb, lkb, BS, SCRATCH), torch.device("cpu"), SCRATCH)
+
+
+def _assert_same_layout(got: StepLayout, want: StepLayout) -> None:
+    for name in ("input_ids", "positions", "depth", "slot_mapping", "keep", "prefill", "query_pos", "kv_slots",
+                 "context_lens", "block_tables", "cu_seqlens_q", "cu_seqlens_k"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    assert got.tree_mask is None and want.tree_mask is None and got.uniform
+
+
+def test_staged_layout_literal():
+    """The module docstring's chunks fed 3 tokens each in a bucket of 2 rows and 16 keys: the padded
+    layout, written into the bucket's buffer, with the device's int32 copies beside it."""
+    tables = {11: [3, 4, 7], 12: [5, 6]}
+    blocks = SimpleNamespace(block_size=BS, tables=tables, table=lambda seq_id: tables[seq_id])
+    staging = _staging(3, 2, 16)
+    lay = lay_out_staged([_chunk(1, 7, 3, False, 2), _chunk(2, 4, 2, False, 1)], HISTORY, blocks, staging)
+    assert lay is staging.layout
+    assert lay.positions.tolist() == [7, 8, 9, 4, 5, 6] and lay.context_lens.tolist() == [10, 7]
+    assert lay.input_ids.tolist() == [207, 208, 209, 304, 305, 0] and lay.keep.tolist() == [0, 1, 2, 3, 4]
+    assert lay.slot_mapping.tolist() == [19, 28, 29, 24, 25, 26]  # positions 7-9: pages 4, 7; 4-6: page 6
+    assert lay.block_tables.tolist() == [[3, 4, 7, SCRATCH], [5, 6, SCRATCH, SCRATCH]]
+    assert staging.arrays["block_tables"].dtype == np.int32 and staging.arrays["block_tables"].tolist() == \
+        lay.block_tables.tolist()
+    assert staging.arrays["cache_seqlens"].tolist() == [10, 7]
+    assert staging.arrays["cu_seqlens_k"].tolist() == [0, 10, 17]
+    assert lay.kv_slots[1].tolist() == [20, 21, 22, 23, 24, 25, 26] + [SCRATCH * BS] * 9
+    with pytest.raises(ValueError, match="more than pad_to=3"):
+        lay_out_staged([_chunk(1, 7, 4, False, 2)], HISTORY, blocks, staging)
+
+
+def test_staged_layout_is_the_padded_layout():
+    """Random uniform chain steps laid out into their bucket's buffer equal lay_out then
+    pad_layout, rows that were real in the step before included (the buffer is reused)."""
+    rng = np.random.default_rng(0)
+    history = rng.integers(1, 1000, (12, 64))
+    for q, bb, lkb in ((1, 4, 32), (3, 8, 64), (5, 8, 64), (6, 2, 32)):
+        staging = _staging(q, bb, lkb)
+        for _ in range(20):
+            b = int(rng.integers(1, bb + 1))
+            rows = rng.permutation(12)[:b]
+            starts = rng.integers(0, lkb - q + 1, b)
+            starts[0] = max(starts[0], lkb // 2 - q + 1)  # the bucket's context: more than half of lkb
+            fed = rng.integers(1, q + 1, b)
+            tables = {10 + int(r): rng.permutation(40)[: -(-int(s + n) // BS)].tolist()
+                      for r, s, n in zip(rows, starts, fed)}
+            blocks = SimpleNamespace(block_size=BS, tables=tables, table=lambda seq_id: tables[seq_id])
+            chunks = [_chunk(int(r), int(s), int(n), False, 1) for r, s, n in zip(rows, starts, fed)]
+            plain = lay_out(chunks, history, blocks, SCRATCH, None, width=q)
+            assert (batch_bucket(b) <= bb) and context_bucket(plain.max_context_len, BS) == lkb
+            want = pad_layout(plain, bb, lkb, BS, SCRATCH)
+            _assert_same_layout(lay_out_staged(chunks, history, blocks, staging), want)
+            assert np.array_equal(staging.arrays["block_tables"], want.block_tables)
+            assert np.array_equal(staging.arrays["cache_seqlens"], want.context_lens)
+            assert np.array_equal(staging.arrays["cu_seqlens_k"], want.cu_seqlens_k)
+
+
+def test_staging_holds_a_written_step_and_uploads_its_kept_rows():
+    """`write` copies a padded step into the buffer the static tensors view (on CPU the same
+    memory: no copy); `upload` gives the kept rows of the step written last."""
+    padded = pad_layout(dummy_layout(2, False), 2, 8, BS, SCRATCH)
+    staging = Staging(padded, torch.device("cpu"), SCRATCH)
+    assert staging.device is staging.host and staging.upload().tolist() == []
+    tables = {11: [3, 4]}
+    blocks = SimpleNamespace(block_size=BS, tables=tables, table=lambda seq_id: tables[seq_id])
+    step = pad_layout(lay_out([_chunk(1, 5, 2, False, 2)], HISTORY, blocks, SCRATCH, None, width=2), 2, 8, BS,
+                      SCRATCH)
+    staging.write(step)
+    _assert_same_layout(staging.layout, step)
+    assert staging.inputs["positions"].tolist() == [5, 6, 0, 1]  # the static tensors see it in place
+    assert staging.inputs["cu_seqlens_q"].dtype == torch.int32 and staging.upload().tolist() == [0, 1]

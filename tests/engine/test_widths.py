@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hf_plookup.steps.graphs import GraphRunner, batch_bucket, dummy_layout, pad_layout
-from hf_plookup.engine.widths import StepCosts, candidate_widths, chain_chances, choose_width, expected_tokens
+from hf_plookup.engine.widths import (StepCosts, candidate_widths, chain_chances, choose_width, expected_tokens,
+                                     expected_tokens_by_width)
 from tests.conftest import left_padded, tiny_model, wrap_copy
 
 
@@ -28,6 +29,19 @@ def test_candidates_and_expected_tokens():
     tree = np.array([[0.6, 0.3, 0.3, 0.1, 0.0]])
     assert expected_tokens(tree, np.array([4]), 3) == pytest.approx(1.9)
     assert expected_tokens(tree, np.array([4]), 17) == pytest.approx(2.3)
+
+
+def test_expected_tokens_by_width_is_expected_tokens_of_each_width():
+    chances = chain_chances(np.array([0.5, 0.8]), 4)
+    assert expected_tokens_by_width(chances, np.array([4, 1]), 3) == pytest.approx([2.0, 3.3, 3.55])
+    tree = np.array([[0.6, 0.3, 0.3, 0.1, 0.0]])
+    assert expected_tokens_by_width(tree, np.array([4]), 7)[[2, 6]] == pytest.approx([1.9, 2.3])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        b, k, widest = int(rng.integers(0, 70)), int(rng.integers(1, 17)), int(rng.integers(1, 20))
+        chances, drafts = rng.random((b, k)), rng.integers(0, k + 1, b)
+        want = [expected_tokens(chances, drafts, w) for w in range(1, widest + 1)]
+        assert np.allclose(expected_tokens_by_width(chances, drafts, widest), want, rtol=1e-12, atol=1e-12)
 
 
 def test_step_costs_follow_their_steps():
