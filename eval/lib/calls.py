@@ -87,7 +87,9 @@ def run_hf(model, input_ids, attention_mask, max_new_tokens: int, k: int | None 
     eos = _with_stops(kwargs, model, extra_eos)
     # no hook on a forward HF compiles: dynamo would trace the counting into the compiled graph
     counting = ForwardCounter(model) if not cache_implementation else contextlib.nullcontext()
-    with torch.inference_mode(), counting as counter:
+    # no_grad, as HF's generate runs itself (inference mode would refuse some quantized weights:
+    # optimum-quanto's int4); hf_plookup's engine picks its own mode inside (EnginePlan.grad_mode)
+    with torch.no_grad(), counting as counter:
         sync(input_ids.device)
         t0 = time.perf_counter()
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -159,7 +161,7 @@ def run_plookup(wrapped, input_ids, attention_mask, max_new_tokens: int, k: int 
         kwargs.update(prompt_lookup_tree_nodes=tree_nodes)
     eos = _with_stops(kwargs, wrapped, extra_eos)
     empty_prefix_pool(wrapped)
-    with torch.inference_mode():
+    with torch.no_grad():
         sync(input_ids.device)
         t0 = time.perf_counter()
         out = wrapped.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)

@@ -24,11 +24,10 @@ A missing library is reported before any work starts (`problem`, which `check_op
 the parser's error), naming the package to install; an unknown name is the parser's error
 listing the names (`choices`), or a ValueError from `quantization_config`.
 
-Two names that do not run everywhere: `torchao-int4` quantizes through mslk's CUDA kernels, so
+One name that does not run everywhere: `torchao-int4` quantizes through mslk's CUDA kernels, so
 without mslk (on CPU) it is refused up front with that reason (HF's own load would fail inside a
-conversion report); `quanto-int4` loads on CPU, but optimum-quanto's int4 weights fail under
-`torch.inference_mode` ("Cannot set version_counter for inference tensor"), where the scripts' HF
-calls and wrap's probe run, so a script reports that error for the model."""
+conversion report). (`quanto-int4`'s weights fail under `torch.inference_mode`; wrap then runs
+its steps under `torch.no_grad`, as HF's generate does.)"""
 
 from __future__ import annotations
 

@@ -133,9 +133,24 @@ def _num_layers(model: torch.nn.Module) -> int | None:
     return getattr(config, "num_hidden_layers", None)
 
 
-@torch.inference_mode()
-def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3,
-                      notes: list[str] | None = None) -> list[KeyLayout | None]:
+def fails_in_inference_mode(error: BaseException) -> bool:
+    """Whether a probe's refusal came from the model's own forward failing under
+    `torch.inference_mode` alone: optimum-quanto's int4 weights raise "Cannot set version_counter
+    for inference tensor" there, and run under `torch.no_grad`, as HF's `generate` runs them."""
+    cause = error.__cause__
+    return isinstance(cause, RuntimeError) and "inference tensor" in str(cause)
+
+
+def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3, notes: list[str] | None = None,
+                      grad_mode=torch.inference_mode) -> list[KeyLayout | None]:
+    """`_probe_key_layouts` under `grad_mode` (torch.inference_mode, or torch.no_grad where the
+    model's forward fails in inference mode: `fails_in_inference_mode`)."""
+    with grad_mode():
+        return _probe_key_layouts(model, atol, notes)
+
+
+def _probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3,
+                       notes: list[str] | None = None) -> list[KeyLayout | None]:
     """One `KeyLayout` per decoder layer, None for a layer without keys (a recurrent mixer's,
     mixers.recurrent, or one that mixes no tokens); `ValueError` naming the architecture and the
     reason when the paged attention and the per-sequence states cannot stand in for the model's own.

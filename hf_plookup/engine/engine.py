@@ -247,7 +247,7 @@ class Engine:
         if (self.use_graphs or self.use_compile) and self._graphs is None:
             self._graphs = GraphRunner(self.model, self.cache(), self.options.attn_backend, self.options.max_num_seqs,
                                        capture=self.use_graphs, compiled=self.use_compile, invariant=self.invariant,
-                                       c_layers=self.c_layers)
+                                       c_layers=self.c_layers, grad_mode=self.plan.grad_mode)
         return self._graphs
 
     def clear_prefix_cache(self) -> None:
@@ -346,7 +346,7 @@ class Engine:
         graph_seconds = _graph_seconds(graphs)  # compile and capture time before this call
         batch = self._new_batch(own.cfg, cache, graphs)
         runner = ModelRunner(self.model, cache, self.options.attn_backend, graphs, self.head, self.invariant,
-                             self.c_layers, self.embedders, self.mixers)
+                             self.c_layers, self.embedders, self.mixers, self.plan.grad_mode)
         pad_to = self.pad_to(batch.width_drafts if batch.proposer is not None else 0)  # plain decoding feeds 1 token
         self._open(batch, own)
         try:

@@ -55,15 +55,16 @@ class LayerSpec:
 STATE_ONLY_TOKENS = 1 << 20
 
 
-def layer_specs(model: torch.nn.Module, notes: list[str] | None = None) -> list[LayerSpec]:
+def layer_specs(model: torch.nn.Module, notes: list[str] | None = None,
+                grad_mode=torch.inference_mode) -> list[LayerSpec]:
     """One spec per layer, from the keys each layer really hands to its attention function (a
     probe forward, attention.probe), on that layer's device and dtype: models split by accelerate
     keep each layer's pages next to its weights, and config fields an architecture ignores (a
     GPT-NeoX config's `num_key_value_heads`) play no part. Layers without keys get empty pages on
     the model's input device. Raises `ValueError` naming the architecture when the model cannot
     run on the paged cache. `notes`: where the probe's note on a quantized model's arithmetic goes
-    (attention.probe)."""
-    layouts = probe_key_layouts(model, notes=notes)
+    (attention.probe); `grad_mode`: the probe's (probe_key_layouts)."""
+    layouts = probe_key_layouts(model, notes=notes, grad_mode=grad_mode)
     device = input_device(model)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return [LayerSpec(0, 0, dtype, device) if k is None else

@@ -18,6 +18,7 @@ from ..cpu.packed_weight import packing_bytes
 from ..invariant.linears import CAPTURED_INVARIANT_BACKENDS, resolve_invariant
 from ..mixers.recurrent import RecurrentMixers
 from .distributed import tensor_parallel
+from ..attention.probe import fails_in_inference_mode
 from .kv_cache import check_cpu_memory, layer_specs
 
 if TYPE_CHECKING:
@@ -153,13 +154,28 @@ class EnginePlan:
     # why greedy may part from HF's greedy after a near-tie: the probe's note on a quantized
     # model's row-count dependent arithmetic (attention.probe, FLOOR_MARGIN); "" for any other
     exactness_note: str = ""
+    # steps under torch.no_grad instead of torch.inference_mode: the model's own forward fails in
+    # inference mode (attention.probe.fails_in_inference_mode)
+    no_grad: bool = False
+
+    @property
+    def grad_mode(self):
+        """The context the model's forwards run in: torch.inference_mode, or torch.no_grad."""
+        return torch.no_grad if self.no_grad else torch.inference_mode
 
     @classmethod
     def of(cls, model: torch.nn.Module, options: EngineOptions, timings: list | None = None) -> EnginePlan:
         """The plan for `model` under `options`; a ValueError where an option asked for cannot run.
         `timings`: ("probe", time) is appended once the layers are probed (wrap's parts)."""
         notes: list[str] = []
-        specs = layer_specs(model, notes)
+        no_grad = False
+        try:
+            specs = layer_specs(model, notes)
+        except ValueError as e:
+            if not fails_in_inference_mode(e):
+                raise
+            no_grad, notes = True, []
+            specs = layer_specs(model, notes, grad_mode=torch.no_grad)
         if timings is not None:
             timings.append(("probe", time.perf_counter()))
         devices = sorted({s.device for s in specs}, key=str)
@@ -193,4 +209,4 @@ class EnginePlan:
                    tree_min_score=TREE_MIN_SCORE_CUDA if auto else options.tree_min_score,
                    budget=auto and devices[0].type == "cpu" and not distributed and not padded,
                    width_policy=use_graphs, prefix_cache=prefix_cache, prefix_unit_pages=unit_pages,
-                   exactness_note=" ".join(notes))
+                   exactness_note=" ".join(notes), no_grad=no_grad)

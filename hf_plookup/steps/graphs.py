@@ -279,12 +279,13 @@ class GraphRunner:
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, backend: str, max_num_seqs: int,
                  capture: bool = True, compiled: bool = False, invariant=None, regional: bool | None = None,
-                 c_layers=None):
+                 c_layers=None, grad_mode=torch.inference_mode):
         if cache.scratch_block is None:
             raise ValueError("CUDA graphs need a cache with a scratch page (PagedKVCache(..., scratch=True))")
         self.model = model
         self.cache = cache
         self.backend = backend
+        self.grad_mode = grad_mode  # the context steps run in (steps.runner.ModelRunner's)
         self.block_size = cache.block_size
         self.max_batch = batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1]
         # CPU: the LM head's faster layout (not in invariant mode: the linears are its own)
@@ -413,9 +414,12 @@ class GraphRunner:
         self._staged.add(id(g.layout))
         return g
 
-    @torch.inference_mode()
     def run(self, layout: StepLayout) -> torch.Tensor:
         """Logits of the layout's kept rows, `[N, V]` (a fresh tensor, safe across replays)."""
+        with self.grad_mode():
+            return self._run(layout)
+
+    def _run(self, layout: StepLayout) -> torch.Tensor:
         bb = batch_bucket(layout.num_seqs)
         lkb = context_bucket(layout.max_context_len, self.block_size)
         tree = layout.tree_mask is not None

@@ -16,20 +16,26 @@ from .head import HeadChooser
 
 
 class ModelRunner:
-    """`graphs`: a `GraphRunner` for the uniform decode steps it supports, or None. The other
-    arguments are `StepForward`'s, for the eager steps."""
+    """`graphs`: a `GraphRunner` for the uniform decode steps it supports, or None; `grad_mode`:
+    the context every step runs in (torch.inference_mode; torch.no_grad for a model whose forward
+    fails in inference mode, engine.plan.EnginePlan.grad_mode). The other arguments are
+    `StepForward`'s, for the eager steps."""
 
     def __init__(self, model: torch.nn.Module, cache, backend: str = "sdpa", graphs=None,
                  head: HeadChooser | None = None, invariant=None, c_layers=None,
-                 embedders: list[torch.nn.Module] | None = None, mixers=None):
+                 embedders: list[torch.nn.Module] | None = None, mixers=None, grad_mode=torch.inference_mode):
         self.forward = StepForward(model, cache, backend, head, invariant, c_layers, embedders, mixers)
+        self.grad_mode = grad_mode
         self.graphs = graphs
         self.last_path = "eager"
         self.last_reason: str | None = None
 
-    @torch.inference_mode()
     def run(self, layout: StepLayout) -> torch.Tensor:
         """One forward. Returns the logits at `layout.keep`, `[N, V]`."""
+        with self.grad_mode():
+            return self._run(layout)
+
+    def _run(self, layout: StepLayout) -> torch.Tensor:
         self.last_path, self.last_reason = "eager", None
         if self.graphs is not None:
             reason = self.graphs.unsupported(layout)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hf_plookup
+from hf_plookup.api import _state
 from hf_plookup.attention import probe
 from hf_plookup.cpu import kernels as cpu_kernels
 
@@ -208,6 +209,22 @@ def test_quanto_int8():
     quanto.freeze(model)
     assert probe._quantizer(model) is not None
     _check_runs(model, probe._quantizer(model))
+
+
+def test_quanto_int4_runs_without_inference_mode():
+    """optimum-quanto's int4 weights fail under torch.inference_mode ("Cannot set version_counter
+    for inference tensor") and run under torch.no_grad, as HF's generate runs them: the engine then
+    runs its steps under no_grad (EnginePlan.no_grad), and a plain model keeps inference mode."""
+    quanto = pytest.importorskip("optimum.quanto")
+    model = tiny_model("llama")
+    quanto.quantize(model, weights=quanto.qint4, exclude="lm_head")
+    quanto.freeze(model)
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference tensor"):
+        model(ids)  # (the library's own behaviour this test is about)
+    _check_runs(model, probe._quantizer(model))
+    assert _state(wrap_copy(model)).engine.plan.no_grad
+    assert not _state(wrap_copy(tiny_model("llama"))).engine.plan.no_grad
 
 
 @pytest.mark.parametrize("bits", [8, 4])
