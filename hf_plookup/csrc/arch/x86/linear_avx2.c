@@ -21,17 +21,19 @@
 /* a tile: sums over values [0, kn) of panels K values long (wp and xt at the first of them), into o
  * [MB][NP * 8], from 0 or (init) from o's sums: a chain cut at a block of K goes on bitwise */
 typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init);
-#define PTILE_F32(MB, NP)                                                                               \
-    AVX2 static void pf32_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init) { \
-        const float* w = (const float*)wp;                                                              \
+/* a tile of one k a step: the 8 columns' values at k of each panel as 8 fp32 lanes (LOAD(p), p their
+ * first), one prefetch per 64-byte line of a panel (every PF_EVERY values of k) */
+#define PTILE_1K(NAME, WT, LOAD, PF_EVERY, AHEAD, MB, NP)                                               \
+    AVX2 static void NAME##_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init) { \
+        const WT* w = (const WT*)wp;                                                                    \
         __m256 acc[MB][NP];                                                                             \
         UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = init ? _mm256_loadu_ps(o + (i * NP + j) * 8) : _mm256_setzero_ps(); \
         for (int64_t k = 0; k < kn; k++) {                                                              \
             __m256 wv[NP];                                                                              \
             UNROLL for (int j = 0; j < NP; j++) {                                                       \
-                const float* p = w + (j * K + k) * 8;                                                   \
-                if (!(k & 1)) _mm_prefetch((const char*)p + PACK_AHEAD_F32, _MM_HINT_T1);               \
-                wv[j] = _mm256_loadu_ps(p);                                                             \
+                const WT* p = w + (j * K + k) * 8;                                                      \
+                if (!(k & (PF_EVERY - 1))) _mm_prefetch((const char*)p + AHEAD, _MM_HINT_T1);           \
+                wv[j] = LOAD(p);                                                                        \
             }                                                                                           \
             UNROLL for (int i = 0; i < MB; i++) {                                                       \
                 __m256 xb = _mm256_broadcast_ss(xt + k * ldx + i);                                      \
@@ -40,6 +42,10 @@ typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K
         }                                                                                               \
         UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) _mm256_storeu_ps(o + (i * NP + j) * 8, acc[i][j]); \
     }
+/* W_Q8: 8 bytes a k (the 8 columns' integers), widened to int32 then fp32, both exact */
+#define LOAD_Q8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
+#define PTILE_F32(MB, NP) PTILE_1K(pf32, float, _mm256_loadu_ps, 2, PACK_AHEAD_F32, MB, NP)
+#define PTILE_Q8(MB, NP) PTILE_1K(pq8, int8_t, LOAD_Q8, 8, PACK_AHEAD_Q8, MB, NP)
 /* K here is K2 (even); values k and k + 1 of 8 columns are one 32-byte load */
 #define PTILE_BF16(MB, NP)                                                                              \
     AVX2 static void pbf16_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init) { \
@@ -68,27 +74,6 @@ typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K
                 wv[j] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(w2 + (j * K + k) * 8)), hi)); \
             UNROLL for (int i = 0; i < MB; i++) {                                                       \
                 __m256 xb = _mm256_broadcast_ss(xt + (k + 1) * ldx + i);                                \
-                UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);  \
-            }                                                                                           \
-        }                                                                                               \
-        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) _mm256_storeu_ps(o + (i * NP + j) * 8, acc[i][j]); \
-    }
-/* W_Q8: 8 bytes a k (the 8 columns' integers), widened to int32 then fp32, both exact; one line
- * of a panel holds 8 values of k, so one prefetch per 8 */
-#define PTILE_Q8(MB, NP)                                                                                \
-    AVX2 static void pq8_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init) { \
-        const int8_t* w = (const int8_t*)wp;                                                            \
-        __m256 acc[MB][NP];                                                                             \
-        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = init ? _mm256_loadu_ps(o + (i * NP + j) * 8) : _mm256_setzero_ps(); \
-        for (int64_t k = 0; k < kn; k++) {                                                              \
-            __m256 wv[NP];                                                                              \
-            UNROLL for (int j = 0; j < NP; j++) {                                                       \
-                const int8_t* p = w + (j * K + k) * 8;                                                  \
-                if (!(k & 7)) _mm_prefetch((const char*)p + PACK_AHEAD_Q8, _MM_HINT_T1);                \
-                wv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));   \
-            }                                                                                           \
-            UNROLL for (int i = 0; i < MB; i++) {                                                       \
-                __m256 xb = _mm256_broadcast_ss(xt + k * ldx + i);                                      \
                 UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);  \
             }                                                                                           \
         }                                                                                               \
