@@ -202,21 +202,18 @@ def int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _read_int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    cls = type(weight)
+    """`int8_parts` of a weight of one of `_INT8_TYPES` (which it checked), read from the tensor."""
     if weight.device.type != "cpu" or weight.dtype not in DTYPES:
         return None
-    name, module = cls.__name__, cls.__module__
-    if name == "Int8Tensor" and module.startswith("torchao"):
+    if type(weight).__name__ == "Int8Tensor":  # torchao
         q, scale = weight.qdata, weight.scale
         if (weight.act_quant_kwargs is not None or getattr(weight, "act_pre_scale", None) is not None
                 or list(weight.block_size) != [1, q.shape[-1]]):
             return None
-    elif name == "WeightQBytesTensor" and module.startswith("optimum.quanto"):
+    else:  # optimum-quanto's WeightQBytesTensor
         q, scale = weight._data, weight._scale
         if weight.qtype.name != "qint8" or weight.axis != 0 or getattr(weight, "activation_qtype", None) is not None:
             return None
-    else:
-        return None
     if (type(q) is not torch.Tensor or q.dtype != torch.int8 or q.dim() != 2 or scale.numel() != q.shape[0]
             or scale.dtype not in DTYPES or tuple(weight.shape) != tuple(q.shape)):
         return None

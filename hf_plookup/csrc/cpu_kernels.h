@@ -111,8 +111,8 @@ static inline int64_t now_ns(void) {
  * Weight kinds (each linear of a call has its own, `wkind`): W_FLOAT, the call's dtype as above; W_Q8,
  * int8 weights with one scale per output column (torchao's int8 weight-only, optimum-quanto's qint8):
  * int8 panels [P][K2][8] (K2 as the call's dtype makes it; a byte of column c at k, widened exactly to
- * fp32), then, from byte q8_scales_at(P, K2), P * 8 fp32 scales (the model's scale widened, exactly;
- * zeros past N). Its output n is the same FMA chain over k of the integer weights, then
+ * fp32), then, from byte q8_scales_at(P, K2), P * 8 fp32 scales (the model's scale rounded to the
+ * call's dtype, then widened exactly; zeros past N). Its output n is the same FMA chain over k of the integer weights, then
  *   s = rnd(rnd(s) * scale[n])
  * (rnd: to bf16 for a bf16 call, else nothing), then + bias[n] and the rounding above: torchao's
  * order (the product of x and the integer weights, rounded to the dtype, times the scale, rounded,
@@ -272,7 +272,7 @@ void rope_c(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const vo
 /* AVX2 + FMA (level 1 and up; arch/x86) */
 void pack_x_avx2(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
 void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
-                    int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16);
+                       int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16);
 void pack_range_avx2(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
                      int64_t p_hi);
 extern const scores_fn scores_avx2[MAX_NH + 1];

@@ -563,6 +563,9 @@ def chain_budget(rate: np.ndarray, min_score: float) -> np.ndarray:
 PRIOR_RATE, PRIOR_WEIGHT = 0.8, 4.0
 
 
+RATE_MIN, RATE_MAX = 0.3, 0.97  # acceptance_estimate's bounds on a row's rate
+
+
 def acceptance_estimate(accepted: np.ndarray, rejected: np.ndarray) -> np.ndarray:
     """The chance that a draft is accepted given its parent was, per row, from its `accepted`
     drafts and `rejected` verify steps (steps whose walk stopped at a node with children), pulled
@@ -570,7 +573,7 @@ def acceptance_estimate(accepted: np.ndarray, rejected: np.ndarray) -> np.ndarra
     of the row's next tree, so a row that copies its source gets deep trees and one that does
     not gets wide ones."""
     rate = (np.asarray(accepted) + PRIOR_RATE * PRIOR_WEIGHT) / (np.asarray(accepted) + np.asarray(rejected) + PRIOR_WEIGHT)
-    return np.clip(rate, 0.3, 0.97)
+    return np.clip(rate, RATE_MIN, RATE_MAX)
 
 
 def walks_rejected(paths: np.ndarray, accepted: np.ndarray, parents: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:

@@ -14,10 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..drafting.tree import PRIOR_RATE, PRIOR_WEIGHT
-
-# acceptance_estimate's bounds on a row's rate
-RATE_MIN, RATE_MAX = 0.3, 0.97
+from ..drafting.tree import PRIOR_RATE, PRIOR_WEIGHT, RATE_MAX, RATE_MIN
 
 
 @numba.njit(cache=True, nogil=True)

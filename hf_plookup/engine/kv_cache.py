@@ -293,7 +293,7 @@ class BlockManager:
     def ensure(self, seq_id: int, num_tokens: int) -> None:
         """Grow `seq_id`'s table to hold `num_tokens` tokens."""
         table = self.tables.setdefault(seq_id, [])
-        need = -(-num_tokens // self.block_size) - len(table)  # blocks_for, inline: once per row and step
+        need = self.blocks_for(num_tokens) - len(table)
         if need <= 0:
             return
         if need > self.num_free:
@@ -304,7 +304,7 @@ class BlockManager:
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Shrink `seq_id`'s table to what `num_tokens` tokens need; freed blocks return to the pool."""
         table = self.tables[seq_id]
-        keep = -(-num_tokens // self.block_size)  # blocks_for, inline: once per row and step
+        keep = self.blocks_for(num_tokens)
         while len(table) > keep:
             self._release(table.pop())
 

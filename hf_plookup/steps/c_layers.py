@@ -96,8 +96,6 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-_linear = linear_module
-
 
 def norm_forms(model: torch.nn.Module) -> dict:
     """{module: its `cpu_kernels.rms_form` (None: not one)} for every module of `model`."""
@@ -153,13 +151,13 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
         return "the C kernels are not built"
     inner, head = getattr(model, "model", None), getattr(model, "lm_head", None)
     parts = [getattr(inner, n, None) for n in ("embed_tokens", "layers", "norm", "rotary_emb")]
-    if inner is None or any(p is None for p in parts) or not _linear(head):
+    if inner is None or any(p is None for p in parts) or not linear_module(head):
         return "not a decoder of model.model.{embed_tokens, layers, norm, rotary_emb} and model.lm_head"
     if not isinstance(parts[0], torch.nn.Embedding) or not len(parts[1]):
         return "its embedding is not an nn.Embedding, or it has no layers"
     # every parameter of one dtype, plain, but the linears' weights, which may also be int8 weights the
     # C linears read (cpu_kernels.int8_parts; the check below)
-    linear_weights = {id(m.weight) for m in model.modules() if _linear(m)}
+    linear_weights = {id(m.weight) for m in model.modules() if linear_module(m)}
     params = list(model.parameters())
     if len({p.dtype for p in params}) != 1 or params[0].dtype not in cpu_kernels.DTYPES or any(
             not cpu_kernels._plain(p) for p in params if id(p) not in linear_weights):
@@ -182,7 +180,7 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
             return f"layer {i}'s MLP is not gate/up/down with an activation module"
         linears = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
             getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(_linear(m) for m in linears):
+        if not all(linear_module(m) for m in linears):
             return f"layer {i} has a projection that is not a plain nn.Linear"
         q, k, v, o, g, u, dn = linears
         h, h_kv, d = layer_shape(config, attn, i)
@@ -201,7 +199,7 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
             return f"layer {i} has a norm cpu_kernels.rms_norm does not reproduce"
     if forms.get(parts[2]) is None:
         return "its final norm is not one cpu_kernels.rms_norm reproduces"
-    if not all(cpu_kernels.supported(m.weight) for m in model.modules() if _linear(m)):
+    if not all(cpu_kernels.supported(m.weight) for m in model.modules() if linear_module(m)):
         return "a linear layer does not run on the C kernel"
     return None
 
@@ -274,16 +272,17 @@ class CpuLayers:
     def _plan(self, cache) -> tuple[list[_Layer], list[int | None]] | None:
         """The layers as C structs, rebuilt whenever a weight or a page tensor has moved (a
         parameter replaced or its `.data` swapped since the last step); None (and the C path off
-        from then on) where a weight is no longer a contiguous tensor of the model's dtype."""
+        from then on) where a weight is no longer a contiguous tensor of the model's dtype (an int8
+        weight's integers: int8) or a linear's weight one the C linears do not read."""
         tensors = self._tensors(cache)
         # addresses, and the weights' version counters: an in-place change repacks a weight (cpu_kernels.packed)
         key = [t.data_ptr() for t in tensors] + [cpu_kernels._version(d[n]) for d, n in self._refs]
         if key == self._plan_key:
             return self._structs, self._windows
-        linears = [getattr(la.self_attn, n) for la in self.layers for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
-            getattr(la.mlp, n) for la in self.layers for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all((t.dtype == self.dtype or t.dtype == torch.int8) and t.is_contiguous() for t in tensors) or not all(
-                cpu_kernels.supported(m.weight) and m.weight.dtype == self.dtype for m in linears):
+        # each tensor of the dtype it had when checked (an int8 weight's integers: int8)
+        want = [torch.int8 if cpu_kernels.weight_kind(d[n]) == cpu_kernels.W_Q8 else self.dtype for d, n in self._refs]
+        want += [self.dtype] * (len(tensors) - len(want))  # (the pages)
+        if not all(t.dtype == w and t.is_contiguous() for t, w in zip(tensors, want)):
             self.on = False  # a weight swapped for another kind
             return None
         structs, windows = [], []
@@ -310,6 +309,9 @@ class CpuLayers:
                        form_attn_out=cpu_kernels.RMS_FORMS[fa] if fa else 0,
                        form_mlp_out=cpu_kernels.RMS_FORMS[fm] if fm else 0)
             for i, (n, m) in enumerate(lin.items()):
+                if not cpu_kernels.supported(m.weight) or m.weight.dtype != self.dtype:
+                    self.on = False  # a weight swapped for one the C linears do not read
+                    return None
                 w = cpu_kernels.packed(m.weight)
                 tensors.append(w)
                 setattr(s, "w" + n, w.data_ptr())
