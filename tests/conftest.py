@@ -371,3 +371,19 @@ class StopOnToken(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         return input_ids[:, -1] == self.token
+
+
+def at_every_simd_level(fn) -> dict:
+    """`fn()` at each SIMD level of the C kernels this CPU has, from the portable C (level 0) up,
+    the top level restored after: {level: result}."""
+    from hf_plookup.cpu import kernels as cpu_kernels
+
+    outs = {}
+    top = cpu_kernels.simd_level()
+    try:
+        for level in range(top + 1):
+            cpu_kernels.set_simd_level(level)
+            outs[level] = fn()
+    finally:
+        cpu_kernels.set_simd_level(top)
+    return outs

@@ -47,6 +47,8 @@ import functools
 import inspect
 import threading
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -164,9 +166,13 @@ def _plain(t: torch.Tensor) -> bool:
     return (type(t) in (torch.Tensor, torch.nn.Parameter) or _own_packing(t) is not None) and t.device.type == "cpu"
 
 
-# the kinds of weight the C linears read (csrc/cpu_kernels.h): a float weight of the call's dtype, or
-# int8 values with one scale per output column (`int8_parts`)
-W_FLOAT, W_Q8 = 0, 1
+# the kinds of weight the C linears read (csrc/cpu_kernels.h): a float weight of the call's dtype,
+# int8 values with one scale per output column (`int8_parts`), or 4-bit codes with a scale and a
+# shift per column and group of values (`q4_parts`)
+W_FLOAT, W_Q8, W_Q4 = 0, 1, 2
+# how a W_Q4 code q becomes its weight, f being q - offset (cpu_kernels.h, q4_value): "mul_sub",
+# round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32
+Q4_FORMS = {"mul_sub": 0, "fma": 1}
 
 
 # id(weight) -> (a weak reference to it, its int8_parts): a quantized tensor's attributes cost
@@ -189,15 +195,21 @@ def int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     torchao zero point is not read: torchao's own weight-only linear does not read it either.
     Read once per weight object and kept while it lives (a tensor put in the place of its values, as
     opposed to values changed in place, is not seen)."""
+    return _parts(weight, _INT8_TYPES, _INT8_PARTS, _read_int8_parts)
+
+
+def _parts(weight: torch.Tensor, types: dict, cache: dict, read):
+    """`read(weight)` for a weight of one of `types` (class name -> its library), kept in `cache`
+    by id while the weight lives; None for other weights."""
     cls = type(weight)
-    if cls.__name__ not in _INT8_TYPES or not cls.__module__.startswith(_INT8_TYPES[cls.__name__]):
+    if cls.__name__ not in types or not cls.__module__.startswith(types[cls.__name__]):
         return None  # (nor a weak reference to other tensors: one would keep swap_tensors from them)
-    entry = _INT8_PARTS.get(id(weight))
+    entry = cache.get(id(weight))
     if entry is not None and entry[0]() is weight:
         return entry[1]
-    got = _read_int8_parts(weight)
+    got = read(weight)
     key = id(weight)
-    _INT8_PARTS[key] = (weakref.ref(weight, lambda _, key=key: _INT8_PARTS.pop(key, None)), got)
+    cache[key] = (weakref.ref(weight, lambda _, key=key: cache.pop(key, None)), got)
     return got
 
 
@@ -220,23 +232,117 @@ def _read_int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
     return q, scale.reshape(-1)
 
 
+@dataclass(frozen=True)
+class Q4Parts:
+    """A 4-bit weight as `q4_parts` reads it: `codes()` gives its codes [N, K] (uint8, 0..15; unpacked
+    on each call, so not held), `scales` and `shifts` [N, K / group] (the library's own values, of
+    the weight's dtype), `form` and `offset` say how a code becomes its weight (`Q4_FORMS`), and
+    `source` is the plain tensor that holds the library's packed codes (its address and version
+    counter say whether they changed)."""
+
+    codes: Callable[[], torch.Tensor]
+    scales: torch.Tensor
+    shifts: torch.Tensor
+    group: int
+    form: str
+    offset: float
+    source: torch.Tensor
+
+
+_Q4_TYPES = {"WeightQBitsTensor": "optimum.quanto", "TinyGemmWeightQBitsTensor": "optimum.quanto"}
+_Q4_PARTS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, its q4_parts), as _INT8_PARTS
+
+
+def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
+    """The `Q4Parts` of a CPU weight quantized to 4 bits by optimum-quanto (qint4 on axis 0, frozen),
+    else None. quanto holds such a weight in one of two forms:
+
+    - `WeightQBitsTensor` (float32 models, and bfloat16 ones whose groups are not 128 values): its
+      dequantization is `scale * code - shift`, each op in the weight's dtype ("mul_sub", offset 0);
+      its shift must be a float (HF's `QuantoConfig` makes one), not an integer zero point.
+    - `TinyGemmWeightQBitsTensor` (bfloat16, groups of 128): torch's int4pack kernels compute
+      `(code - 8) * scale + zero` in float32 ("fma", offset 8), scale and zero being the two halves
+      of its `_scale_shift`.
+
+    Example: a [64, 256] float32 linear quantized by `quantize(m, weights=qint4); freeze(m)` gives
+    codes [64, 256], scales and shifts [64, 2] (groups of 128), "mul_sub", offset 0.0. K and the group
+    must be even and the group must divide K (the layout pairs values of k in a byte). Read once per
+    weight object, as `int8_parts`."""
+    return _parts(weight, _Q4_TYPES, _Q4_PARTS, _read_q4_parts)
+
+
+def _read_q4_parts(weight: torch.Tensor) -> Q4Parts | None:
+    if weight.device.type != "cpu" or weight.dtype not in DTYPES or weight.dim() != 2:
+        return None
+    if getattr(weight.qtype, "name", None) != "qint4" or weight.axis != 0:
+        return None
+    n, k = weight.shape
+    group = weight._group_size or k  # (None: one scale and shift a column, as quanto does where K < 128)
+    data = weight._data
+    source = getattr(data, "_data", None)
+    if not group or group % 2 or k % group or type(source) is not torch.Tensor or source.dtype != torch.uint8:
+        return None
+    if type(weight).__name__ == "TinyGemmWeightQBitsTensor":
+        ss = weight._scale_shift  # [K / group, N, 2]: scale, zero
+        block = _int4pack_block()
+        if (weight.dtype != torch.bfloat16 or tuple(ss.shape) != (k // group, n, 2) or block is None or n % block
+                or tuple(source.shape) != (n, k // 2)):
+            return None
+        return Q4Parts(lambda: _int4pack_codes(source, n, k, block), ss[:, :, 0].t(), ss[:, :, 1].t(), group, "fma",
+                       8.0, source)
+    scale, shift = weight._scale, weight._shift
+    if (not shift.dtype.is_floating_point or scale.dtype != weight.dtype or shift.dtype != weight.dtype
+            or scale.numel() != n * (k // group) or shift.numel() != scale.numel()):
+        return None
+    return Q4Parts(lambda: data.unpack().reshape(n, k), scale.reshape(n, k // group), shift.reshape(n, k // group),
+                   group, "mul_sub", 0.0, source)
+
+
+@functools.cache
+def _int4pack_block() -> int | None:
+    """The columns of a block of torch's CPU int4pack layout (`torch._convert_weight_to_int4pack_for_cpu`,
+    which quanto's tinygemm weights hold) on this machine, or None if its layout is not the one
+    `_int4pack_codes` reads. torch picks the block by the CPU it runs on (64 columns with AVX-512,
+    32 with AVX2), so it is found by packing a probe of known codes."""
+    n, k = 128, 4
+    codes = (torch.arange(n)[:, None] * 3 + torch.arange(k)[None, :] * 5) % 16
+    try:
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+    except (RuntimeError, AttributeError):
+        return None
+    for block in (64, 32, 16, 8):
+        if tuple(packed.shape) == (n, k // 2) and torch.equal(_int4pack_codes(packed, n, k, block), codes.to(torch.uint8)):
+            return block
+    return None
+
+
+def _int4pack_codes(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+    """The codes [n, k] of torch's CPU int4pack layout with blocks of `block` columns: bytes
+    [n / block, k, block / 2], the low nibble of byte i column i of the block, the high one column
+    block / 2 + i. (quanto's own `unpack` multiplies by a K x K identity, N K^2 work.)"""
+    b = packed.reshape(n // block, k, block // 2)
+    return torch.cat([b & 15, b >> 4], 2).permute(0, 2, 1).reshape(n, k)
+
+
 def weight_kind(weight: torch.Tensor) -> int:
-    """W_Q8 for a weight `int8_parts` reads, else W_FLOAT."""
+    """W_Q8 for a weight `int8_parts` reads, W_Q4 for one `q4_parts` reads, else W_FLOAT."""
     if type(weight) in (torch.Tensor, torch.nn.Parameter):
         return W_FLOAT
-    return W_Q8 if int8_parts(weight) is not None else W_FLOAT
+    if int8_parts(weight) is not None:
+        return W_Q8
+    return W_Q4 if q4_parts(weight) is not None else W_FLOAT
 
 
 def supported(weight: torch.Tensor) -> bool:
     """Whether `linear` takes this weight, the kernels being built (`linear` and `attend` may be
     called once this or `available()` said so): a plain 2-D float32/bfloat16 CPU tensor or one
-    packed in place (not another tensor subclass, such as a sharded DTensor), or an int8 weight of
-    `int8_parts`."""
+    packed in place (not another tensor subclass, such as a sharded DTensor), or a quantized weight of
+    `int8_parts` or `q4_parts`."""
     if not available():
         return False
     if _plain(weight):
         return weight.dtype in DTYPES and weight.dim() == 2
-    return int8_parts(weight) is not None
+    return weight_kind(weight) != W_FLOAT
 
 
 def pack_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -255,6 +361,37 @@ def pack_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> t
         panels = F.pad(values, (0, k2 - k, 0, 8 * p - n)).view(p, 8, k2).permute(0, 2, 1)
         out[: p * k2 * 8].view(torch.int8).view(p, k2, 8).copy_(panels)
         out[at:].view(torch.float32)[:n].copy_(scales.to(dtype).float())
+    return out
+
+
+def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, group: int, form: str, offset: float,
+            dtype: torch.dtype) -> torch.Tensor:
+    """4-bit `codes` [N, K] (uint8, 0..15) with `scales` and `shifts` [N, K / group] in the W_Q4 layout
+    `linear` reads for calls in `dtype` (bytes): panels of 8 output columns [P, K / 2, 8], byte c of
+    pair j holding column c's code at k = 2j in its low nibble and at 2j + 1 in its high one (zeros
+    past N); from the next 64-byte boundary a 64-byte header (int32 group, int32 form of `Q4_FORMS`,
+    float32 offset, zeros); then [P, K / group, 2, 8] float32: each panel's 8 scales of a group, then
+    its 8 shifts (each rounded to `dtype` first; zeros past N).
+
+    Example: codes [[1, 2], [3, 4]], group 2, scales [[0.5], [2]], shifts [[0], [1]] give the panel
+    bytes [0x21, 0x43, 0, 0, 0, 0, 0, 0], then from byte 64 the header [2, form, offset], then from
+    byte 128 the floats [0.5, 2, 0, ..., 0, 0, 1, 0, ..., 0]."""
+    n, k = codes.shape
+    if k % 2 or group % 2 or k % group or scales.shape != (n, k // group) or shifts.shape != scales.shape:
+        raise ValueError(f"pack_q4: codes {tuple(codes.shape)}, group {group}, scales {tuple(scales.shape)}, "
+                         f"shifts {tuple(shifts.shape)} do not make a W_Q4 weight (K and the group even, the group dividing K)")
+    p, groups = -(-n // 8), k // group
+    at = (p * k * 4 + 63) // 64 * 64
+    out = torch.zeros(at + 64 + p * groups * 16 * 4, dtype=torch.uint8)
+    with torch.no_grad():
+        c = F.pad(codes.to(torch.uint8), (0, 0, 0, 8 * p - n)).view(p, 8, k // 2, 2)
+        out[: p * k * 4].view(p, k // 2, 8).copy_((c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1))
+        head = out[at : at + 64].view(torch.int32)
+        head[0], head[1] = group, Q4_FORMS[form]
+        head[2:3].view(torch.float32)[0] = offset
+        sz = torch.stack([scales, shifts], 1).to(dtype).float()  # [N, 2, groups]
+        sz = F.pad(sz, (0, 0, 0, 0, 0, 8 * p - n)).view(p, 8, 2, groups).permute(0, 3, 2, 1)
+        out[at + 64 :].view(torch.float32).view(p, groups, 2, 8).copy_(sz)
     return out
 
 
@@ -359,11 +496,14 @@ def _version(t: torch.Tensor) -> int | None:
 
 def values_of(weight: torch.Tensor) -> torch.Tensor:
     """The plain tensor that holds `weight`'s values: an int8 weight's integers (`int8_parts`), a
-    PackedWeight's panels, else the weight itself. Its address and version counter say whether the
+    4-bit weight's packed codes (`q4_parts`), a PackedWeight's panels, else the weight itself. Its address and version counter say whether the
     values moved or changed."""
     parts = int8_parts(weight)
     if parts is not None:
         return parts[0]
+    q4 = q4_parts(weight)
+    if q4 is not None:
+        return q4.source
     got = _own_packing(weight)
     return weight if got is None else got
 
@@ -382,11 +522,17 @@ def _keep(weight: torch.Tensor, src: torch.Tensor, copy: torch.Tensor) -> None:
 
 def _pack_any(weight: torch.Tensor) -> torch.Tensor:
     parts = int8_parts(weight)
-    return pack(weight) if parts is None else pack_q8(*parts, weight.dtype)
+    if parts is not None:
+        return pack_q8(*parts, weight.dtype)
+    q4 = q4_parts(weight)
+    if q4 is not None:
+        return pack_q4(q4.codes(), q4.scales, q4.shifts, q4.group, q4.form, q4.offset, weight.dtype)
+    return pack(weight)
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
-    """`pack(weight)` (for an int8 weight, `pack_q8` of its `int8_parts`), made once and kept while
+    """`pack(weight)` (for an int8 weight, `pack_q8` of its `int8_parts`; for a 4-bit one, `pack_q4`
+    of its `q4_parts`), made once and kept while
     `weight` lives, its values at the same address and with the same version counter (an in-place
     change, such as `load_state_dict` or merging an adapter, bumps it; a new `.data` moves it): then
     packed again."""

@@ -19,9 +19,17 @@ void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, flo
     }
 }
 
-/* the weight of output column n at value k of a packed linear (of W_Q8: the integer, widened) */
-static inline float packed_w(const void* wp, int64_t wkind, int64_t K2, int64_t n, int64_t k, int bf16) {
+/* the weight of output column n at value k of a packed linear of N columns (of W_Q8: the integer,
+ * widened; of W_Q4: the dequantized value) */
+static inline float packed_w(const void* wp, int64_t wkind, int64_t K2, int64_t N, int64_t n, int64_t k, int bf16) {
     if (wkind == W_Q8) return (float)((const int8_t*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
+    if (wkind == W_Q4) {
+        int64_t P = (N + 7) / 8;
+        const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K2));
+        const float* sz = q4_scales(wp, P, K2, n / 8, k / m->group);
+        uint8_t byte = ((const uint8_t*)wp)[((n / 8) * (K2 / 2) + k / 2) * 8 + n % 8];
+        return q4_value(k & 1 ? byte >> 4 : byte & 15, sz[n % 8], sz[8 + n % 8], m->form, m->offset, bf16);
+    }
     if (!bf16) return ((const float*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
     return bf16_to_f32(((const uint16_t*)wp)[((n / 8) * K2 + (k & ~(int64_t)1)) * 8 + (n % 8) * 2 + (k & 1)]);
 }
@@ -44,7 +52,7 @@ void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, i
             int64_t ld;
             const float* xm = xt + x_at(M, B, K2, m, &ld);
             float s = 0.0f;
-            for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, wkind, K2, n, k, (int)bf16), xm[k * ld], s);
+            for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, wkind, K2, N, n, k, (int)bf16), xm[k * ld], s);
             if (wkind == W_Q8) s = q8_scaled(wp, K2, N, n, s, (int)bf16);
             if (bias) s += load1(bias, n, (int)bf16);
             store1(out, m * N + n, s, (int)bf16);

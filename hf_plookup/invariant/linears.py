@@ -160,7 +160,10 @@ def strategy_key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     """What `row_strategy`'s choice is kept by: shape, dtype, device, the weight's type (and its
     data's) and the C kernels' kind of it (a torchao `Int8Tensor` is weight-only or not), whether
     there is a bias, and torch's thread count."""
-    return (*weight.shape, weight.dtype, weight.device, type(weight), type(getattr(weight, "data", weight)),
+    # (a parameter's data is read, not a tensor subclass's: quanto's tinygemm weights raise on `.data`
+    # in inference mode)
+    inner = weight.data if type(weight) is torch.nn.Parameter else weight
+    return (*weight.shape, weight.dtype, weight.device, type(weight), type(inner),
             cpu_kernels.weight_kind(weight), bias is None, torch.get_num_threads())
 
 

@@ -155,13 +155,13 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
         return "not a decoder of model.model.{embed_tokens, layers, norm, rotary_emb} and model.lm_head"
     if not isinstance(parts[0], torch.nn.Embedding) or not len(parts[1]):
         return "its embedding is not an nn.Embedding, or it has no layers"
-    # every parameter of one dtype, plain, but the linears' weights, which may also be int8 weights the
-    # C linears read (cpu_kernels.int8_parts; the check below)
+    # every parameter of one dtype, plain, but the linears' weights, which may also be quantized weights
+    # the C linears read (cpu_kernels.int8_parts, q4_parts; the check below)
     linear_weights = {id(m.weight) for m in model.modules() if linear_module(m)}
     params = list(model.parameters())
     if len({p.dtype for p in params}) != 1 or params[0].dtype not in cpu_kernels.DTYPES or any(
             not cpu_kernels._plain(p) for p in params if id(p) not in linear_weights):
-        return "its weights are not all plain (or int8-quantized) float32 or all bfloat16 CPU tensors"
+        return "its weights are not all plain (or quantized as the C linears read) float32 or all bfloat16 CPU tensors"
     config = model.config
     shape0 = None  # layer 0's (heads, KV heads, head size): the C path takes one for every layer
     for i, layer in enumerate(parts[1]):
@@ -262,8 +262,8 @@ class CpuLayers:
                 and not any(d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d for d in self._module_dicts))
 
     def _tensors(self, cache) -> list[torch.Tensor]:
-        """Every tensor the layer structs point into (of an int8 weight, its integers:
-        `cpu_kernels.values_of`), read from the modules and the cache now."""
+        """Every tensor the layer structs point into (of a quantized weight, the tensor that holds its
+        values: `cpu_kernels.values_of`), read from the modules and the cache now."""
         if self._refs is None:  # (a module's parameter dict, name) of every weight of the layers
             self._refs = [(m._parameters, n) for la in self.layers for m in la.modules()
                           for n, p in m._parameters.items() if p is not None]
@@ -279,8 +279,10 @@ class CpuLayers:
         key = [t.data_ptr() for t in tensors] + [cpu_kernels._version(d[n]) for d, n in self._refs]
         if key == self._plan_key:
             return self._structs, self._windows
-        # each tensor of the dtype it had when checked (an int8 weight's integers: int8)
-        want = [torch.int8 if cpu_kernels.weight_kind(d[n]) == cpu_kernels.W_Q8 else self.dtype for d, n in self._refs]
+        # each tensor of the dtype it had when checked (a quantized weight's values: int8 integers, or
+        # uint8 codes of 4 bits)
+        want = [{cpu_kernels.W_Q8: torch.int8, cpu_kernels.W_Q4: torch.uint8}.get(cpu_kernels.weight_kind(d[n]), self.dtype)
+                for d, n in self._refs]
         want += [self.dtype] * (len(tensors) - len(want))  # (the pages)
         if not all(t.dtype == w and t.is_contiguous() for t, w in zip(tensors, want)):
             self.on = False  # a weight swapped for another kind

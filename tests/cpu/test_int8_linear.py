@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_plookup.cpu import kernels as cpu_kernels
+from tests.conftest import at_every_simd_level
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
 
@@ -103,14 +104,7 @@ def test_linear_q8_matches_reference_and_rows_alone(dtype, k, n):
 def test_linear_q8_simd_levels_agree_bitwise(dtype):
     lin = _torchao_linear(200, 45, dtype)
     x = torch.randn(70, 200, generator=torch.Generator().manual_seed(2)).to(dtype)
-    outs = {}
-    top = cpu_kernels.simd_level()
-    try:
-        for level in range(top + 1):
-            cpu_kernels.set_simd_level(level)
-            outs[level] = [cpu_kernels.linear(x[:m], lin.weight, lin.bias) for m in (1, 5, 9, 10, 70)]
-    finally:
-        cpu_kernels.set_simd_level(top)
+    outs = at_every_simd_level(lambda: [cpu_kernels.linear(x[:m], lin.weight, lin.bias) for m in (1, 5, 9, 10, 70)])
     for level, got in outs.items():
         assert all(torch.equal(a, b) for a, b in zip(got, outs[0])), f"level {level} differs from the portable C"
 

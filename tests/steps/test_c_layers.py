@@ -41,7 +41,7 @@ def test_llama_form_names_what_it_does_not_take():
     assert "post_feedforward_layernorm" in llama_form(tiny_model("olmo2"))
     assert llama_form(tiny_model("gpt_neox")).startswith("not a decoder of model.model")
     assert llama_form(tiny_model("llama").to(torch.float16)) == (
-        "its weights are not all plain (or int8-quantized) float32 or all bfloat16 CPU tensors")
+        "its weights are not all plain (or quantized as the C linears read) float32 or all bfloat16 CPU tensors")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

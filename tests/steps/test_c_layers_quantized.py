@@ -1,8 +1,8 @@
-"""steps.c_layers and the invariant linears on int8 weight-only models (torchao's
-`Int8WeightOnlyConfig`, optimum-quanto's qint8, the LM head left as it is, as HF's quantizers leave
-it): decode steps run in C on the int8 weights (cpu.kernels W_Q8) with bitwise the logits of the same
-steps through the modules, and greedy with drafts gives HF's greedy of the quantized model (float32)
-or hf_plookup's own greedy (bfloat16)."""
+"""steps.c_layers and the invariant linears on weight-only quantized models (torchao's
+`Int8WeightOnlyConfig`, optimum-quanto's qint8 and qint4, the LM head left as it is, as HF's
+quantizers leave it): decode steps run in C on the quantized weights (cpu.kernels W_Q8, W_Q4) with
+bitwise the logits of the same steps through the modules, and greedy with drafts gives HF's greedy of the quantized model (float32) or
+hf_plookup's own greedy (bfloat16)."""
 
 from __future__ import annotations
 
@@ -25,14 +25,15 @@ def _torchao(model):
     return model
 
 
-def _quanto(model):
+def _quanto(model, bits: int = 8):
     quanto = pytest.importorskip("optimum.quanto")
-    quanto.quantize(model, weights=quanto.qint8, exclude=["lm_head"])
+    quanto.quantize(model, weights=quanto.qint8 if bits == 8 else quanto.qint4, exclude=["lm_head"])
     quanto.freeze(model)
     return model
 
 
-QUANTIZERS = {"torchao": _torchao, "quanto": _quanto}
+QUANTIZERS = {"torchao": _torchao, "quanto": _quanto, "quanto-int4": lambda m: _quanto(m, 4)}
+KINDS = {"torchao": cpu_kernels.W_Q8, "quanto": cpu_kernels.W_Q8, "quanto-int4": cpu_kernels.W_Q4}
 
 
 def _quantized(arch: str, dtype: torch.dtype, how: str):
@@ -40,10 +41,10 @@ def _quantized(arch: str, dtype: torch.dtype, how: str):
 
 
 @pytest.mark.parametrize("how", list(QUANTIZERS))
-def test_int8_linears_take_the_c_kernel(how):
+def test_quantized_linears_take_the_c_kernel(how):
     model = _quantized("llama", torch.float32, how)
     projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
-    assert projections and all(linear_module(m) and cpu_kernels.weight_kind(m.weight) == cpu_kernels.W_Q8
+    assert projections and all(linear_module(m) and cpu_kernels.weight_kind(m.weight) == KINDS[how]
                                for m in projections)
     assert all(row_strategy(m.weight, m.bias) == "cpu" for m in projections)
     assert llama_form(model) is None
@@ -52,7 +53,7 @@ def test_int8_linears_take_the_c_kernel(how):
 @pytest.mark.parametrize("how", list(QUANTIZERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_c_layers_on_int8_give_the_modules_logits(arch, dtype, how):
+def test_c_layers_on_quantized_weights_give_the_modules_logits(arch, dtype, how):
     hf = _quantized(arch, dtype, how)
     ids, mask = left_pad(repeat_prompts(3))
     fast, plain = wrap_copy(hf, invariant=True), wrap_copy(hf, invariant=True)
@@ -65,7 +66,7 @@ def test_c_layers_on_int8_give_the_modules_logits(arch, dtype, how):
 
 
 @pytest.mark.parametrize("how", list(QUANTIZERS))
-def test_int8_greedy_with_drafts(how):
+def test_quantized_greedy_with_drafts(how):
     """float32: HF's greedy of the same quantized model; bfloat16: lossless against hf_plookup's own
     greedy, batched, with chains and trees."""
     ids, mask = left_pad(repeat_prompts(3))
@@ -79,3 +80,19 @@ def test_int8_greedy_with_drafts(how):
     own = bf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
     for kw in ({"prompt_lookup_num_tokens": 4}, {"prompt_lookup_num_tokens": 4, "prompt_lookup_tree_nodes": 8}):
         assert torch.equal(bf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, **kw), own)
+
+
+def test_quanto_int4_tinygemm_form():
+    """bfloat16 with groups of 128: quanto keeps its weights in the tinygemm form, which runs in
+    inference mode (the plain form does not); decode steps in C, greedy with drafts lossless against
+    the model's own greedy."""
+    model = _quanto(tiny_model("llama", hidden_size=256, intermediate_size=512).to(torch.bfloat16), 4)
+    projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
+    assert all(type(m.weight).__name__ == "TinyGemmWeightQBitsTensor" for m in projections)
+    assert all(cpu_kernels.q4_parts(m.weight).form == "fma" for m in projections)
+    ids, mask = left_pad(repeat_prompts(3))
+    bf = wrap_copy(model)
+    own = bf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    for kw in ({"prompt_lookup_num_tokens": 4}, {"prompt_lookup_num_tokens": 4, "prompt_lookup_tree_nodes": 8}):
+        assert torch.equal(bf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, **kw), own)
+    assert _state(bf).engine.c_layers.on and not _state(bf).engine.plan.no_grad

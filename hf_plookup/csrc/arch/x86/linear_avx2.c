@@ -148,10 +148,160 @@ AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scal
     }
 }
 
+/* W_Q4: values [k0, k0 + kn) of panels p .. p + np - 1 dequantized (q4_value, cpu_kernels.h) into d
+ * [np][kn][8], the layout of fp32 panels kn values long, for the fp32 tiles to read from L1. A pair
+ * of k is one 8-byte load, widened to 8 lanes; a code q becomes the float q - offset exactly by
+ * setting it under the exponent of 2^23 and subtracting 2^23 + offset. */
+#define Q4_KBLOCK 128
+#define PACK_AHEAD_Q4 2048
+AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, int bf16,
+                            float* d) {
+    const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
+    const int64_t G = m->group;
+    const int fma = m->form == Q4_FMA;
+    const __m256i low = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);
+    const __m256 base = _mm256_set1_ps(8388608.0f + m->offset);
+    for (int j = 0; j < np; j++) {
+        const uint8_t* src = (const uint8_t*)wp + (p + j) * (K / 2) * 8;
+        float* dj = d + j * kn * 8 - k0 * 8;
+        for (int64_t k = k0; k < k0 + kn;) {
+            int64_t end = (k / G + 1) * G < k0 + kn ? (k / G + 1) * G : k0 + kn;
+            const float* sz = q4_scales(wp, P, K, p + j, k / G);
+            __m256 sc = _mm256_loadu_ps(sz), sh = _mm256_loadu_ps(sz + 8);
+            for (; k < end; k += 2) {
+                if (!(k & 15)) _mm_prefetch((const char*)(src + k * 4) + PACK_AHEAD_Q4, _MM_HINT_T1);
+                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(src + k * 4)));
+                __m256 f[2] = {_mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(b, low), magic)), base),
+                               _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(b, 4), magic)), base)};
+                for (int h = 0; h < 2; h++) {
+                    __m256 w;
+                    if (fma) {
+                        w = _mm256_fmadd_ps(f[h], sc, sh);
+                    } else {
+                        w = _mm256_mul_ps(f[h], sc);
+                        if (bf16) w = widen8(bf16x8(w));
+                        w = _mm256_sub_ps(w, sh);
+                        if (bf16) w = widen8(bf16x8(w));
+                    }
+                    _mm256_storeu_ps(dj + (k + h) * 8, w);
+                }
+            }
+        }
+    }
+}
+
+/* a W_Q4 tile of up to 9 rows (no K blocks): the panels' codes dequantized in registers, pair by
+ * pair, each value then one FMA per row into the same chains as the fp32 tile's; DEQ says the
+ * form (the same arithmetic as q4_dequant's) */
+#define Q4_CODES(P, B, LOW, MAGIC, BASE, F0, F1)                                                        \
+    __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(P)));                            \
+    __m256 F0 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(B, LOW), MAGIC)), BASE); \
+    __m256 F1 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(B, 4), MAGIC)), BASE)
+#define DEQ_FMA(F, S, Z) _mm256_fmadd_ps(F, S, Z)
+#define DEQ_MUL_SUB(F, S, Z) _mm256_sub_ps(_mm256_mul_ps(F, S), Z)
+#define DEQ_MUL_SUB_BF16(F, S, Z) widen8(bf16x8(_mm256_sub_ps(widen8(bf16x8(_mm256_mul_ps(F, S))), Z)))
+#define PTILE_Q4(NAME, DEQ, MB, NP)                                                                     \
+    AVX2 static void NAME##_##MB##x##NP(const float* xt, int64_t ldx, const uint8_t* wp, int64_t K, const float* sz, \
+                                        int64_t szld, int64_t G, const __m256 base, float* o) {         \
+        const __m256i low = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);               \
+        __m256 acc[MB][NP];                                                                             \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_setzero_ps(); \
+        for (int64_t g0 = 0; g0 < K; g0 += G) {                                                         \
+            __m256 sc[NP], sh[NP];                                                                      \
+            UNROLL for (int j = 0; j < NP; j++) {                                                       \
+                sc[j] = _mm256_loadu_ps(sz + j * szld + g0 / G * 16);                                   \
+                sh[j] = _mm256_loadu_ps(sz + j * szld + g0 / G * 16 + 8);                               \
+            }                                                                                           \
+            for (int64_t k = g0; k < g0 + G; k += 2) {                                                  \
+                __m256 w0[NP], w1[NP];                                                                  \
+                UNROLL for (int j = 0; j < NP; j++) {                                                   \
+                    const uint8_t* p = wp + (j * K + k) * 4;                                            \
+                    if (!(k & 15)) _mm_prefetch((const char*)p + PACK_AHEAD_Q4, _MM_HINT_T1);           \
+                    Q4_CODES(p, b, low, magic, base, f0, f1);                                           \
+                    w0[j] = DEQ(f0, sc[j], sh[j]);                                                      \
+                    w1[j] = DEQ(f1, sc[j], sh[j]);                                                      \
+                }                                                                                       \
+                UNROLL for (int i = 0; i < MB; i++) {                                                   \
+                    __m256 xb = _mm256_broadcast_ss(xt + k * ldx + i);                                  \
+                    UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(w0[j], xb, acc[i][j]); \
+                }                                                                                       \
+                UNROLL for (int i = 0; i < MB; i++) {                                                   \
+                    __m256 xb = _mm256_broadcast_ss(xt + (k + 1) * ldx + i);                            \
+                    UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_fmadd_ps(w1[j], xb, acc[i][j]); \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) _mm256_storeu_ps(o + (i * NP + j) * 8, acc[i][j]); \
+    }
+typedef void (*q4tile_fn)(const float* xt, int64_t ldx, const uint8_t* wp, int64_t K, const float* sz, int64_t szld,
+                          int64_t G, const __m256 base, float* o);
+#define Q4_TILES(NAME, DEQ)                                                                             \
+    PTILE_Q4(NAME, DEQ, 1, 1) PTILE_Q4(NAME, DEQ, 2, 1) PTILE_Q4(NAME, DEQ, 3, 1) PTILE_Q4(NAME, DEQ, 4, 1) \
+    PTILE_Q4(NAME, DEQ, 5, 1) PTILE_Q4(NAME, DEQ, 6, 1) PTILE_Q4(NAME, DEQ, 7, 1) PTILE_Q4(NAME, DEQ, 8, 1) \
+    PTILE_Q4(NAME, DEQ, 9, 1) PTILE_Q4(NAME, DEQ, 1, 4) PTILE_Q4(NAME, DEQ, 2, 4) PTILE_Q4(NAME, DEQ, 3, 3) \
+    PTILE_Q4(NAME, DEQ, 4, 3) PTILE_Q4(NAME, DEQ, 5, 2) PTILE_Q4(NAME, DEQ, 6, 2)                         \
+    static const q4tile_fn NAME##_wide[] = {0, NAME##_1x4, NAME##_2x4, NAME##_3x3, NAME##_4x3, NAME##_5x2, \
+                                            NAME##_6x2, NAME##_7x1, NAME##_8x1, NAME##_9x1};             \
+    static const q4tile_fn NAME##_one[] = {0, NAME##_1x1, NAME##_2x1, NAME##_3x1, NAME##_4x1, NAME##_5x1, \
+                                           NAME##_6x1, NAME##_7x1, NAME##_8x1, NAME##_9x1};
+Q4_TILES(pq4fma, DEQ_FMA)
+Q4_TILES(pq4ms, DEQ_MUL_SUB)
+Q4_TILES(pq4msb, DEQ_MUL_SUB_BF16)
+
+/* linear_range_avx2 for a W_Q4 weight: up to 9 rows by the W_Q4 tiles; more by the fp32 tiles over
+ * its values dequantized Q4_KBLOCK values of k at a time (once for every row block), each tile's
+ * chains going on from its stored sums (init). Either way every output is the W_FLOAT chain over
+ * the dequantized weight. */
+AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int64_t K, const void* bias, int64_t p_lo,
+                                 int64_t p_hi, void* out, int64_t N, int64_t bf16) {
+    int64_t P = (N + 7) / 8;
+    if (M <= 9) {
+        const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
+        const q4tile_fn *wide = m->form == Q4_FMA ? pq4fma_wide : bf16 ? pq4msb_wide : pq4ms_wide,
+                        *one = m->form == Q4_FMA ? pq4fma_one : bf16 ? pq4msb_one : pq4ms_one;
+        const __m256 base = _mm256_set1_ps(8388608.0f + m->offset);
+        float o[9 * 32];
+        int np = pf32_np[M];
+        for (int64_t p = p_lo; p < p_hi;) {
+            int n = p + np <= p_hi ? np : 1;
+            (n == np ? wide : one)[M](xt, M, (const uint8_t*)wp + p * K * 4, K, q4_scales(wp, P, K, p, 0),
+                                      K / m->group * 16, m->group, base, o);
+            packed_store(o, (int)M, n, 0, p, bias, out, N, (int)bf16);
+            p += n;
+        }
+        return;
+    }
+    float d[MANY_PANELS * Q4_KBLOCK * 8];
+    int64_t B = x_block(M, bf16), blocks = (M + B - 1) / B;
+    float acc[MANY_BLOCK_ROWS * MANY_PANELS * 8];
+    for (int64_t p = p_lo; p < p_hi;) {
+        int n = !bf16 && p + MANY_PANELS <= p_hi ? MANY_PANELS : 1;
+        for (int64_t b0 = 0; b0 < blocks; b0 += MANY_BLOCK_ROWS / B) {
+            int64_t b1 = b0 + MANY_BLOCK_ROWS / B < blocks ? b0 + MANY_BLOCK_ROWS / B : blocks;
+            for (int64_t k0 = 0; k0 < K; k0 += Q4_KBLOCK) {
+                int64_t kn = K - k0 < Q4_KBLOCK ? K - k0 : Q4_KBLOCK;
+                q4_dequant(wp, P, K, p, n, k0, kn, (int)bf16, d);
+                for (int64_t b = b0; b < b1; b++) {
+                    int64_t mb, at = x_at(M, B, K, b * B, &mb), m0 = b * B;
+                    (n == MANY_PANELS ? pf32_many : pf32_one)[mb](xt + at + k0 * mb, mb, d, kn, kn,
+                                                                  acc + (m0 - b0 * B) * n * 8, k0 > 0);
+                }
+            }
+            int64_t r1 = b1 * B < M ? b1 * B : M;
+            packed_store(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)bf16);
+        }
+        p += n;
+    }
+}
+
 /* the tiles' part of linear_range_c (linear.c): up to 9 rows in one pass over the panels, more in
  * blocks of rows (MANY_ROWS, cpu_kernels.h) */
 void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                        int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16) {
+    if (wkind == W_Q4) {
+        linear_range_q4(xt, M, wp, K2, bias, p_lo, p_hi, out, N, bf16);
+        return;
+    }
     int q8 = wkind == W_Q8;
     const ptile_fn *wide = q8 ? pq8_wide : bf16 ? pbf16_wide : pf32_wide, *one = q8 ? pq8_one : bf16 ? pbf16_one : pf32_one;
     int64_t panel = K2 * 8 * (q8 ? 1 : bf16 ? 2 : 4); /* bytes */
