@@ -170,6 +170,8 @@ def _plain(t: torch.Tensor) -> bool:
 # int8 values with one scale per output column (`int8_parts`), or 4-bit codes with a scale and a
 # shift per column and group of values (`q4_parts`)
 W_FLOAT, W_Q8, W_Q4 = 0, 1, 2
+# the dtype of the tensor that holds a quantized kind's values (`values_of`)
+VALUES_DTYPES = {W_Q8: torch.int8, W_Q4: torch.uint8}
 # how a W_Q4 code q becomes its weight, f being q - offset (cpu_kernels.h, q4_value): "mul_sub",
 # round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32
 Q4_FORMS = {"mul_sub": 0, "fma": 1}
@@ -496,8 +498,8 @@ def _version(t: torch.Tensor) -> int | None:
 
 def values_of(weight: torch.Tensor) -> torch.Tensor:
     """The plain tensor that holds `weight`'s values: an int8 weight's integers (`int8_parts`), a
-    4-bit weight's packed codes (`q4_parts`), a PackedWeight's panels, else the weight itself. Its address and version counter say whether the
-    values moved or changed."""
+    4-bit weight's packed codes (`q4_parts`), a PackedWeight's panels, else the weight itself. Its
+    address and version counter say whether the values moved or changed."""
     parts = int8_parts(weight)
     if parts is not None:
         return parts[0]
@@ -532,8 +534,7 @@ def _pack_any(weight: torch.Tensor) -> torch.Tensor:
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
     """`pack(weight)` (for an int8 weight, `pack_q8` of its `int8_parts`; for a 4-bit one, `pack_q4`
-    of its `q4_parts`), made once and kept while
-    `weight` lives, its values at the same address and with the same version counter (an in-place
+    of its `q4_parts`), made once and kept while `weight` lives, its values at the same address and with the same version counter (an in-place
     change, such as `load_state_dict` or merging an adapter, bumps it; a new `.data` moves it): then
     packed again."""
     got = _own_packing(weight)

@@ -272,17 +272,15 @@ class CpuLayers:
     def _plan(self, cache) -> tuple[list[_Layer], list[int | None]] | None:
         """The layers as C structs, rebuilt whenever a weight or a page tensor has moved (a
         parameter replaced or its `.data` swapped since the last step); None (and the C path off
-        from then on) where a weight is no longer a contiguous tensor of the model's dtype (an int8
-        weight's integers: int8) or a linear's weight one the C linears do not read."""
+        from then on) where a weight is no longer a contiguous tensor of the model's dtype (a quantized
+        weight's values: of `cpu_kernels.VALUES_DTYPES`) or a linear's weight one the C linears do not read."""
         tensors = self._tensors(cache)
         # addresses, and the weights' version counters: an in-place change repacks a weight (cpu_kernels.packed)
         key = [t.data_ptr() for t in tensors] + [cpu_kernels._version(d[n]) for d, n in self._refs]
         if key == self._plan_key:
             return self._structs, self._windows
-        # each tensor of the dtype it had when checked (a quantized weight's values: int8 integers, or
-        # uint8 codes of 4 bits)
-        want = [{cpu_kernels.W_Q8: torch.int8, cpu_kernels.W_Q4: torch.uint8}.get(cpu_kernels.weight_kind(d[n]), self.dtype)
-                for d, n in self._refs]
+        # each tensor of the dtype it had when checked (a quantized weight's values: their own dtype)
+        want = [cpu_kernels.VALUES_DTYPES.get(cpu_kernels.weight_kind(d[n]), self.dtype) for d, n in self._refs]
         want += [self.dtype] * (len(tensors) - len(want))  # (the pages)
         if not all(t.dtype == w and t.is_contiguous() for t, w in zip(tensors, want)):
             self.on = False  # a weight swapped for another kind

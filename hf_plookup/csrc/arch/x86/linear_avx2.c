@@ -154,6 +154,16 @@ AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scal
  * setting it under the exponent of 2^23 and subtracting 2^23 + offset. */
 #define Q4_KBLOCK 128
 #define PACK_AHEAD_Q4 2048
+/* a pair of k of 8 columns: the codes at k and k + 1 as floats F0, F1 (q - offset: BASE is 2^23 + offset),
+ * from the 8 bytes at P */
+#define Q4_CODES(P, B, LOW, MAGIC, BASE, F0, F1)                                                        \
+    __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(P)));                            \
+    __m256 F0 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(B, LOW), MAGIC)), BASE); \
+    __m256 F1 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(B, 4), MAGIC)), BASE)
+/* each form's dequantization of F with scales S and shifts Z (q4_value) */
+#define DEQ_FMA(F, S, Z) _mm256_fmadd_ps(F, S, Z)
+#define DEQ_MUL_SUB(F, S, Z) _mm256_sub_ps(_mm256_mul_ps(F, S), Z)
+#define DEQ_MUL_SUB_BF16(F, S, Z) widen8(bf16x8(_mm256_sub_ps(widen8(bf16x8(_mm256_mul_ps(F, S))), Z)))
 AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, int bf16,
                             float* d) {
     const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
@@ -170,21 +180,11 @@ AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int
             __m256 sc = _mm256_loadu_ps(sz), sh = _mm256_loadu_ps(sz + 8);
             for (; k < end; k += 2) {
                 if (!(k & 15)) _mm_prefetch((const char*)(src + k * 4) + PACK_AHEAD_Q4, _MM_HINT_T1);
-                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(src + k * 4)));
-                __m256 f[2] = {_mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(b, low), magic)), base),
-                               _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(b, 4), magic)), base)};
-                for (int h = 0; h < 2; h++) {
-                    __m256 w;
-                    if (fma) {
-                        w = _mm256_fmadd_ps(f[h], sc, sh);
-                    } else {
-                        w = _mm256_mul_ps(f[h], sc);
-                        if (bf16) w = widen8(bf16x8(w));
-                        w = _mm256_sub_ps(w, sh);
-                        if (bf16) w = widen8(bf16x8(w));
-                    }
-                    _mm256_storeu_ps(dj + (k + h) * 8, w);
-                }
+                Q4_CODES(src + k * 4, b, low, magic, base, f0, f1);
+                __m256 f[2] = {f0, f1};
+                for (int h = 0; h < 2; h++)
+                    _mm256_storeu_ps(dj + (k + h) * 8, fma ? DEQ_FMA(f[h], sc, sh)
+                                                     : bf16 ? DEQ_MUL_SUB_BF16(f[h], sc, sh) : DEQ_MUL_SUB(f[h], sc, sh));
             }
         }
     }
@@ -193,13 +193,6 @@ AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int
 /* a W_Q4 tile of up to 9 rows (no K blocks): the panels' codes dequantized in registers, pair by
  * pair, each value then one FMA per row into the same chains as the fp32 tile's; DEQ says the
  * form (the same arithmetic as q4_dequant's) */
-#define Q4_CODES(P, B, LOW, MAGIC, BASE, F0, F1)                                                        \
-    __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(P)));                            \
-    __m256 F0 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(B, LOW), MAGIC)), BASE); \
-    __m256 F1 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(B, 4), MAGIC)), BASE)
-#define DEQ_FMA(F, S, Z) _mm256_fmadd_ps(F, S, Z)
-#define DEQ_MUL_SUB(F, S, Z) _mm256_sub_ps(_mm256_mul_ps(F, S), Z)
-#define DEQ_MUL_SUB_BF16(F, S, Z) widen8(bf16x8(_mm256_sub_ps(widen8(bf16x8(_mm256_mul_ps(F, S))), Z)))
 #define PTILE_Q4(NAME, DEQ, MB, NP)                                                                     \
     AVX2 static void NAME##_##MB##x##NP(const float* xt, int64_t ldx, const uint8_t* wp, int64_t K, const float* sz, \
                                         int64_t szld, int64_t G, const __m256 base, float* o) {         \
@@ -249,7 +242,7 @@ Q4_TILES(pq4ms, DEQ_MUL_SUB)
 Q4_TILES(pq4msb, DEQ_MUL_SUB_BF16)
 
 /* linear_range_avx2 for a W_Q4 weight: up to 9 rows by the W_Q4 tiles; more by the fp32 tiles over
- * its values dequantized Q4_KBLOCK values of k at a time (once for every row block), each tile's
+ * its values dequantized Q4_KBLOCK values of k at a time (once for every MANY_BLOCK_ROWS rows), each tile's
  * chains going on from its stored sums (init). Either way every output is the W_FLOAT chain over
  * the dequantized weight. */
 AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int64_t K, const void* bias, int64_t p_lo,
