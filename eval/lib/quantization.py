@@ -213,14 +213,20 @@ def copy_model(model: torch.nn.Module, reload: Callable[[], torch.nn.Module]) ->
 def _bytes(t: torch.Tensor) -> int:
     """Bytes a tensor holds: a tensor subclass (torchao's, optimum-quanto's quantized weights) by
     its inner tensors, whose numel and element size are what is stored; a plain one (bitsandbytes
-    keeps its packed bytes in plain uint8/int8 parameters) as it is.
+    keeps its packed bytes in plain uint8/int8 parameters) as it is, plus, for bitsandbytes' 4-bit
+    weights, the absmax their quant state holds.
 
     Example: torchao's int8 weight of a 64 x 64 fp32 linear reports 4,096 elements of 4 bytes,
     but stores 4,096 int8 values and 64 fp32 scales (and zero points): 4,096 + 256 + ... bytes."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         return sum(_bytes(getattr(t, n)) for n in names if isinstance(getattr(t, n), torch.Tensor))
-    return t.numel() * t.element_size()
+    state = getattr(t, "quant_state", None)  # bitsandbytes 4-bit: its absmax (and their own) beside the codes
+    extra = 0
+    for s in (state, getattr(state, "state2", None)) if state is not None else ():
+        absmax = getattr(s, "absmax", None)
+        extra += absmax.numel() * absmax.element_size() if isinstance(absmax, torch.Tensor) else 0
+    return t.numel() * t.element_size() + extra
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

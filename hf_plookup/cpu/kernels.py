@@ -173,8 +173,10 @@ W_FLOAT, W_Q8, W_Q4 = 0, 1, 2
 # the dtype of the tensor that holds a quantized kind's values (`values_of`)
 VALUES_DTYPES = {W_Q8: torch.int8, W_Q4: torch.uint8}
 # how a W_Q4 code q becomes its weight, f being q - offset (cpu_kernels.h, q4_value): "mul_sub",
-# round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32
-Q4_FORMS = {"mul_sub": 0, "fma": 1}
+# round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32; "lut",
+# round(codebook[q] * scale) from float32
+Q4_FORMS = {"mul_sub": 0, "fma": 1, "lut": 2}
+Q4_META_BYTES = 128  # a W_Q4 weight's header (cpu_kernels.h, q4_meta)
 
 
 # id(weight) -> (a weak reference to it, its int8_parts): a quantized tensor's attributes cost
@@ -249,15 +251,18 @@ class Q4Parts:
     form: str
     offset: float
     source: torch.Tensor
+    lut: torch.Tensor | None = None  # the "lut" form's codebook, 16 float32 values
 
 
-_Q4_TYPES = {"WeightQBitsTensor": "optimum.quanto", "TinyGemmWeightQBitsTensor": "optimum.quanto"}
+_Q4_TYPES = {"WeightQBitsTensor": "optimum.quanto", "TinyGemmWeightQBitsTensor": "optimum.quanto",
+             "Bnb4bitWeight": "hf_plookup"}
 _Q4_PARTS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, its q4_parts), as _INT8_PARTS
 
 
 def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
-    """The `Q4Parts` of a CPU weight quantized to 4 bits by optimum-quanto (qint4 on axis 0, frozen),
-    else None. quanto holds such a weight in one of two forms:
+    """The `Q4Parts` of a CPU weight quantized to 4 bits by optimum-quanto (qint4 on axis 0, frozen) or
+    by bitsandbytes (nf4 or fp4, seen as `invariant.bnb4bit.Bnb4bitWeight`), else None. quanto holds
+    such a weight in one of two forms:
 
     - `WeightQBitsTensor` (float32 models, and bfloat16 ones whose groups are not 128 values): its
       dequantization is `scale * code - shift`, each op in the weight's dtype ("mul_sub", offset 0);
@@ -265,6 +270,9 @@ def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
     - `TinyGemmWeightQBitsTensor` (bfloat16, groups of 128): torch's int4pack kernels compute
       `(code - 8) * scale + zero` in float32 ("fma", offset 8), scale and zero being the two halves
       of its `_scale_shift`.
+
+    bitsandbytes' value is `codebook[code] * absmax` in float32, rounded to the compute dtype ("lut":
+    the scales are the blocks' absmax, the shifts zeros, the group the block).
 
     Example: a [64, 256] float32 linear quantized by `quantize(m, weights=qint4); freeze(m)` gives
     codes [64, 256], scales and shifts [64, 2] (groups of 128), "mul_sub", offset 0.0. K and the group
@@ -276,6 +284,12 @@ def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
 def _read_q4_parts(weight: torch.Tensor) -> Q4Parts | None:
     if weight.device.type != "cpu" or weight.dtype not in DTYPES or weight.dim() != 2:
         return None
+    if type(weight).__name__ == "Bnb4bitWeight":  # bitsandbytes' nf4/fp4 (invariant.bnb4bit)
+        fields = weight.q4_fields()
+        if fields is None:
+            return None
+        codes, absmax, group, lut, source = fields
+        return Q4Parts(codes, absmax, torch.zeros_like(absmax), group, "lut", 0.0, source, lut)
     if getattr(weight.qtype, "name", None) != "qint4" or weight.axis != 0:
         return None
     n, k = weight.shape
@@ -367,33 +381,40 @@ def pack_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, group: int, form: str, offset: float,
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, lut: torch.Tensor | None = None) -> torch.Tensor:
     """4-bit `codes` [N, K] (uint8, 0..15) with `scales` and `shifts` [N, K / group] in the W_Q4 layout
     `linear` reads for calls in `dtype` (bytes): panels of 8 output columns [P, K / 2, 8], byte c of
     pair j holding column c's code at k = 2j in its low nibble and at 2j + 1 in its high one (zeros
-    past N); from the next 64-byte boundary a 64-byte header (int32 group, int32 form of `Q4_FORMS`,
-    float32 offset, zeros); then [P, K / group, 2, 8] float32: each panel's 8 scales of a group, then
-    its 8 shifts (each rounded to `dtype` first; zeros past N).
+    past N); from the next 64-byte boundary a 128-byte header (int32 group, int32 form of `Q4_FORMS`,
+    float32 offset, zeros to byte 64, then the 16 float32 values of `lut`, the "lut" form's codebook);
+    then [P, K / group, 2, 8] float32: each panel's 8 scales of a group, then its 8 shifts (zeros past
+    N). The affine forms' scales and shifts are rounded to `dtype` first (they are the library's
+    values in the weight's dtype); the "lut" form's scales are bitsandbytes' float32 absmax, kept so.
 
     Example: codes [[1, 2], [3, 4]], group 2, scales [[0.5], [2]], shifts [[0], [1]] give the panel
-    bytes [0x21, 0x43, 0, 0, 0, 0, 0, 0], then from byte 64 the header [2, form, offset], then from
-    byte 128 the floats [0.5, 2, 0, ..., 0, 0, 1, 0, ..., 0]."""
+    bytes [0x21, 0x43, 0, 0, 0, 0, 0, 0], then from byte 64 the header [2, form, offset, 0, ...], then
+    from byte 192 the floats [0.5, 2, 0, ..., 0, 0, 1, 0, ..., 0]."""
     n, k = codes.shape
     if k % 2 or group % 2 or k % group or scales.shape != (n, k // group) or shifts.shape != scales.shape:
         raise ValueError(f"pack_q4: codes {tuple(codes.shape)}, group {group}, scales {tuple(scales.shape)}, "
                          f"shifts {tuple(shifts.shape)} do not make a W_Q4 weight (K and the group even, the group dividing K)")
+    if (form == "lut") != (lut is not None) or (lut is not None and lut.numel() != 16):
+        raise ValueError(f"pack_q4: the form {form!r} takes a codebook of 16 values exactly when it is 'lut'")
     p, groups = -(-n // 8), k // group
     at = (p * k * 4 + 63) // 64 * 64
-    out = torch.zeros(at + 64 + p * groups * 16 * 4, dtype=torch.uint8)
+    out = torch.zeros(at + Q4_META_BYTES + p * groups * 16 * 4, dtype=torch.uint8)
     with torch.no_grad():
         c = F.pad(codes.to(torch.uint8), (0, 0, 0, 8 * p - n)).view(p, 8, k // 2, 2)
         out[: p * k * 4].view(p, k // 2, 8).copy_((c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1))
-        head = out[at : at + 64].view(torch.int32)
+        head = out[at : at + Q4_META_BYTES].view(torch.int32)
         head[0], head[1] = group, Q4_FORMS[form]
         head[2:3].view(torch.float32)[0] = offset
-        sz = torch.stack([scales, shifts], 1).to(dtype).float()  # [N, 2, groups]
+        if lut is not None:
+            head[16:].view(torch.float32).copy_(lut.reshape(16).float())
+        sz = torch.stack([scales, shifts], 1)  # [N, 2, groups]
+        sz = (sz.float() if form == "lut" else sz.to(dtype).float())
         sz = F.pad(sz, (0, 0, 0, 0, 0, 8 * p - n)).view(p, 8, 2, groups).permute(0, 3, 2, 1)
-        out[at + 64 :].view(torch.float32).view(p, groups, 2, 8).copy_(sz)
+        out[at + Q4_META_BYTES :].view(torch.float32).view(p, groups, 2, 8).copy_(sz)
     return out
 
 
@@ -528,7 +549,7 @@ def _pack_any(weight: torch.Tensor) -> torch.Tensor:
         return pack_q8(*parts, weight.dtype)
     q4 = q4_parts(weight)
     if q4 is not None:
-        return pack_q4(q4.codes(), q4.scales, q4.shifts, q4.group, q4.form, q4.offset, weight.dtype)
+        return pack_q4(q4.codes(), q4.scales, q4.shifts, q4.group, q4.form, q4.offset, weight.dtype, q4.lut)
     return pack(weight)
 
 

@@ -119,29 +119,33 @@ static inline int64_t now_ns(void) {
  * plus the bias).
  *
  * W_Q4: 4-bit codes q (0..15) with a scale s and a shift z per output column and group of G values
- * of k (optimum-quanto's qint4, in its plain and its tinygemm form). K and G even, G dividing K (K2 =
- * K). Panels [P][K / 2][8] bytes: byte c of pair j holds column c's code at k = 2j in its low nibble
- * and at 2j + 1 in its high one. From byte q4_meta_at(P, K) a 64-byte q4_meta, then [P][K / G][2][8]
- * fp32: the panel's 8 scales of group g, then its 8 shifts (the model's values rounded to the
- * call's dtype, widened exactly; zeros past N). Each weight is dequantized to the value its
- * quantizer defines (q4_value), and the output is the W_FLOAT arithmetic over those values: a W_Q4
- * linear is bitwise a W_FLOAT linear of its dequantized weight. */
+ * of k (optimum-quanto's qint4, in its plain and its tinygemm form; bitsandbytes' nf4 and fp4, whose
+ * scale is the block's absmax and whose code picks a value of a 16-entry codebook). K and G even, G
+ * dividing K (K2 = K). Panels [P][K / 2][8] bytes: byte c of pair j holds column c's code at k = 2j
+ * in its low nibble and at 2j + 1 in its high one. From byte q4_meta_at(P, K) a 128-byte q4_meta,
+ * then [P][K / G][2][8] fp32: the panel's 8 scales of group g, then its 8 shifts (zeros past N).
+ * Each weight is dequantized to the value its quantizer defines (q4_value), and the output is the
+ * W_FLOAT arithmetic over those values: a W_Q4 linear is bitwise a W_FLOAT linear of its
+ * dequantized weight. */
 enum { W_FLOAT = 0, W_Q8 = 1, W_Q4 = 2 };
 
 /* where a W_Q8 weight's scales start, in bytes from its first panel (a cache line after the panels) */
 static inline int64_t q8_scales_at(int64_t P, int64_t K2) { return (P * K2 * 8 + 63) / 64 * 64; }
 
-/* A W_Q4 weight's dequantization, with f = q - offset (exact):
+/* A W_Q4 weight's dequantization, with f = q - offset (exact) and rnd the call's dtype (cpu_kernels.h, rnd):
  *   Q4_MUL_SUB: rnd(rnd(f * s) - z)  (quanto's plain form: scale * data, then minus the shift, each
  *               rounded to the dtype; offset 0)
  *   Q4_FMA:     fma(f, s, z)         (tinygemm's form: (q - 8) * scale + zero in fp32, rounded once,
- *               whatever the dtype; offset 8) */
-enum { Q4_MUL_SUB = 0, Q4_FMA = 1 };
+ *               whatever the dtype; offset 8)
+ *   Q4_LUT:     rnd(lut[q] * s)      (bitsandbytes' 4-bit: the codebook's value times the block's
+ *               fp32 absmax, in fp32, rounded to the dtype; the shifts unused) */
+enum { Q4_MUL_SUB = 0, Q4_FMA = 1, Q4_LUT = 2 };
 typedef struct {
     int32_t group; /* G */
     int32_t form;
     float offset;
     int32_t pad[13];
+    float lut[16]; /* Q4_LUT's codebook, code q's value at q */
 } q4_meta;
 
 static inline int64_t q4_meta_at(int64_t P, int64_t K) { return (P * K * 4 + 63) / 64 * 64; }
@@ -152,9 +156,10 @@ static inline const float* q4_scales(const void* wp, int64_t P, int64_t K, int64
     return (const float*)(m + 1) + (p * (K / m->group) + g) * 16;
 }
 
-static inline float q4_value(int q, float s, float z, int form, float offset, int bf16) {
-    float f = (float)q - offset;
-    if (form == Q4_FMA) return fmaf(f, s, z);
+static inline float q4_value(int q, float s, float z, const q4_meta* m, int bf16) {
+    if (m->form == Q4_LUT) return rnd(m->lut[q] * s, bf16);
+    float f = (float)q - m->offset;
+    if (m->form == Q4_FMA) return fmaf(f, s, z);
     return rnd(rnd(f * s, bf16) - z, bf16);
 }
 

@@ -28,7 +28,7 @@ static inline float packed_w(const void* wp, int64_t wkind, int64_t K2, int64_t 
         const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K2));
         const float* sz = q4_scales(wp, P, K2, n / 8, k / m->group);
         uint8_t byte = ((const uint8_t*)wp)[((n / 8) * (K2 / 2) + k / 2) * 8 + n % 8];
-        return q4_value(k & 1 ? byte >> 4 : byte & 15, sz[n % 8], sz[8 + n % 8], m->form, m->offset, bf16);
+        return q4_value(k & 1 ? byte >> 4 : byte & 15, sz[n % 8], sz[8 + n % 8], m, bf16);
     }
     if (!bf16) return ((const float*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
     return bf16_to_f32(((const uint16_t*)wp)[((n / 8) * K2 + (k & ~(int64_t)1)) * 8 + (n % 8) * 2 + (k & 1)]);

@@ -50,6 +50,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from . import bnb4bit
 from .attention import build_layout, current_layout, invariant_layout
 from ..cpu import kernels as cpu_kernels
 from . import row_linear
@@ -75,18 +76,26 @@ CAPTURED_INVARIANT_BACKENDS = ("triton",)
 
 
 def linear_module(module: torch.nn.Module) -> bool:
-    """Whether `module`'s forward is `F.linear(x, module.weight, module.bias)` and nothing more, with
-    no forward set on the instance: a plain `nn.Linear` (its weight may be a quantized tensor subclass,
-    as torchao's are), or optimum-quanto's `QLinear` whose weights are frozen (quantized once) and
-    whose activations are not quantized (its forward is then `F.linear` with its quantized weight;
-    unfrozen, it quantizes the weight again on every call)."""
+    """Whether `module`'s forward is `F.linear(x, w, module.bias)` with w = `linear_weight(module)`
+    and nothing more (but casts to w's dtype and back), with no forward set on the instance: a plain
+    `nn.Linear` (its weight may be a quantized tensor subclass, as torchao's are); optimum-quanto's
+    `QLinear` whose weights are frozen (quantized once) and whose activations are not quantized (its
+    forward is then `F.linear` with its quantized weight; unfrozen, it quantizes the weight again on
+    every call); bitsandbytes' 4-bit `Linear4bit` (invariant.bnb4bit)."""
     if "forward" in vars(module):
         return False
     if type(module) is torch.nn.Linear:
         return True
     cls = type(module)
-    return (cls.__name__ == "QLinear" and cls.__module__.startswith("optimum.quanto")
-            and getattr(module, "activation_qtype", True) is None and getattr(module, "frozen", False))
+    if cls.__name__ == "QLinear" and cls.__module__.startswith("optimum.quanto"):
+        return getattr(module, "activation_qtype", True) is None and getattr(module, "frozen", False)
+    return bnb4bit.is_linear4bit(module)
+
+
+def linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The [N, K] weight of a `linear_module`'s `F.linear`: its `weight`, or for a bitsandbytes 4-bit
+    module the `Bnb4bitWeight` that stands for it (its compute dtype may differ from the input's)."""
+    return bnb4bit.linear_weight(module) if bnb4bit.is_linear4bit(module) else module.weight
 
 
 def check_capturable(backend: str) -> None:
@@ -335,12 +344,19 @@ class InvariantLinears:
         # decode steps whose linears all run the C kernels (whose bits do not depend on threads)
         # run torch's own ops on one thread (cpu_kernels.serial_torch)
         self.serial_decode = bool(self.modules) and all(
-            cpu_kernels.supported(m.weight) for m in self.modules if linear_module(m))
+            cpu_kernels.supported(linear_weight(m)) for m in self.modules if linear_module(m))
         # the norms' forms, for the decode steps that run a Llama-form model's layers in C (steps.c_layers)
         self.forms = forms
 
     @staticmethod
     def _bind(module):
+        if bnb4bit.is_linear4bit(module):  # computing in its compute dtype, as its own forward does
+            def cast(x):
+                w, b = bnb4bit.linear_weight(module), module.bias
+                y = _invariant_linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype))
+                return y.to(x.dtype)
+
+            return cast
         if type(module.weight) is not torch.nn.Parameter:  # a tensor subclass (a sharded DTensor): no op for it
             return lambda x: _invariant_linear(x, module.weight, module.bias)
 

@@ -39,7 +39,8 @@ import torch
 from torch.nn.modules import module as _hooks
 
 from ..invariant.attention import build_layout
-from ..invariant.linears import linear_module
+from ..invariant import bnb4bit
+from ..invariant.linears import linear_module, linear_weight
 from ..attention.registry import record_attention
 from ..cpu import kernels as cpu_kernels
 from ..cpu.kernels import rms_eps, rms_form
@@ -157,9 +158,11 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
         return "its embedding is not an nn.Embedding, or it has no layers"
     # every parameter of one dtype, plain, but the linears' weights, which may also be quantized weights
     # the C linears read (cpu_kernels.int8_parts, q4_parts; the check below)
-    linear_weights = {id(m.weight) for m in model.modules() if linear_module(m)}
+    # (a linear's weight counts with the dtype its F.linear computes in: bitsandbytes' 4-bit one, its compute dtype)
+    linear_weights = {id(m.weight): linear_weight(m) for m in model.modules() if linear_module(m)}
     params = list(model.parameters())
-    if len({p.dtype for p in params}) != 1 or params[0].dtype not in cpu_kernels.DTYPES or any(
+    dtypes = {linear_weights.get(id(p), p).dtype for p in params}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in cpu_kernels.DTYPES or any(
             not cpu_kernels._plain(p) for p in params if id(p) not in linear_weights):
         return "its weights are not all plain (or quantized as the C linears read) float32 or all bfloat16 CPU tensors"
     config = model.config
@@ -199,9 +202,20 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
             return f"layer {i} has a norm cpu_kernels.rms_norm does not reproduce"
     if forms.get(parts[2]) is None:
         return "its final norm is not one cpu_kernels.rms_norm reproduces"
-    if not all(cpu_kernels.supported(m.weight) for m in model.modules() if linear_module(m)):
+    if not all(cpu_kernels.supported(linear_weight(m)) for m in model.modules() if linear_module(m)):
         return "a linear layer does not run on the C kernel"
     return None
+
+
+class _Linear4bitRef:
+    """Stands for a bitsandbytes 4-bit module's parameter dict in `CpuLayers._refs`: its weight is the
+    `Bnb4bitWeight` the C linears read (invariant.bnb4bit), not the flat `Params4bit`."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return bnb4bit.linear_weight(self.module)
 
 
 class CpuLayers:
@@ -265,8 +279,8 @@ class CpuLayers:
         """Every tensor the layer structs point into (of a quantized weight, the tensor that holds its
         values: `cpu_kernels.values_of`), read from the modules and the cache now."""
         if self._refs is None:  # (a module's parameter dict, name) of every weight of the layers
-            self._refs = [(m._parameters, n) for la in self.layers for m in la.modules()
-                          for n, p in m._parameters.items() if p is not None]
+            self._refs = [(_Linear4bitRef(m) if n == "weight" and bnb4bit.is_linear4bit(m) else m._parameters, n)
+                          for la in self.layers for m in la.modules() for n, p in m._parameters.items() if p is not None]
         return [cpu_kernels.values_of(d[n]) for d, n in self._refs] + [*cache.keys, *cache.values]
 
     def _plan(self, cache) -> tuple[list[_Layer], list[int | None]] | None:
@@ -309,14 +323,15 @@ class CpuLayers:
                        form_attn_out=cpu_kernels.RMS_FORMS[fa] if fa else 0,
                        form_mlp_out=cpu_kernels.RMS_FORMS[fm] if fm else 0)
             for i, (n, m) in enumerate(lin.items()):
-                if not cpu_kernels.supported(m.weight) or m.weight.dtype != self.dtype:
+                weight = linear_weight(m)
+                if not cpu_kernels.supported(weight) or weight.dtype != self.dtype:
                     self.on = False  # a weight swapped for one the C linears do not read
                     return None
-                w = cpu_kernels.packed(m.weight)
+                w = cpu_kernels.packed(weight)
                 tensors.append(w)
                 setattr(s, "w" + n, w.data_ptr())
                 setattr(s, "b" + n, _ptr(m.bias))
-                s.wkind[i] = cpu_kernels.weight_kind(m.weight)
+                s.wkind[i] = cpu_kernels.weight_kind(weight)
             structs.append(s)
             windows.append(rec["window"])
         # the structs point into these tensors (and the packed weights): held, their memory outlives a

@@ -44,15 +44,15 @@ def test_pack_q4_literal():
     codes = torch.tensor([[1, 2], [3, 4]], dtype=torch.uint8)
     out = cpu_kernels.pack_q4(codes, torch.tensor([[0.5], [2.0]]), torch.tensor([[0.0], [1.0]]), 2, "fma", 8.0,
                               torch.float32)
-    assert out.dtype == torch.uint8 and out.numel() == 64 + 64 + 16 * 4
+    assert out.dtype == torch.uint8 and out.numel() == 64 + 128 + 16 * 4
     assert out[:8].tolist() == [0x21, 0x43, 0, 0, 0, 0, 0, 0] and out[8:64].tolist() == [0] * 56
-    head = out[64:128]
+    head = out[64:192]
     assert head[:8].view(torch.int32).tolist() == [2, cpu_kernels.Q4_FORMS["fma"]]
-    assert head[8:12].view(torch.float32).item() == 8.0 and head[12:].tolist() == [0] * 52
-    assert out[128:].view(torch.float32).tolist() == [0.5, 2.0] + [0] * 6 + [0.0, 1.0] + [0] * 6
+    assert head[8:12].view(torch.float32).item() == 8.0 and head[12:].tolist() == [0] * 116
+    assert out[192:].view(torch.float32).tolist() == [0.5, 2.0] + [0] * 6 + [0.0, 1.0] + [0] * 6
     # scales and shifts rounded to the call's dtype first
     third = cpu_kernels.pack_q4(codes, torch.full((2, 1), 1 / 3), torch.zeros(2, 1), 2, "mul_sub", 0.0, torch.bfloat16)
-    assert third[128:132].view(torch.float32).item() == torch.tensor(1 / 3).to(torch.bfloat16).float().item()
+    assert third[192:196].view(torch.float32).item() == torch.tensor(1 / 3).to(torch.bfloat16).float().item()
     with pytest.raises(ValueError, match="W_Q4"):
         cpu_kernels.pack_q4(torch.zeros(2, 3, dtype=torch.uint8), torch.zeros(2, 1), torch.zeros(2, 1), 3, "fma", 8.0,
                             torch.float32)

@@ -1,17 +1,20 @@
 """steps.c_layers and the invariant linears on weight-only quantized models (torchao's
-`Int8WeightOnlyConfig`, optimum-quanto's qint8 and qint4, the LM head left as it is, as HF's
-quantizers leave it): decode steps run in C on the quantized weights (cpu.kernels W_Q8, W_Q4) with
+`Int8WeightOnlyConfig`, optimum-quanto's qint8 and qint4, bitsandbytes' nf4 through HF's
+`BitsAndBytesConfig`, the LM head left as it is, as HF's quantizers leave it): decode steps run in C
+on the quantized weights (cpu.kernels W_Q8, W_Q4) with
 bitwise the logits of the same steps through the modules, and greedy with drafts gives HF's greedy of the quantized model (float32) or
 hf_plookup's own greedy (bfloat16)."""
 
 from __future__ import annotations
+
+import tempfile
 
 import pytest
 import torch
 
 from hf_plookup.api import _state
 from hf_plookup.cpu import kernels as cpu_kernels
-from hf_plookup.invariant.linears import linear_module, row_strategy
+from hf_plookup.invariant.linears import linear_module, linear_weight, row_strategy
 from hf_plookup.steps.c_layers import llama_form
 from tests.conftest import greedy_logits, left_pad, repeat_prompts, tiny_model, wrap_copy
 
@@ -32,8 +35,26 @@ def _quanto(model, bits: int = 8):
     return model
 
 
-QUANTIZERS = {"torchao": _torchao, "quanto": _quanto, "quanto-int4": lambda m: _quanto(m, 4)}
-KINDS = {"torchao": cpu_kernels.W_Q8, "quanto": cpu_kernels.W_Q8, "quanto-int4": cpu_kernels.W_Q4}
+def _bnb_nf4(model):
+    """`model` saved and loaded again by HF with bitsandbytes' nf4, computing in the model's dtype, in
+    bitsandbytes' flat layout on every CPU (tests/cpu/test_bnb4bit_linear.py says why)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = next(model.parameters()).dtype
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        model = AutoModelForCausalLM.from_pretrained(d, quantization_config=config, device_map="cpu", dtype=dtype).eval()
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
+QUANTIZERS = {"torchao": _torchao, "quanto": _quanto, "quanto-int4": lambda m: _quanto(m, 4), "bnb-nf4": _bnb_nf4}
+KINDS = {"torchao": cpu_kernels.W_Q8, "quanto": cpu_kernels.W_Q8, "quanto-int4": cpu_kernels.W_Q4,
+         "bnb-nf4": cpu_kernels.W_Q4}
 
 
 def _quantized(arch: str, dtype: torch.dtype, how: str):
@@ -44,9 +65,9 @@ def _quantized(arch: str, dtype: torch.dtype, how: str):
 def test_quantized_linears_take_the_c_kernel(how):
     model = _quantized("llama", torch.float32, how)
     projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
-    assert projections and all(linear_module(m) and cpu_kernels.weight_kind(m.weight) == KINDS[how]
+    assert projections and all(linear_module(m) and cpu_kernels.weight_kind(linear_weight(m)) == KINDS[how]
                                for m in projections)
-    assert all(row_strategy(m.weight, m.bias) == "cpu" for m in projections)
+    assert all(row_strategy(linear_weight(m), m.bias) == "cpu" for m in projections)
     assert llama_form(model) is None
 
 

@@ -140,9 +140,9 @@ AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scal
         for (int i = 0; i < mb; i++) {
             float* q = o + (i * np + j) * 8;
             __m256 v = _mm256_loadu_ps(q);
-            if (bf16) v = widen8(bf16x8(v));
+            if (bf16) v = rnd8(v);
             v = _mm256_mul_ps(v, sc);
-            if (bf16) v = widen8(bf16x8(v));
+            if (bf16) v = rnd8(v);
             _mm256_storeu_ps(q, v);
         }
     }
@@ -150,27 +150,41 @@ AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scal
 
 /* W_Q4: values [k0, k0 + kn) of panels p .. p + np - 1 dequantized (q4_value, cpu_kernels.h) into d
  * [np][kn][8], the layout of fp32 panels kn values long, for the fp32 tiles to read from L1. A pair
- * of k is one 8-byte load, widened to 8 lanes; a code q becomes the float q - offset exactly by
- * setting it under the exponent of 2^23 and subtracting 2^23 + offset. */
+ * of k is one 8-byte load, widened to 8 lanes. */
 #define Q4_KBLOCK 128
 #define PACK_AHEAD_Q4 2048
-/* a pair of k of 8 columns: the codes at k and k + 1 as floats F0, F1 (q - offset: BASE is 2^23 + offset),
- * from the 8 bytes at P */
-#define Q4_CODES(P, B, LOW, MAGIC, BASE, F0, F1)                                                        \
-    __m256i B = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(P)));                            \
-    __m256 F0 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(B, LOW), MAGIC)), BASE); \
-    __m256 F1 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(B, 4), MAGIC)), BASE)
+/* the constants the two ways of reading codes use, from q4_meta M: an affine form's code q becomes
+ * the float q - offset exactly by setting it under the exponent of 2^23 and subtracting 2^23 + offset;
+ * Q4_LUT's codebook sits in two vectors, codes 0-7 and 8-15 */
+#define Q4_CONSTANTS(M)                                                                                 \
+    const __m256i low = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);                   \
+    const __m256 base = _mm256_set1_ps(8388608.0f + (M)->offset);                                       \
+    const __m256 lut_lo = _mm256_loadu_ps((M)->lut), lut_hi = _mm256_loadu_ps((M)->lut + 8);                  \
+    (void)low, (void)magic, (void)base, (void)lut_lo, (void)lut_hi /* (each form reads some of them) */
+/* a pair of k of 8 columns from the 8 bytes at P: F0, F1, the floats of the codes at k and k + 1, as
+ * q - offset (Q4_AFFINE) or as the codebook's values (Q4_LUT: a permute of each half of the codebook by
+ * the code's low 3 bits, and the code's bit 3, shifted to the sign, picking one) */
+#define Q4_AFFINE(P, F0, F1)                                                                            \
+    __m256i b_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(P)));                            \
+    __m256 F0 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(b_, low), magic)), base); \
+    __m256 F1 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(b_, 4), magic)), base)
+#define Q4_PICK(I) _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, I), _mm256_permutevar8x32_ps(lut_hi, I), \
+                                    _mm256_castsi256_ps(_mm256_slli_epi32(I, 28)))
+#define Q4_LUT_CODES(P, F0, F1)                                                                         \
+    __m256i b_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(P))), h_ = _mm256_srli_epi32(b_, 4); \
+    __m256 F0 = Q4_PICK(b_), F1 = Q4_PICK(h_)
 /* each form's dequantization of F with scales S and shifts Z (q4_value) */
 #define DEQ_FMA(F, S, Z) _mm256_fmadd_ps(F, S, Z)
 #define DEQ_MUL_SUB(F, S, Z) _mm256_sub_ps(_mm256_mul_ps(F, S), Z)
-#define DEQ_MUL_SUB_BF16(F, S, Z) widen8(bf16x8(_mm256_sub_ps(widen8(bf16x8(_mm256_mul_ps(F, S))), Z)))
+#define DEQ_MUL_SUB_BF16(F, S, Z) rnd8(_mm256_sub_ps(rnd8(_mm256_mul_ps(F, S)), Z))
+#define DEQ_LUT(F, S, Z) ((void)(Z), _mm256_mul_ps(F, S)) /* (no shift) */
+/* (a codebook value times a finite scale is never NaN: cpu.kernels reads no weight with another scale) */
+#define DEQ_LUT_BF16(F, S, Z) ((void)(Z), rnd8_number(_mm256_mul_ps(F, S)))
 AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, int bf16,
                             float* d) {
     const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
     const int64_t G = m->group;
-    const int fma = m->form == Q4_FMA;
-    const __m256i low = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);
-    const __m256 base = _mm256_set1_ps(8388608.0f + m->offset);
+    Q4_CONSTANTS(m);
     for (int j = 0; j < np; j++) {
         const uint8_t* src = (const uint8_t*)wp + (p + j) * (K / 2) * 8;
         float* dj = d + j * kn * 8 - k0 * 8;
@@ -180,23 +194,31 @@ AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int
             __m256 sc = _mm256_loadu_ps(sz), sh = _mm256_loadu_ps(sz + 8);
             for (; k < end; k += 2) {
                 if (!(k & 15)) _mm_prefetch((const char*)(src + k * 4) + PACK_AHEAD_Q4, _MM_HINT_T1);
-                Q4_CODES(src + k * 4, b, low, magic, base, f0, f1);
-                __m256 f[2] = {f0, f1};
-                for (int h = 0; h < 2; h++)
-                    _mm256_storeu_ps(dj + (k + h) * 8, fma ? DEQ_FMA(f[h], sc, sh)
-                                                     : bf16 ? DEQ_MUL_SUB_BF16(f[h], sc, sh) : DEQ_MUL_SUB(f[h], sc, sh));
+                __m256 f[2];
+                if (m->form == Q4_LUT) {
+                    Q4_LUT_CODES(src + k * 4, f0, f1);
+                    f[0] = bf16 ? DEQ_LUT_BF16(f0, sc, sh) : DEQ_LUT(f0, sc, sh);
+                    f[1] = bf16 ? DEQ_LUT_BF16(f1, sc, sh) : DEQ_LUT(f1, sc, sh);
+                } else {
+                    Q4_AFFINE(src + k * 4, f0, f1);
+                    f[0] = m->form == Q4_FMA ? DEQ_FMA(f0, sc, sh) : bf16 ? DEQ_MUL_SUB_BF16(f0, sc, sh) : DEQ_MUL_SUB(f0, sc, sh);
+                    f[1] = m->form == Q4_FMA ? DEQ_FMA(f1, sc, sh) : bf16 ? DEQ_MUL_SUB_BF16(f1, sc, sh) : DEQ_MUL_SUB(f1, sc, sh);
+                }
+                _mm256_storeu_ps(dj + k * 8, f[0]);
+                _mm256_storeu_ps(dj + (k + 1) * 8, f[1]);
             }
         }
     }
 }
 
 /* a W_Q4 tile of up to 9 rows (no K blocks): the panels' codes dequantized in registers, pair by
- * pair, each value then one FMA per row into the same chains as the fp32 tile's; DEQ says the
- * form (the same arithmetic as q4_dequant's) */
-#define PTILE_Q4(NAME, DEQ, MB, NP)                                                                     \
+ * pair, each value then one FMA per row into the same chains as the fp32 tile's; CODES and DEQ say
+ * the form (the same arithmetic as q4_dequant's) */
+#define PTILE_Q4(NAME, CODES, DEQ, MB, NP)                                                              \
     AVX2 static void NAME##_##MB##x##NP(const float* xt, int64_t ldx, const uint8_t* wp, int64_t K, const float* sz, \
-                                        int64_t szld, int64_t G, const __m256 base, float* o) {         \
-        const __m256i low = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);               \
+                                        int64_t szld, const q4_meta* m, float* o) {                     \
+        Q4_CONSTANTS(m);                                                                                \
+        const int64_t G = m->group;                                                                     \
         __m256 acc[MB][NP];                                                                             \
         UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) acc[i][j] = _mm256_setzero_ps(); \
         for (int64_t g0 = 0; g0 < K; g0 += G) {                                                         \
@@ -210,7 +232,7 @@ AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int
                 UNROLL for (int j = 0; j < NP; j++) {                                                   \
                     const uint8_t* p = wp + (j * K + k) * 4;                                            \
                     if (!(k & 15)) _mm_prefetch((const char*)p + PACK_AHEAD_Q4, _MM_HINT_T1);           \
-                    Q4_CODES(p, b, low, magic, base, f0, f1);                                           \
+                    CODES(p, f0, f1);                                                                   \
                     w0[j] = DEQ(f0, sc[j], sh[j]);                                                      \
                     w1[j] = DEQ(f1, sc[j], sh[j]);                                                      \
                 }                                                                                       \
@@ -227,19 +249,22 @@ AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int
         UNROLL for (int i = 0; i < MB; i++) UNROLL for (int j = 0; j < NP; j++) _mm256_storeu_ps(o + (i * NP + j) * 8, acc[i][j]); \
     }
 typedef void (*q4tile_fn)(const float* xt, int64_t ldx, const uint8_t* wp, int64_t K, const float* sz, int64_t szld,
-                          int64_t G, const __m256 base, float* o);
-#define Q4_TILES(NAME, DEQ)                                                                             \
-    PTILE_Q4(NAME, DEQ, 1, 1) PTILE_Q4(NAME, DEQ, 2, 1) PTILE_Q4(NAME, DEQ, 3, 1) PTILE_Q4(NAME, DEQ, 4, 1) \
-    PTILE_Q4(NAME, DEQ, 5, 1) PTILE_Q4(NAME, DEQ, 6, 1) PTILE_Q4(NAME, DEQ, 7, 1) PTILE_Q4(NAME, DEQ, 8, 1) \
-    PTILE_Q4(NAME, DEQ, 9, 1) PTILE_Q4(NAME, DEQ, 1, 4) PTILE_Q4(NAME, DEQ, 2, 4) PTILE_Q4(NAME, DEQ, 3, 3) \
-    PTILE_Q4(NAME, DEQ, 4, 3) PTILE_Q4(NAME, DEQ, 5, 2) PTILE_Q4(NAME, DEQ, 6, 2)                         \
+                          const q4_meta* m, float* o);
+#define Q4_TILES(NAME, CODES, DEQ)                                                                      \
+    PTILE_Q4(NAME, CODES, DEQ, 1, 1) PTILE_Q4(NAME, CODES, DEQ, 2, 1) PTILE_Q4(NAME, CODES, DEQ, 3, 1)   \
+    PTILE_Q4(NAME, CODES, DEQ, 4, 1) PTILE_Q4(NAME, CODES, DEQ, 5, 1) PTILE_Q4(NAME, CODES, DEQ, 6, 1)   \
+    PTILE_Q4(NAME, CODES, DEQ, 7, 1) PTILE_Q4(NAME, CODES, DEQ, 8, 1) PTILE_Q4(NAME, CODES, DEQ, 9, 1)   \
+    PTILE_Q4(NAME, CODES, DEQ, 1, 4) PTILE_Q4(NAME, CODES, DEQ, 2, 4) PTILE_Q4(NAME, CODES, DEQ, 3, 3)   \
+    PTILE_Q4(NAME, CODES, DEQ, 4, 3) PTILE_Q4(NAME, CODES, DEQ, 5, 2) PTILE_Q4(NAME, CODES, DEQ, 6, 2)   \
     static const q4tile_fn NAME##_wide[] = {0, NAME##_1x4, NAME##_2x4, NAME##_3x3, NAME##_4x3, NAME##_5x2, \
                                             NAME##_6x2, NAME##_7x1, NAME##_8x1, NAME##_9x1};             \
     static const q4tile_fn NAME##_one[] = {0, NAME##_1x1, NAME##_2x1, NAME##_3x1, NAME##_4x1, NAME##_5x1, \
                                            NAME##_6x1, NAME##_7x1, NAME##_8x1, NAME##_9x1};
-Q4_TILES(pq4fma, DEQ_FMA)
-Q4_TILES(pq4ms, DEQ_MUL_SUB)
-Q4_TILES(pq4msb, DEQ_MUL_SUB_BF16)
+Q4_TILES(pq4fma, Q4_AFFINE, DEQ_FMA)
+Q4_TILES(pq4ms, Q4_AFFINE, DEQ_MUL_SUB)
+Q4_TILES(pq4msb, Q4_AFFINE, DEQ_MUL_SUB_BF16)
+Q4_TILES(pq4lut, Q4_LUT_CODES, DEQ_LUT)
+Q4_TILES(pq4lutb, Q4_LUT_CODES, DEQ_LUT_BF16)
 
 /* linear_range_avx2 for a W_Q4 weight: up to 9 rows by the W_Q4 tiles; more by the fp32 tiles over
  * its values dequantized Q4_KBLOCK values of k at a time (once for every MANY_BLOCK_ROWS rows), each tile's
@@ -250,15 +275,18 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
     int64_t P = (N + 7) / 8;
     if (M <= 9) {
         const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
-        const q4tile_fn *wide = m->form == Q4_FMA ? pq4fma_wide : bf16 ? pq4msb_wide : pq4ms_wide,
-                        *one = m->form == Q4_FMA ? pq4fma_one : bf16 ? pq4msb_one : pq4ms_one;
-        const __m256 base = _mm256_set1_ps(8388608.0f + m->offset);
+        const q4tile_fn *wide = m->form == Q4_FMA ? pq4fma_wide
+                                : m->form == Q4_LUT ? (bf16 ? pq4lutb_wide : pq4lut_wide)
+                                : bf16 ? pq4msb_wide : pq4ms_wide;
+        const q4tile_fn *one = m->form == Q4_FMA ? pq4fma_one
+                               : m->form == Q4_LUT ? (bf16 ? pq4lutb_one : pq4lut_one)
+                               : bf16 ? pq4msb_one : pq4ms_one;
         float o[9 * 32];
         int np = pf32_np[M];
         for (int64_t p = p_lo; p < p_hi;) {
             int n = p + np <= p_hi ? np : 1;
             (n == np ? wide : one)[M](xt, M, (const uint8_t*)wp + p * K * 4, K, q4_scales(wp, P, K, p, 0),
-                                      K / m->group * 16, m->group, base, o);
+                                      K / m->group * 16, m, o);
             packed_store(o, (int)M, n, 0, p, bias, out, N, (int)bf16);
             p += n;
         }

@@ -1,0 +1,143 @@
+"""bitsandbytes' 4-bit linears (`Linear4bit`: nf4 and fp4, QLoRA's format) seen as plain linears.
+
+A `Linear4bit` holds its weight as a flat `Params4bit` of packed codes ([N * K / 2, 1] bytes, two
+codes a byte, the first in the high nibble) with a quant state: one absmax per block of `blocksize`
+consecutive values of the [N, K] weight (float32, or 8-bit itself with a second state where
+`compress_statistics` nests them), the 16-value codebook of nf4 or fp4, and the shape. Its forward,
+with no gradient, is
+
+    F.linear(x.to(cd), W, bias.to(cd)).to(x.dtype),  W[n, k] = (codebook[q[n, k]] * absmax[block]).to(cd)
+
+cd being the module's compute dtype (bitsandbytes' `gemm_4bit` on a CPU without AVX-512 BF16: the
+weight dequantized to cd, then torch's `F.linear`, for any row count). So the module is a plain
+linear of a [N, K] weight of dtype cd, and `linear_weight` gives it as one: a `Bnb4bitWeight`, a
+tensor of that shape and dtype whose `F.linear` is the module's own arithmetic and whose codes,
+absmax and codebook `cpu.kernels.q4_parts` reads (the C linears' "lut" form computes W's values
+exactly). Invariant mode then routes it as any linear (`invariant.linears`): `cast_call` does the
+casts around it.
+
+Example: a `Linear4bit(576, 1536)` quantized in nf4 with blocks of 64, compute dtype float32, gives
+`linear_weight(module)` of shape [1536, 576], float32; its `q4_parts` has codes [1536, 576],
+scales (the absmax) [1536, 9], group 64, form "lut".
+
+Not read (the module's own kernel runs, and the wrap-time probe says what that means): weights whose
+K is not a multiple of the block (a block would span two rows), codes stored in another dtype than
+uint8 (`bnb_4bit_quant_storage`), an absmax that is not a finite number, and weights bitsandbytes has repacked into its own CPU layout (on
+CPUs with AVX-512 BF16 it does so at a module's first forward, and computes in bfloat16 from then on).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+# id(module) -> (a weak reference to the module, (its Params4bit, compute dtype, whether repacked) when
+# made, its Bnb4bitWeight)
+_VIEWS: dict[int, tuple] = {}
+
+
+def is_linear4bit(module: torch.nn.Module) -> bool:
+    """A bitsandbytes `Linear4bit` (or a subclass: `LinearNF4`, `LinearFP4`) holding a quantized
+    2-D weight, with no forward set on the instance."""
+    cls = type(module)
+    if "forward" in vars(module) or not any(c.__name__ == "Linear4bit" and c.__module__.startswith("bitsandbytes")
+                                            for c in cls.__mro__):
+        return False
+    state = _state(module)
+    return state is not None and len(state.shape) == 2
+
+
+def _state(module: torch.nn.Module):
+    weight = getattr(module, "weight", None)
+    return getattr(weight, "quant_state", None) or getattr(module, "quant_state", None)
+
+
+class Bnb4bitWeight(torch.Tensor):
+    """A `Linear4bit`'s weight as the [N, K] weight of its compute dtype (see the module text). Its
+    only op is `F.linear`, which runs the module's own `bnb.matmul_4bit`; it holds no values."""
+
+    @staticmethod
+    def __new__(cls, module: torch.nn.Module):
+        n, k = _state(module).shape
+        return torch.Tensor._make_wrapper_subclass(cls, (n, k), dtype=compute_dtype(module),
+                                                   device=module.weight.device, requires_grad=False)
+
+    def __init__(self, module: torch.nn.Module):
+        self.param = module.weight  # the Params4bit
+        self.quant_state = _state(module)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            import bitsandbytes as bnb
+
+            return bnb.matmul_4bit(x, weight.param, quant_state=weight.quant_state, bias=bias)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def data_ptr(self) -> int:
+        """The packed codes' address (what changes when they move)."""
+        return self.param.data_ptr()
+
+    @property
+    def _version(self) -> int:
+        """The packed codes' version counter (what an in-place change bumps)."""
+        return self.param._version
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"a bitsandbytes 4-bit weight seen as a linear's takes F.linear only, not {func}")
+
+    def q4_fields(self):
+        """(codes [N, K] uint8 as a function, absmax [N, K / blocksize] float32, blocksize, codebook
+        [16] float32, the Params4bit) where `cpu.kernels.q4_parts` can read this weight, else None."""
+        state, param = self.quant_state, self.param
+        n, k = state.shape
+        group = int(state.blocksize)
+        if (self.device.type != "cpu" or getattr(state, "packing_format_for_cpu", False) or param.dtype != torch.uint8
+                or param.numel() * 2 != n * k or k % group or group % 2 or state.code is None or state.code.numel() != 16
+                or self.dtype not in (torch.float32, torch.bfloat16)):
+            return None
+        absmax = state.absmax
+        if state.nested:  # the absmax quantized again, as bitsandbytes' gemm_4bit undoes it
+            import bitsandbytes.functional as bnb_f
+
+            absmax = bnb_f.dequantize_blockwise(state.absmax, state.state2) + state.offset
+        absmax = absmax.float().reshape(n, k // group)
+        if not bool(torch.isfinite(absmax).all()):  # (the C linears' bf16 rounding of its products assumes numbers)
+            return None
+
+        def codes() -> torch.Tensor:
+            b = param.data.reshape(-1)
+            return torch.stack([b >> 4, b & 15], 1).reshape(n, k)
+
+        return codes, absmax, group, state.code.float(), param
+
+
+def compute_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype a `Linear4bit` computes in: its `compute_dtype`, or (unset until its first forward,
+    which takes the input's) the dtype its weight was quantized from."""
+    return module.compute_dtype or _state(module).dtype
+
+
+def linear_weight(module: torch.nn.Module) -> Bnb4bitWeight:
+    """The `Bnb4bitWeight` of `module` (an `is_linear4bit` one), made once and kept while the module
+    lives and holds the same `Params4bit` in the same layout with the same compute dtype (a weight put
+in its place, or repacked by bitsandbytes, gets a new one)."""
+    now = (module.weight, compute_dtype(module), _repacked(module))
+    entry = _VIEWS.get(id(module))
+    if entry is not None and entry[0]() is module and entry[1][0] is now[0] and entry[1][1:] == now[1:]:
+        return entry[2]
+    view = Bnb4bitWeight(module)
+    key = id(module)
+    _VIEWS[key] = (weakref.ref(module, lambda _, key=key: _VIEWS.pop(key, None)), now, view)
+    return view
+
+
+def _repacked(module: torch.nn.Module) -> bool:
+    return bool(getattr(_state(module), "packing_format_for_cpu", False))
