@@ -19,6 +19,9 @@ compiling and capturing) in the JSON:
   bf16-b16   batch 16, 16 articles: HF greedy, HF static cache, generate_batch; hf_plookup defaults
              (chains and trees) and compile=True
   bf16-b64   batch 64, 64 articles: HF greedy, generate_batch; hf_plookup defaults
+  nf4, int8  batch 1, 8 articles, fp32, 96 new tokens, the model quantized at load by HF's own quantizer
+             (bitsandbytes nf4; torchao int8 weight-only): HF greedy of that model, hf_plookup greedy and
+             k=4 (skipped, said in table.md, where the quantizer's library is not installed)
   settings   (last, when time is left) batch 1, 2 articles: greedy and k=4 with cuda_graphs=False,
              compile=False (eager steps), and greedy and k=4 with compile=True, cuda_graphs=False (each bucket
              compiles the whole forward)
@@ -44,6 +47,7 @@ import time
 from pathlib import Path
 
 from eval import bench
+from eval.lib import quantization
 from eval.lib.cli import add_threads_option, show_defaults
 
 COMMON = ["--prompt-source", "cnn_dailymail", "--max-doc-tokens", "800", "--ngram", "2", "--repeats", "1"]
@@ -58,6 +62,10 @@ STAGES = [
                           "--variants", "hf-greedy", "hf-static", "hf-batch", "plk-greedy", "plk", "plk-compiled"]),
     ("bf16-b64", "bf16", ["--batch-sizes", "64", "--k", "4", "8", "--max-new-tokens", "128",
                           "--variants", "hf-greedy", "hf-batch", "plk-greedy", "plk"]),
+    ("nf4", "fp32", ["--batch-sizes", "1", "--num-prompts", "8", "--k", "4", "--max-new-tokens", "96",
+                     "--variants", "hf-greedy", "plk-greedy", "plk", "--quantization", "bnb-nf4"]),
+    ("int8", "fp32", ["--batch-sizes", "1", "--num-prompts", "8", "--k", "4", "--max-new-tokens", "96",
+                      "--variants", "hf-greedy", "plk-greedy", "plk", "--quantization", "torchao-int8"]),
     ("settings", "bf16", ["--batch-sizes", "1", "--num-prompts", "2", "--k", "4", "--max-new-tokens", "128",
                           "--variants", "hf-greedy", "plk-greedy", "plk-eager", "plk-compiled_nographs"]),
 ]
@@ -106,6 +114,11 @@ def shrink(argv: list[str]) -> list[str]:
     return out
 
 
+def stage_quantization(stage_args: list[str]) -> str | None:
+    """The `--quantization` name a stage's bench arguments give, or None."""
+    return stage_args[stage_args.index("--quantization") + 1] if "--quantization" in stage_args else None
+
+
 def stage_argv(stage_args: list[str], dtype: str, model: str, device: str, json_path: Path, budget: float,
                threads: int | None = None) -> list[str]:
     """A stage's `eval/bench.py` arguments."""
@@ -130,6 +143,10 @@ def main(argv=None) -> int:
         left = args.time_budget - (time.perf_counter() - start)
         if left <= 0:
             tables.append(f"## {name}\n\nskipped: the time budget ({args.time_budget:.0f} s) was spent\n")
+            continue
+        missing = quantization.problem(stage_quantization(stage_args))
+        if missing:
+            tables.append(f"## {name}\n\nskipped: {missing}\n")
             continue
         print(f"\n######## stage {name} ({left:.0f} s left)", flush=True)
         path = out / f"{name}.json"

@@ -401,6 +401,14 @@ def test_gpu_check_plan_shrinks_for_the_cpu():
     gpu = gpu_check.stage_argv(gpu_check.STAGES[0][2], "bf16", "smollm2-135m", "cuda", "/tmp/x.json", 100)
     assert {"plk-compiled", "hf-static"} <= set(gpu) and gpu[gpu.index("--dtype") + 1] == "bf16"
     bench.parse_args(gpu[:gpu.index("--device")] + ["--device", "cpu"] + gpu[gpu.index("--device") + 2:])
+    # the quantized stages: fp32 (token identity with HF greedy of the same quantized model), each its quantizer
+    stages = {name: (dtype, args) for name, dtype, args in gpu_check.STAGES}
+    assert {n: gpu_check.stage_quantization(stages[n][1]) for n in ("nf4", "int8", "fp32")} == {
+        "nf4": "bnb-nf4", "int8": "torchao-int8", "fp32": None}
+    for name in ("nf4", "int8"):
+        argv = gpu_check.stage_argv(stages[name][1], stages[name][0], "smollm2-135m", "cuda", "/tmp/x.json", 100)
+        assert argv[argv.index("--dtype") + 1] == "fp32" and "plk" in argv
+        bench.parse_args(argv[:argv.index("--device")] + ["--device", "cpu"] + argv[argv.index("--device") + 2:])
 
 
 def test_report_shape(tmp_path):
