@@ -61,7 +61,7 @@ class EngineOptions:
     cuda_graphs: bool = True  # capture verify steps in CUDA graphs (CUDA only; implies pad_drafts)
     pad_drafts: bool = False  # every sequence of a verify step feeds k + 1 tokens (missing drafts padded)
     join_calls: bool = True  # concurrent generate calls join the running loop when their configs allow
-    # decode/verify steps through torch.compile (inductor), one graph per bucket, then captured in
+    # decode/verify steps through torch.compile (inductor), one graph per step width and batch bucket, captured in
     # CUDA graphs when cuda_graphs is on: True | False | "auto" (off for now: see
     # plan.COMPILE_BY_DEFAULT)
     compile: bool | str = "auto"

@@ -24,10 +24,11 @@ CUDA (tests/gpu).
 
 `compiled=True` runs that forward through `torch.compile(fullgraph=True, dynamic=False)`
 (inductor), the attention as the custom op of attention.ops, the metadata found through
-`metadata.compiled_step_context`. Captured steps compile one decoder layer per bucket and run
-every layer through it (steps.regional); uncaptured ones compile the whole forward per bucket,
+`metadata.compiled_step_context`, whose key dimension (Lk) is marked dynamic: a compile serves every
+context bucket of its step width and batch bucket. Captured steps compile one decoder layer per
+such bucket and run every layer through it (steps.regional); uncaptured ones compile the whole forward,
 as they would otherwise run dynamo's guard checks once per layer and step and lose frozen
-weights (docs/results.md, "Compile time"). On CUDA the compiled forward is then captured like
+weights (docs/results.md, "... compiling on CPU"). On CUDA the compiled forward is then captured like
 the eager one (compile first, in the warm-up, then capture its kernels), so a replay launches
 inductor's fused kernels from one graph. The seconds spent in first calls of new buckets add
 up in `compile_seconds` (compile plus warm-up) and `capture_seconds` (the capture; with an eager
@@ -352,7 +353,16 @@ class GraphRunner:
     def _static(self, padded: StepLayout) -> _Graph:
         staging = Staging(padded, self.device, self.cache.scratch_block)
         staging.upload()
-        return _Graph(staging, self.forward.metadata(staging.inputs, static_shapes=True))
+        meta = self.forward.metadata(staging.inputs, static_shapes=True)
+        if self.compiled:
+            # the key dimension dynamic: one compiled step (or decoder layer) of a (q, B bucket, tree)
+            # serves every context bucket, where each new context bucket would compile again (the
+            # attention is an opaque op, so nothing the compiler generates depends on it); where a
+            # model's code specializes on it, the compiler falls back to compiling per bucket
+            for t in (meta.kv_slots, meta.block_tables):
+                if t is not None and t.dim() == 2:
+                    torch._dynamo.maybe_mark_dynamic(t, 1)
+        return _Graph(staging, meta)
 
     def staged(self, q: int, num_seqs: int, max_context_len: int, tree: bool = False) -> Staging | None:
         """The buffer of the bucket that a uniform decode step of `num_seqs` rows feeding `q` tokens

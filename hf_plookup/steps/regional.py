@@ -3,7 +3,7 @@
 Compiling the whole forward traces and lowers every decoder layer again for each step bucket,
 although the layers are one piece of code on different weights (30 of them in SmolLM2). Here
 only the decoder layers are compiled, through one function that takes the layer and its pages
-as inputs: the compiler traces it once per bucket (and per kind of layer, where a model mixes
+as inputs: the compiler traces it once per step width and batch bucket (and per kind of layer, where a model mixes
 sliding-window and global layers), and every other layer of that kind runs the same compiled
 code, as the guards hold for a layer of the same class and shapes. The embedding, the rotary
 tables, the final norm and the LM head run eagerly around them (once per step; on CUDA a
