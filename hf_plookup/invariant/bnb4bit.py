@@ -128,7 +128,7 @@ def compute_dtype(module: torch.nn.Module) -> torch.dtype:
 def linear_weight(module: torch.nn.Module) -> Bnb4bitWeight:
     """The `Bnb4bitWeight` of `module` (an `is_linear4bit` one), made once and kept while the module
     lives and holds the same `Params4bit` in the same layout with the same compute dtype (a weight put
-in its place, or repacked by bitsandbytes, gets a new one)."""
+    in its place, or repacked by bitsandbytes, gets a new one)."""
     now = (module.weight, compute_dtype(module), _repacked(module))
     entry = _VIEWS.get(id(module))
     if entry is not None and entry[0]() is module and entry[1][0] is now[0] and entry[1][1:] == now[1:]:

@@ -5,15 +5,15 @@ regimes: a [128, 2048] weight that stays in L2, on one thread (what the tile com
 [12288, 2048] one streamed from memory on both threads. The best of 7 rounds each, the variants
 interleaved.
 
-    python docs/measurements/cpu-avx2-2026-11-29-nf4/kernel_rates.py
+    PYTHONPATH=. python docs/measurements/cpu-avx2-2026-11-29-nf4/kernel_rates.py
 """
-import time
 import warnings
 
 import bitsandbytes as bnb
 import torch
 from optimum.quanto import freeze, qint4, quantize
 
+from eval.lib.timing import interleaved
 from hf_plookup.cpu import kernels as ck
 from hf_plookup.invariant.linears import linear_weight
 
@@ -46,13 +46,9 @@ for dtype, label in ((torch.bfloat16, "bf16 calls"), (torch.float32, "fp32 calls
                 calls[name, m] = (lambda x=x, out=out, m=m, packed=packed, kind=kind: ck._LIB.linear(
                     x.data_ptr(), m, packed.data_ptr(), kind, K, None, n, out.data_ptr(), dtype == torch.bfloat16,
                     threads))
-        best = {key: float("inf") for key in calls}
-        for _ in range(7):
-            for key, f in calls.items():
-                f()
-                t = time.perf_counter()
-                for _ in range(reps):
-                    f()
-                best[key] = min(best[key], (time.perf_counter() - t) / reps)
+        for f in calls.values():
+            f()  # (packed, warm)
+        rounds = interleaved({key: (lambda f=f: [f() for _ in range(reps)]) for key, f in calls.items()}, "cpu", 7)
+        best = {key: min(times) / reps for key, times in rounds.items()}
         print(f"{label}, {regime}: " + ", ".join(f"{name} {m} row{'s' * (m > 1)} {K * n / t / 1e9:.1f}"
                                                  for (name, m), t in best.items()))
