@@ -239,8 +239,8 @@ def _read_int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
 @dataclass(frozen=True)
 class Q4Parts:
     """A 4-bit weight as `q4_parts` reads it: `codes()` gives its codes [N, K] (uint8, 0..15; unpacked
-    on each call, so not held), `scales` and `shifts` [N, K / group] (the library's own values, of
-    the weight's dtype), `form` and `offset` say how a code becomes its weight (`Q4_FORMS`), and
+    on each call, so not held), `scales` and `shifts` [N, K / group] (the library's own values: of
+    the weight's dtype for quanto, bitsandbytes' float32 absmax and zeros for "lut"), `form` and `offset` say how a code becomes its weight (`Q4_FORMS`), and
     `source` is the plain tensor that holds the library's packed codes (its address and version
     counter say whether they changed)."""
 
@@ -340,13 +340,21 @@ def _int4pack_codes(packed: torch.Tensor, n: int, k: int, block: int) -> torch.T
     return torch.cat([b & 15, b >> 4], 2).permute(0, 2, 1).reshape(n, k)
 
 
+def _quantized(weight: torch.Tensor) -> tuple[int, object]:
+    """(W_Q8, its `int8_parts`) or (W_Q4, its `q4_parts`) for a quantized weight the C linears read,
+    else (W_FLOAT, None)."""
+    if type(weight) in (torch.Tensor, torch.nn.Parameter):
+        return W_FLOAT, None
+    parts = int8_parts(weight)
+    if parts is not None:
+        return W_Q8, parts
+    q4 = q4_parts(weight)
+    return (W_FLOAT, None) if q4 is None else (W_Q4, q4)
+
+
 def weight_kind(weight: torch.Tensor) -> int:
     """W_Q8 for a weight `int8_parts` reads, W_Q4 for one `q4_parts` reads, else W_FLOAT."""
-    if type(weight) in (torch.Tensor, torch.nn.Parameter):
-        return W_FLOAT
-    if int8_parts(weight) is not None:
-        return W_Q8
-    return W_Q4 if q4_parts(weight) is not None else W_FLOAT
+    return _quantized(weight)[0]
 
 
 def supported(weight: torch.Tensor) -> bool:
@@ -521,12 +529,11 @@ def values_of(weight: torch.Tensor) -> torch.Tensor:
     """The plain tensor that holds `weight`'s values: an int8 weight's integers (`int8_parts`), a
     4-bit weight's packed codes (`q4_parts`), a PackedWeight's panels, else the weight itself. Its
     address and version counter say whether the values moved or changed."""
-    parts = int8_parts(weight)
-    if parts is not None:
+    kind, parts = _quantized(weight)
+    if kind == W_Q8:
         return parts[0]
-    q4 = q4_parts(weight)
-    if q4 is not None:
-        return q4.source
+    if kind == W_Q4:
+        return parts.source
     got = _own_packing(weight)
     return weight if got is None else got
 
@@ -544,12 +551,12 @@ def _keep(weight: torch.Tensor, src: torch.Tensor, copy: torch.Tensor) -> None:
 
 
 def _pack_any(weight: torch.Tensor) -> torch.Tensor:
-    parts = int8_parts(weight)
-    if parts is not None:
+    kind, parts = _quantized(weight)
+    if kind == W_Q8:
         return pack_q8(*parts, weight.dtype)
-    q4 = q4_parts(weight)
-    if q4 is not None:
-        return pack_q4(q4.codes(), q4.scales, q4.shifts, q4.group, q4.form, q4.offset, weight.dtype, q4.lut)
+    if kind == W_Q4:
+        return pack_q4(parts.codes(), parts.scales, parts.shifts, parts.group, parts.form, parts.offset, weight.dtype,
+                       parts.lut)
     return pack(weight)
 
 

@@ -95,13 +95,13 @@ class Bnb4bitWeight(torch.Tensor):
 
     def q4_fields(self):
         """(codes [N, K] uint8 as a function, absmax [N, K / blocksize] float32, blocksize, codebook
-        [16] float32, the Params4bit) where `cpu.kernels.q4_parts` can read this weight, else None."""
+        [16] float32, the Params4bit) where `cpu.kernels.q4_parts` (which checked the device and the
+        dtype) can read this weight, else None."""
         state, param = self.quant_state, self.param
         n, k = state.shape
         group = int(state.blocksize)
-        if (self.device.type != "cpu" or getattr(state, "packing_format_for_cpu", False) or param.dtype != torch.uint8
-                or param.numel() * 2 != n * k or k % group or group % 2 or state.code is None or state.code.numel() != 16
-                or self.dtype not in (torch.float32, torch.bfloat16)):
+        if (_repacked(state) or param.dtype != torch.uint8 or param.numel() * 2 != n * k or k % group or group % 2
+                or state.code is None or state.code.numel() != 16):
             return None
         absmax = state.absmax
         if state.nested:  # the absmax quantized again, as bitsandbytes' gemm_4bit undoes it
@@ -129,7 +129,7 @@ def linear_weight(module: torch.nn.Module) -> Bnb4bitWeight:
     """The `Bnb4bitWeight` of `module` (an `is_linear4bit` one), made once and kept while the module
     lives and holds the same `Params4bit` in the same layout with the same compute dtype (a weight put
     in its place, or repacked by bitsandbytes, gets a new one)."""
-    now = (module.weight, compute_dtype(module), _repacked(module))
+    now = (module.weight, compute_dtype(module), _repacked(_state(module)))
     entry = _VIEWS.get(id(module))
     if entry is not None and entry[0]() is module and entry[1][0] is now[0] and entry[1][1:] == now[1:]:
         return entry[2]
@@ -139,5 +139,6 @@ def linear_weight(module: torch.nn.Module) -> Bnb4bitWeight:
     return view
 
 
-def _repacked(module: torch.nn.Module) -> bool:
-    return bool(getattr(_state(module), "packing_format_for_cpu", False))
+def _repacked(state) -> bool:
+    """Whether bitsandbytes has repacked the codes of this quant state into its own CPU layout."""
+    return bool(getattr(state, "packing_format_for_cpu", False))

@@ -42,12 +42,9 @@ def _linear4bit(k: int, n: int, dtype: torch.dtype, kind: str = "nf4", nested: b
 
 
 def _their_values(lin: torch.nn.Module) -> torch.Tensor:
-    """The weight bitsandbytes' own linear multiplies by: its dequantization into the compute dtype."""
-    state = lin.weight.quant_state
-    return bnb.functional.dequantize_4bit(lin.weight, state).to(lin.compute_dtype) if not state.nested else \
-        torch.ops.bitsandbytes.dequantize_4bit.default(
-            lin.weight, bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset,
-            state.blocksize, state.quant_type, state.shape, lin.compute_dtype)
+    """The weight bitsandbytes' own linear multiplies by: its dequantization (a nested absmax undone)
+    in float32, rounded to the compute dtype."""
+    return bnb.functional.dequantize_4bit(lin.weight, lin.weight.quant_state).to(lin.compute_dtype)
 
 
 def test_pack_q4_lut_literal():

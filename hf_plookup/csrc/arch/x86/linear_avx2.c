@@ -265,6 +265,11 @@ Q4_TILES(pq4ms, Q4_AFFINE, DEQ_MUL_SUB)
 Q4_TILES(pq4msb, Q4_AFFINE, DEQ_MUL_SUB_BF16)
 Q4_TILES(pq4lut, Q4_LUT_CODES, DEQ_LUT)
 Q4_TILES(pq4lutb, Q4_LUT_CODES, DEQ_LUT_BF16)
+/* by form (Q4_MUL_SUB, Q4_FMA, Q4_LUT) and bf16: the tiles of up to 9 rows, as pf32_wide and pf32_one */
+static const q4tile_fn* const q4_wide[3][2] = {{pq4ms_wide, pq4msb_wide}, {pq4fma_wide, pq4fma_wide},
+                                               {pq4lut_wide, pq4lutb_wide}};
+static const q4tile_fn* const q4_one[3][2] = {{pq4ms_one, pq4msb_one}, {pq4fma_one, pq4fma_one},
+                                              {pq4lut_one, pq4lutb_one}};
 
 /* linear_range_avx2 for a W_Q4 weight: up to 9 rows by the W_Q4 tiles; more by the fp32 tiles over
  * its values dequantized Q4_KBLOCK values of k at a time (once for every MANY_BLOCK_ROWS rows), each tile's
@@ -275,12 +280,7 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
     int64_t P = (N + 7) / 8;
     if (M <= 9) {
         const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
-        const q4tile_fn *wide = m->form == Q4_FMA ? pq4fma_wide
-                                : m->form == Q4_LUT ? (bf16 ? pq4lutb_wide : pq4lut_wide)
-                                : bf16 ? pq4msb_wide : pq4ms_wide;
-        const q4tile_fn *one = m->form == Q4_FMA ? pq4fma_one
-                               : m->form == Q4_LUT ? (bf16 ? pq4lutb_one : pq4lut_one)
-                               : bf16 ? pq4msb_one : pq4ms_one;
+        const q4tile_fn *wide = q4_wide[m->form][bf16 != 0], *one = q4_one[m->form][bf16 != 0];
         float o[9 * 32];
         int np = pf32_np[M];
         for (int64_t p = p_lo; p < p_hi;) {

@@ -63,23 +63,19 @@ AVX2 static inline __m256 ld_f32(const void* p, int64_t i) { return _mm256_loadu
 AVX2 static inline __m256 widen8(__m128i h) { /* 8 bf16 -> fp32, exact */
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-/* each lane rounded to bf16 and kept as fp32: rnd (cpu_kernels.h) of each lane, NaN kept quiet as
- * f32_to_bf16 keeps it; in 32-bit lanes, without bf16x8's narrowing and widen8's widening again */
-AVX2 static inline __m256 rnd8(__m256 v) {
-    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
-    __m256i u = _mm256_castps_si256(v);
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
-                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
-    __m256i nan = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x00400000));
-    r = _mm256_blendv_epi8(_mm256_and_si256(r, hi), nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    return _mm256_castsi256_ps(r);
-}
-/* rnd8 of lanes that are not NaN (finite or infinite), without its NaN check */
+/* each lane rounded to bf16 and kept as fp32, for lanes that are not NaN (finite or infinite): rnd
+ * (cpu_kernels.h) of each lane, in 32-bit lanes, without bf16x8's narrowing and widen8's widening again */
 AVX2 static inline __m256 rnd8_number(__m256 v) {
     __m256i u = _mm256_castps_si256(v);
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
                                                      _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
     return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+/* rnd8_number of every lane, a NaN kept quiet as f32_to_bf16 keeps it */
+AVX2 static inline __m256 rnd8(__m256 v) {
+    __m256i nan = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32((int)0xFFFF0000u)),
+                                  _mm256_set1_epi32(0x00400000));
+    return _mm256_blendv_ps(rnd8_number(v), _mm256_castsi256_ps(nan), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 AVX2 static inline __m256 ld_bf16(const void* p, int64_t i) { return widen8(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))); }
 /* the first `rem` (< 8) values, zeros after: a zero lane adds 0 * 0 to its sum */
