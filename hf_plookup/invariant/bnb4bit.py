@@ -33,9 +33,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-# id(module) -> (a weak reference to the module, (its Params4bit, compute dtype, whether repacked) when
-# made, its Bnb4bitWeight)
-_VIEWS: dict[int, tuple] = {}
+# module -> ((a weak reference to its Params4bit, compute dtype, whether repacked) when made, its
+# Bnb4bitWeight), while the module lives (nothing in an entry holds the module: `Bnb4bitWeight`)
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def is_linear4bit(module: torch.nn.Module) -> bool:
@@ -65,7 +65,10 @@ class Bnb4bitWeight(torch.Tensor):
                                                    device=module.weight.device, requires_grad=False)
 
     def __init__(self, module: torch.nn.Module):
-        self.param = module.weight  # the Params4bit
+        # the Params4bit's codes as a plain tensor (its storage and version counter): a Params4bit keeps
+        # its module, which a view cached for the module's lifetime must not hold
+        with torch._C.DisableTorchFunctionSubclass():
+            self.param = torch.Tensor.detach(module.weight)
         self.quant_state = _state(module)
 
     @classmethod
@@ -95,7 +98,7 @@ class Bnb4bitWeight(torch.Tensor):
 
     def q4_fields(self):
         """(codes [N, K] uint8 as a function, absmax [N, K / blocksize] float32, blocksize, codebook
-        [16] float32, the Params4bit) where `cpu.kernels.q4_parts` (which checked the device and the
+        [16] float32, the tensor of the packed codes) where `cpu.kernels.q4_parts` (which checked the device and the
         dtype) can read this weight, else None."""
         state, param = self.quant_state, self.param
         n, k = state.shape
@@ -129,13 +132,12 @@ def linear_weight(module: torch.nn.Module) -> Bnb4bitWeight:
     """The `Bnb4bitWeight` of `module` (an `is_linear4bit` one), made once and kept while the module
     lives and holds the same `Params4bit` in the same layout with the same compute dtype (a weight put
     in its place, or repacked by bitsandbytes, gets a new one)."""
-    now = (module.weight, compute_dtype(module), _repacked(_state(module)))
-    entry = _VIEWS.get(id(module))
-    if entry is not None and entry[0]() is module and entry[1][0] is now[0] and entry[1][1:] == now[1:]:
-        return entry[2]
+    now = (compute_dtype(module), _repacked(_state(module)))
+    entry = _VIEWS.get(module)
+    if entry is not None and entry[0][0]() is module.weight and entry[0][1:] == now:
+        return entry[1]
     view = Bnb4bitWeight(module)
-    key = id(module)
-    _VIEWS[key] = (weakref.ref(module, lambda _, key=key: _VIEWS.pop(key, None)), now, view)
+    _VIEWS[module] = ((weakref.ref(module.weight), *now), view)
     return view
 
 

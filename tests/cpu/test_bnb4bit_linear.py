@@ -12,6 +12,9 @@ same layout."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,7 +86,12 @@ def test_linear4bit_is_seen_as_a_linear():
     assert (parts.form, parts.group, parts.offset) == ("lut", 64, 0.0)
     assert parts.codes().shape == (24, 256) and parts.scales.shape == (24, 4) and parts.scales.dtype == torch.float32
     assert torch.equal(parts.lut, lin.weight.quant_state.code)
-    assert cpu_kernels.weight_kind(w) == cpu_kernels.W_Q4 and cpu_kernels.values_of(w) is lin.weight
+    assert cpu_kernels.weight_kind(w) == cpu_kernels.W_Q4
+    codes = cpu_kernels.values_of(w)  # the Params4bit's codes as a plain tensor: its storage and version counter
+    assert type(codes) is torch.Tensor and codes.data_ptr() == lin.weight.data_ptr()
+    with torch.no_grad():
+        lin.weight.add_(0)
+    assert codes._version == lin.weight._version
     assert row_strategy(w, lin.bias) == "cpu"
     with pytest.raises(TypeError, match="F.linear only"):
         w.sum()
@@ -97,6 +105,18 @@ def test_linear4bit_is_seen_as_a_linear():
     nan = _linear4bit(128, 8, torch.float32)
     nan.weight.quant_state.absmax[0] = float("nan")
     assert cpu_kernels.q4_parts(linear_weight(nan)) is None
+
+
+def test_a_dropped_module_is_freed():
+    """The views and packed copies kept for a module hold nothing that keeps the module alive (a
+    Params4bit holds its module)."""
+    lin = _linear4bit(128, 16, torch.float32)
+    w = linear_weight(lin)
+    cpu_kernels.linear(torch.randn(2, 128), w, lin.bias)
+    gone = weakref.ref(lin)
+    del lin, w
+    gc.collect()
+    assert gone() is None
 
 
 @pytest.mark.parametrize("kind", ["nf4", "fp4"])
