@@ -204,6 +204,7 @@ def _current_engine(model: torch.nn.Module, state: _State) -> Engine:
         with old.exclusive() if old is not None else contextlib.nullcontext(), _inside(state):
             state.engine = _build(model, state.options)  # the probe calls the model
             state.signature = signature
+            state.engine.warm_up()
         return state.engine
 
 
@@ -217,7 +218,8 @@ def wrap(model, **options):
     Options (see `EngineOptions`): max_cache_tokens, num_blocks, block_size, max_batch_tokens,
     max_num_seqs, cache_memory_fraction, attn_backend ("auto" | "sdpa" | "flash_attn" | "triton" | "flash_attn4"),
     compile ("auto" | True | False), cuda_graphs, pad_drafts, join_calls, tree_min_score,
-    invariant ("auto" | True | False), prefix_cache ("auto" | True | False).
+    invariant ("auto" | True | False), prefix_cache ("auto" | True | False), warmup (a dict: the compiled or
+    captured steps of later calls built now; engine.warmup).
 
     Example: `wrap(model, max_cache_tokens=32768)` then `model.generate(ids, prompt_lookup_num_tokens=4)`;
     a second call whose prompt starts with the first one's 600 tokens takes 512 of them from the
@@ -237,7 +239,8 @@ def wrap(model, **options):
         opts = EngineOptions(**merged)
         with _inside(state):
             engine = _build(model, opts)
-        model.__dict__[_STATE] = _State(opts, engine)
+        model.__dict__[_STATE] = new = _State(opts, engine)
+        _warm_up(model, new, state)
         return model
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate"):
         raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
@@ -246,8 +249,24 @@ def wrap(model, **options):
     opts = EngineOptions(**options)
     engine = _build(model, opts)  # refuses a model the engine cannot run, its class unchanged
     model.__class__ = plookup_class(type(model))
-    model.__dict__[_STATE] = _State(opts, engine)
+    model.__dict__[_STATE] = state = _State(opts, engine)
+    _warm_up(model, state, None)
     return model
+
+
+def _warm_up(model, state: _State, before: _State | None) -> None:
+    """The `warmup` option's step buckets, built on the model in its wrapped class (compiled
+    code guards the class it ran on). Should the warm-up fail, the model is left as it was
+    before `wrap`: its plain class (`before` None) or its earlier state."""
+    try:
+        with _inside(state):
+            state.engine.warm_up()
+    except BaseException:
+        if before is None:
+            unwrap(model)
+        else:
+            model.__dict__[_STATE] = before
+        raise
 
 
 def unwrap(model):

@@ -189,3 +189,61 @@ def test_second_process_loads_the_first_ones_compiled_steps(tmp_path):
     assert first["steps"].get("compiled", 0) > 0 and first["inductor"].get("fxgraph_cache_miss", 0) >= 1
     assert second["inductor"].get("fxgraph_cache_miss", 0) == 0 and second["inductor"].get("fxgraph_cache_hit", 0) >= 1
     assert second["tokens"] == first["tokens"] and second["steps"] == first["steps"]
+
+
+def test_warmup_builds_the_buckets_before_the_first_call(monkeypatch):
+    """wrap(..., warmup=...) compiles at wrap time the steps that calls of up to max_batch_size
+    rows and the given k meet, in every batch bucket up to it and every context bucket up to
+    max_length: a later call of those compiles nothing (torch's own graph count unchanged,
+    `compile_time` 0) though its batch shrinks as rows finish, a call of another k still does, and
+    the tokens are HF's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    counters.clear()
+    w = wrap_copy(model, max_cache_tokens=1024, compile=True,
+                  warmup={"max_batch_size": 2, "prompt_lookup_num_tokens": [4], "max_length": 200})
+    gr = w._engine._graphs
+    # width 5 at batch buckets 1 and 2, context buckets 32..256 (16-token pages): a compile per
+    # batch bucket serves its context buckets
+    assert sorted(gr.graphs) == [(5, b, lk, False) for b in (1, 2) for lk in (32, 64, 128, 256)]
+    assert w._engine.warmed["buckets"] == 8 and w._engine.warmed["compile_seconds"] > 0
+    assert counters["stats"]["unique_graphs"] == 2
+    ids, mask = left_padded(2, seed=5, repeats=4.5)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    out = w.generate(ids, attention_mask=mask, max_new_tokens=16, prompt_lookup_num_tokens=4)
+    s = w.last_stats
+    assert torch.equal(out, ref)
+    assert s.compile_time == 0.0 and s.decode_steps_by_path == {"compiled": s.forwards - s.prefill_forwards}
+    assert counters["stats"]["unique_graphs"] == 2 and len(gr.graphs) == 8
+    assert s.decode_steps_by_path["compiled"] > 1 and s.num_sequences == 2
+    two = w.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, prompt_lookup_num_tokens=2)
+    assert w.last_stats.compile_time > 0 and counters["stats"]["unique_graphs"] == 3  # width 3: not warmed
+    assert torch.equal(two, model.generate(ids[:1], attention_mask=mask[:1], do_sample=False, max_new_tokens=4))
+
+
+def test_warmup_option_checks(llama):
+    """The warmup spec normalized, and every bad one refused before any work, the model left plain."""
+    from hf_plookup.engine.warmup import warmup_spec
+
+    assert warmup_spec(None) is None
+    assert warmup_spec({}) == {"max_batch_size": 1, "prompt_lookup_num_tokens": (0,), "max_length": None}
+    assert warmup_spec({"max_batch_size": 16, "prompt_lookup_num_tokens": [8, 0, 8], "max_length": 512}) == {
+        "max_batch_size": 16, "prompt_lookup_num_tokens": (0, 8), "max_length": 512}
+    bad = [(True, "warmup must be a dict"), ({"batch": 1}, r"unknown key\(s\) \['batch'\]"),
+           ({"prompt_lookup_num_tokens": []}, r"warmup\['prompt_lookup_num_tokens'\] must not be empty"),
+           ({"max_batch_size": 0}, r"warmup\['max_batch_size'\] must be greater than 0"),
+           ({"max_batch_size": [2]}, r"warmup\['max_batch_size'\] must be an int"),
+           ({"prompt_lookup_num_tokens": -1}, r"warmup\['prompt_lookup_num_tokens'\] must be >= 0"),
+           ({"max_length": 2.5}, r"warmup\['max_length'\] must be an int"),
+           ({"max_batch_size": 300}, "more than max_num_seqs=256"),
+           ({"max_length": 4096}, r"warmup\['max_length'\] is 4096 but the KV cache holds 512 tokens")]
+    for spec, message in bad:
+        plain = type(llama)
+        with pytest.raises(ValueError, match=message):
+            hf_plookup.wrap(llama, max_cache_tokens=512, warmup=spec)
+        assert type(llama) is plain and not isinstance(llama, hf_plookup.PlookupModel)
+    # steps that run eagerly have nothing to build
+    w = wrap_copy(llama, max_cache_tokens=512, warmup={"prompt_lookup_num_tokens": 4})
+    assert w._engine.warmed["buckets"] == 0 and w._engine._graphs is None

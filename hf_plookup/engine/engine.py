@@ -39,6 +39,7 @@ from ..steps.c_layers import CpuLayers
 from ..steps.runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import DecodeConfig
+from .warmup import check_warmup, warm_up, warmup_spec
 from .widths import StepCosts, candidate_widths, choose_width
 
 logger = logging.getLogger("hf_plookup")
@@ -80,6 +81,9 @@ class EngineOptions:
     # Off by default: a call then drafts from its own rows and arguments only, so the same request
     # runs the same way whatever came before it (a benchmark's variants included)
     draft_memory_tokens: int = 0
+    # step buckets built at wrap time, so that no call compiles or captures (engine.warmup): a dict
+    # of max_batch_size, prompt_lookup_num_tokens, max_length; None: each bucket built when first met
+    warmup: dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_cache_tokens", "num_blocks", "block_size", "max_batch_tokens", "max_num_seqs"):
@@ -103,6 +107,7 @@ class EngineOptions:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction!r}")
         if self.attn_backend not in BACKEND_CHOICES:
             raise ValueError(f"attn_backend must be one of {BACKEND_CHOICES}, got {self.attn_backend!r}")
+        self.warmup = warmup_spec(self.warmup)
 
 
 # a call with at least this many decode steps, most of them eager with graphs or compile on, logs a line (warn_eager)
@@ -180,6 +185,15 @@ class Engine:
         logger.debug("hf_plookup engine built in %.2f s: %s", parts[-1][1] - parts[0][1],
                      ", ".join(f"{name} {t - t0:.2f} s" for (_, t0), (name, t) in zip(parts, parts[1:])))
         self._init_state()
+        self.warmed: dict | None = None  # what `warm_up` built, and its seconds (engine.warmup)
+        if self.options.warmup:
+            check_warmup(self, self.options.warmup)  # a spec beyond what the engine holds: refused now
+
+    def warm_up(self) -> None:
+        """Build the step buckets of the `warmup` option (engine.warmup), once the model is in the
+        form its calls will see (compiled code guards its class). The caller holds the model."""
+        if self.options.warmup and self.warmed is None:
+            self.warmed = warm_up(self, self.options.warmup)
 
     def _init_state(self) -> None:
         """What calls build and keep: the cache (allocated on first use), the captured or compiled
@@ -339,8 +353,7 @@ class Engine:
         """Run steps until every row of `own` and of the calls that join meanwhile is done: schedule
         (drafts proposed) -> lay out -> run -> postprocess (verify, commit)."""
         self._seed(own)
-        if self.use_compile:  # compiled steps trace plain parameters: weights packed in place (by
-            unpack_linears(self.model)  # another engine of the same modules: cpu.packed_weight) go plain
+        self.prepare_steps()
         cache = self.cache()
         graphs = self.graph_runner()
         graph_seconds = _graph_seconds(graphs)  # compile and capture time before this call
@@ -370,6 +383,27 @@ class Engine:
             warn_eager(own.stats)
         self._remember(batch)
         return own.result if own.result is not None else batch.result(own)
+
+    def prepare_steps(self) -> None:
+        """Before steps run: compiled steps trace plain parameters, so weights packed in place (by
+        another engine of the same modules: cpu.packed_weight) go plain."""
+        if self.use_compile:
+            unpack_linears(self.model)
+
+    def step_widths(self, cfg: DecodeConfig) -> tuple[tuple[int, ...], bool]:
+        """The widths a call of `cfg`'s uniform steps feed (several where a step picks its width by
+        measured cost: engine.widths; else the one padded width) and whether its steps hold trees:
+        the buckets its steps meet (the warm-up's, engine.warmup).
+
+        Example: on CUDA with graphs, k=8 chains: ((1, 5, 9), False); compiled on CPU: ((9,), False)."""
+        proposer = self.proposer(cfg)
+        if proposer is None:
+            return (1,), False
+        tree = isinstance(proposer, TreeProposer)
+        nodes = proposer.budget if tree else 0
+        if self.width_policy:
+            return candidate_widths(cfg.k, nodes), tree
+        return (self.pad_to(max(cfg.k, nodes, 1)) or 1,), tree
 
     def _lay_out(self, batch: Batch, chunks: list, graphs: GraphRunner | None, width: int | None):
         """The step's layout (engine.layout): a uniform step of chains whose graph bucket exists is
@@ -423,7 +457,7 @@ class Engine:
         as `batch.width_of`; none: each step's width is fixed."""
         if not (self.width_policy and batch.proposer is not None):
             return ()
-        widths = candidate_widths(batch.cfg.k, batch.proposer.budget if batch.tree else 0)
+        widths, _ = self.step_widths(batch.cfg)
         batch.width_of = lambda chances, drafts: choose_width(self.step_costs, batch_bucket(len(drafts)), widths,
                                                               chances, drafts)
         return widths

@@ -2,11 +2,12 @@
 
 Every running sequence feeds exactly `q = k + 1` tokens (the runner pads missing drafts), so a
 step's shapes depend only on the batch size B and the longest context Lk. Both are rounded up
-to buckets (B to 1, 2, 4, 8, ...; Lk to a power-of-two number of pages), the step's layout is
-padded to the bucket (`pad_layout`: dummy rows feed token 0 at positions 0..q-1 and write into
+to buckets (B to 1, 2, 4, 8, ...; Lk to a power-of-two number of pages, at least two), the
+step's layout is padded to the bucket (`pad_layout`: dummy rows feed token 0 at positions 0..q-1 and write into
 the cache's scratch page), and one graph per `(q, B bucket, Lk bucket, tree)` is captured
-lazily, the first time such a step runs: a warm-up forward on a side stream, then the capture
-into a graph memory pool shared by all graphs (they never run concurrently). Where a call's steps
+lazily, the first time such a step runs (or at wrap time: `warm`, engine.warmup): a warm-up
+forward on a side stream, then the capture into a graph memory pool shared by all graphs (they
+never run concurrently). Where a call's steps
 choose their width among a few (`widths`, engine.widths), the first step in a new
 `(B bucket, Lk bucket, tree)` captures every one of those widths there at once (on rows that are
 all dummies: `dummy_layout`), so which widths later steps pick by their timings never makes a
@@ -84,8 +85,10 @@ def batch_bucket(num_seqs: int) -> int | None:
 
 
 def context_bucket(max_context_len: int, block_size: int) -> int:
-    """Lk rounded up to a power-of-two number of pages."""
-    pages = -(-max_context_len // block_size)
+    """Lk rounded up to a power-of-two number of pages, at least two: compiled steps take the key
+    dimension as dynamic, and torch specializes a dimension of size 1 (a one-page bucket would
+    compile apart)."""
+    pages = max(-(-max_context_len // block_size), 2)
     return block_size * (1 << (pages - 1).bit_length())
 
 
@@ -424,6 +427,32 @@ class GraphRunner:
         self._staged.add(id(g.layout))
         return g
 
+    def _build_dummy(self, q: int, bb: int, lkb: int, tree: bool) -> bool:
+        """The bucket (q, bb, lkb, tree) built on rows that are all padding, unless it exists.
+        True if it was built."""
+        if (q, bb, lkb, tree) in self.graphs:
+            return False
+        dummies = pad_layout(dummy_layout(q, tree), bb, lkb, self.block_size, self.cache.scratch_block)
+        self._build((q, bb, lkb, tree), dummies)
+        return True
+
+    def warm(self, q: int, num_seqs: int, tree: bool, max_context_len: int) -> int:
+        """Build every bucket that uniform steps of `q` tokens a row, up to `num_seqs` rows, with up
+        to `max_context_len` keys, run in (engine.warmup), in the grad mode steps run in. Returns
+        how many were new.
+
+        Example: block_size 16, warm(5, 3, False, 100): batch bucket 4, context buckets 32, 64 and
+        128: 3 buckets (one compile where compiled; a capture each where captured)."""
+        bb = batch_bucket(num_seqs)
+        if bb is None or bb > self.max_batch:
+            raise ValueError(f"{num_seqs} rows are more than the largest batch bucket ({self.max_batch})")
+        built, lkb = 0, context_bucket(q, self.block_size)
+        with self.grad_mode():
+            while lkb <= context_bucket(max_context_len, self.block_size):
+                built += self._build_dummy(q, bb, lkb, tree)
+                lkb *= 2
+        return built
+
     def run(self, layout: StepLayout) -> torch.Tensor:
         """Logits of the layout's kept rows, `[N, V]` (a fresh tensor, safe across replays)."""
         with self.grad_mode():
@@ -439,11 +468,10 @@ class GraphRunner:
             padded = pad_layout(layout, bb, lkb, self.block_size, self.cache.scratch_block)
             if g is None:
                 g = self._build(key, padded)
-                # the call's other widths at this bucket too (not where each one compiles: seconds apiece)
-                for q in () if self.compiled else self.widths:
-                    if (q, bb, lkb, tree) not in self.graphs:
-                        dummies = pad_layout(dummy_layout(q, tree), bb, lkb, self.block_size, self.cache.scratch_block)
-                        self._build((q, bb, lkb, tree), dummies)
+                # the call's other widths at this bucket too (compiled: one compile per width and
+                # batch bucket, which every context bucket shares)
+                for q in self.widths:
+                    self._build_dummy(q, bb, lkb, tree)
             else:
                 g.staging.write(padded)
         keep = g.staging.upload()

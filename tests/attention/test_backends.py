@@ -307,7 +307,7 @@ def test_pad_to_for_padded_verify_steps(llama):
 def test_buckets():
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
     assert batch_bucket(BATCH_BUCKETS[-1] + 1) is None
-    assert [context_bucket(n, 16) for n in (1, 16, 17, 33, 200)] == [16, 16, 32, 64, 256]
+    assert [context_bucket(n, 16) for n in (1, 16, 17, 33, 200)] == [32, 32, 32, 64, 256]
     assert context_bucket(300, 256) == 512
 
 

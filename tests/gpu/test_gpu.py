@@ -67,6 +67,26 @@ def test_compiled_graphs_fp32_identical_to_hf_greedy(arch, backend):
     assert gr.compile_seconds == before and w.last_stats.compile_time == 0.0
 
 
+def test_warmup_compiles_and_captures_before_the_first_call():
+    """compile=True with wrap(..., warmup=...): every width that calls of k=4 choose among, in
+    every batch bucket up to 4 and every context bucket up to max_length, compiled and captured
+    when wrapped; calls of 1 to 4 rows then neither compile nor capture (whichever widths their
+    steps pick by measured cost), and give HF's fp32 greedy tokens."""
+    model = tiny_model("llama").cuda()
+    w = wrap_copy(model, max_cache_tokens=8192, attn_backend="sdpa", compile=True,
+                  warmup={"max_batch_size": 4, "prompt_lookup_num_tokens": [0, 4], "max_length": 256})
+    gr = w._engine._graphs
+    built = len(gr.graphs)
+    assert w._engine.warmed["buckets"] == built > 0 and w._engine.warmed["compile_seconds"] > 0
+    assert {q for q, *_ in gr.graphs} == {1, 3, 5} and all(g.graph is not None for g in gr.graphs.values())
+    for batch, k in ((1, 4), (4, 4), (3, None), (2, 4)):
+        out = _generate(w, batch, k, batch + 7)
+        s = w.last_stats
+        assert torch.equal(_hf(model, batch, batch + 7), out), (batch, k)
+        assert s.compile_time == 0.0 and s.capture_time == 0.0 and len(gr.graphs) == built, (batch, k)
+        assert s.decode_steps_by_path.get("graph", 0) > 0, (batch, k)
+
+
 def test_compiled_step_writes_pages_in_place():
     """A compiled, captured step writes its keys and values into the pages themselves: compiling,
     capturing and replaying its buckets allocates far less than one layer's pages. (Traced as an
