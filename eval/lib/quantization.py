@@ -48,13 +48,13 @@ class Quantization:
     module: str
     package: str
     config: str
-    build: Callable[[torch.dtype], object]
+    build: Callable[[torch.dtype, str | None], object]  # (dtype, the checkpoint's path) -> the config
     # other modules the quantizer needs at load, with the package and why (checked with `module`)
     needs: tuple[tuple[str, str, str], ...] = ()
 
 
-def _torchao(config: str) -> Callable[[torch.dtype], object]:
-    def build(dtype):
+def _torchao(config: str) -> Callable[[torch.dtype, str | None], object]:
+    def build(dtype, path):
         from torchao import quantization as q
         from transformers import TorchAoConfig
 
@@ -65,8 +65,8 @@ def _torchao(config: str) -> Callable[[torch.dtype], object]:
     return build
 
 
-def _bnb_4bit(kind: str) -> Callable[[torch.dtype], object]:
-    def build(dtype):
+def _bnb_4bit(kind: str) -> Callable[[torch.dtype, str | None], object]:
+    def build(dtype, path):
         from transformers import BitsAndBytesConfig
 
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_compute_dtype=dtype)
@@ -74,19 +74,47 @@ def _bnb_4bit(kind: str) -> Callable[[torch.dtype], object]:
     return build
 
 
-def _bnb_8bit(dtype):
+def _bnb_8bit(dtype, path):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def _quanto(weights: str) -> Callable[[torch.dtype], object]:
-    def build(dtype):
+def _quanto(weights: str) -> Callable[[torch.dtype, str | None], object]:
+    def build(dtype, path):
         from transformers import QuantoConfig
 
         return QuantoConfig(weights=weights)
 
     return build
+
+
+# GPTQ calibrates on these many of the builtin documents (eval/data/builtin.jsonl, shipped here):
+# the quantization runs on every load, about 6 minutes for SmolLM2 on 2 cores
+GPTQ_DOCUMENTS = 8
+
+
+def _gptq(dtype, path):
+    """GPTQ 4-bit, groups of 64 (SmolLM2's 576 columns hold no group of 128), calibrated on builtin
+    documents with the checkpoint's own tokenizer. Random weights have none: their documents are
+    SmolLM2's tokens, taken modulo the model's vocabulary (tiny shapes have a small one), given to
+    the quantizer already tokenized."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer, GPTQConfig
+
+    from .documents import BUILTIN_PATH, load_jsonl
+
+    texts = [d["document"] for d in load_jsonl(BUILTIN_PATH)[:GPTQ_DOCUMENTS]]
+    if path is not None and (Path(path) / "tokenizer_config.json").exists():
+        return GPTQConfig(bits=4, group_size=64, dataset=texts, tokenizer=path, desc_act=False)
+    from hf_plookup import embedded
+
+    tok = AutoTokenizer.from_pretrained(embedded.embedded_checkpoint("smollm2-135m"))
+    vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size if path is not None else tok.vocab_size
+    rows = [torch.tensor(tok(t).input_ids) % vocab for t in texts]
+    data = [{"input_ids": r[None], "attention_mask": torch.ones_like(r)[None]} for r in rows]
+    return GPTQConfig(bits=4, group_size=64, dataset=data, tokenizer=tok, desc_act=False)
 
 
 QUANTIZATIONS: dict[str, Quantization] = {
@@ -97,7 +125,7 @@ QUANTIZATIONS: dict[str, Quantization] = {
     # without it HF's load fails deep in a conversion report, so it is checked up front
     "torchao-int4": Quantization("torchao", "torchao", "TorchAoConfig(Int4WeightOnlyConfig(group_size=32))",
                                  _torchao("int4"),
-                                 needs=(("mslk", "mslk-cuda", "torchao's Int4WeightOnlyConfig (its default plain int4 "
+                                 needs=(("mslk", "mslk-cuda on a CUDA machine", "torchao's Int4WeightOnlyConfig (its default plain int4 "
                                          "packing) quantizes through mslk's int4 kernels, a CUDA package"),)),
     "bnb-8bit": Quantization("bitsandbytes", "bitsandbytes", "BitsAndBytesConfig(load_in_8bit=True)", _bnb_8bit),
     "bnb-nf4": Quantization("bitsandbytes", "bitsandbytes",
@@ -108,6 +136,12 @@ QUANTIZATIONS: dict[str, Quantization] = {
                             _bnb_4bit("fp4")),
     "quanto-int8": Quantization("optimum.quanto", "optimum-quanto", 'QuantoConfig(weights="int8")', _quanto("int8")),
     "quanto-int4": Quantization("optimum.quanto", "optimum-quanto", 'QuantoConfig(weights="int4")', _quanto("int4")),
+    # made at load from the float checkpoint (calibrated on shipped documents), as a user makes one
+    "gptq-4bit": Quantization("gptqmodel", "gptqmodel optimum",
+                              f"GPTQConfig(bits=4, group_size=64, dataset=<{GPTQ_DOCUMENTS} builtin documents>, "
+                              "desc_act=False)", _gptq,
+                              needs=(("optimum.gptq", "optimum", "transformers' GPTQ quantizer calibrates through "
+                                      "optimum's GPTQQuantizer"),)),
 }
 NAMES = tuple(QUANTIZATIONS)
 
@@ -139,7 +173,7 @@ def problem(name: str | None) -> str | None:
         return f"--quantization {name} needs {spec.module}, which is not installed: pip install {spec.package}"
     for module, package, why in spec.needs:
         if not _importable(module):
-            return f"--quantization {name}: {why}, and {module} is not installed (pip install {package}, on a CUDA machine)"
+            return f"--quantization {name}: {why}, and {module} is not installed (pip install {package})"
     return None
 
 
@@ -169,15 +203,15 @@ def describe(name: str | None) -> str:
     return "none" if name is None else f"{name} ({_spec(name).config})"
 
 
-def quantization_config(name: str, dtype: torch.dtype):
+def quantization_config(name: str, dtype: torch.dtype, path: str | None = None):
     """HF's quantization config that `name` stands for, for a model run in `dtype` (bitsandbytes'
-    4-bit compute dtype); ValueError for an unknown name, ImportError naming the package for a
-    missing library."""
+    4-bit compute dtype) loaded from `path` (GPTQ's calibration tokenizer); ValueError for an
+    unknown name, ImportError naming the package for a missing library."""
     spec = _spec(name)
     message = problem(name)
     if message:
         raise ImportError(message)
-    return spec.build(dtype)
+    return spec.build(dtype, path)
 
 
 def from_pretrained(path, dtype: torch.dtype, device, name: str, **kwargs):
@@ -186,7 +220,7 @@ def from_pretrained(path, dtype: torch.dtype, device, name: str, **kwargs):
     and the device, HF's own error chained to it."""
     from transformers import AutoModelForCausalLM
 
-    config = quantization_config(name, dtype)
+    config = quantization_config(name, dtype, str(path))
     device = torch.device(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=config,
@@ -229,20 +263,30 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size() + extra
 
 
+def _buffer_linear(module: torch.nn.Module) -> bool:
+    """A quantizer's linear that keeps its weights in buffers and is no `nn.Linear` (gptqmodel's
+    GPTQ linears: qweight, qzeros, scales, g_idx)."""
+    return type(module).__module__.startswith("gptqmodel.") and hasattr(module, "qweight")
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
-    """The bytes of `model`'s parameters as stored (quantized weights at their stored size): what a
-    decode step reads, the numerator of the bandwidth bound. For a plain model the same as
-    numel x element size summed over the parameters."""
-    return sum(_bytes(p) for p in model.parameters())
+    """The bytes of `model`'s parameters as stored (quantized weights at their stored size), and of
+    the buffers a GPTQ linear keeps its weights in: what a decode step reads, the numerator of the
+    bandwidth bound. For a plain model the same as numel x element size summed over the parameters."""
+    buffers = sum(b.numel() * b.element_size() for m in model.modules() if _buffer_linear(m)
+                  for b in m.buffers(recurse=False))
+    return sum(_bytes(p) for p in model.parameters()) + buffers
 
 
 def quantized_linears(model: torch.nn.Module) -> int:
     """How many of `model`'s linears hold quantized weights: a quantizer's own linear class
-    (bitsandbytes' Linear8bitLt/Linear4bit, optimum-quanto's QLinear) or a quantized tensor
-    subclass in a plain `nn.Linear` (torchao). 0 for a plain model: a load whose quantizer did
-    nothing shows here."""
+    (bitsandbytes' Linear8bitLt/Linear4bit, optimum-quanto's QLinear, gptqmodel's GPTQ linears) or
+    a quantized tensor subclass in a plain `nn.Linear` (torchao). 0 for a plain model: a load whose
+    quantizer did nothing shows here."""
     count = 0
     for m in model.modules():
+        if _buffer_linear(m):
+            count += 1
         if not isinstance(m, torch.nn.Linear):
             continue
         root = type(m.weight).__module__.split(".")[0]

@@ -243,3 +243,17 @@ def test_bitsandbytes_from_pretrained(bits, tmp_path):
         pytest.skip(f"bitsandbytes does not run here: {type(e).__name__}: {e}")
     assert probe._quantizer(model) == "bitsandbytes"
     _check_runs(model, "bitsandbytes")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gptq_from_pretrained(dtype):
+    """A GPTQ 4-bit model made on this machine (transformers' GPTQConfig at load: gptqmodel and
+    optimum, calibrated on builtin documents) wraps and runs; in fp32 greedy with drafts equals HF's
+    greedy of the same model unless the probe notes its kernel's row-count dependence."""
+    pytest.importorskip("gptqmodel")
+    pytest.importorskip("optimum.gptq")
+    from eval.lib.models import load_model
+
+    model, _ = load_model("random:tiny-llama", dtype, "cpu", seed=3, quantization="gptq-4bit")
+    assert probe._quantizer(model) == "gptq"
+    _check_runs(model, "gptq")

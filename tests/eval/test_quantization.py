@@ -101,6 +101,11 @@ def _expect(name: str):
                 assert isinstance(linear, bnb.nn.Linear4bit) and linear.weight.dtype == torch.uint8
                 assert linear.weight.quant_state.quant_type == name.split("-")[1]
         return "bitsandbytes", check
+    if name.startswith("gptq"):
+        def check(linear):
+            assert type(linear).__module__.startswith("gptqmodel.") and linear.bits == 4
+            assert linear.qweight.dtype == torch.int32 and linear.scales.dtype == torch.float16
+        return "gptqmodel", check
 
     def check(linear):
         from optimum import quanto
