@@ -223,6 +223,23 @@ def test_warmup_builds_the_buckets_before_the_first_call(monkeypatch):
     assert torch.equal(two, model.generate(ids[:1], attention_mask=mask[:1], do_sample=False, max_new_tokens=4))
 
 
+def test_a_step_that_compiles_again_counts_as_compiling(monkeypatch):
+    """A bucket built earlier whose compiled code is gone (torch._dynamo.reset()) compiles again in
+    its next step: that call's `compile_time` says so, though it built no new bucket."""
+    monkeypatch.setattr(graphs, "COMPILE_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    w = wrap_copy(model, max_cache_tokens=512, compile=True)
+    ids, mask = left_padded(1, seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=6, prompt_lookup_num_tokens=2)
+    first = w.generate(ids, **kw)
+    assert w.last_stats.compile_time > 0
+    w.generate(ids, **kw)
+    assert w.last_stats.compile_time == 0.0
+    torch._dynamo.reset()
+    again = w.generate(ids, **kw)
+    assert w.last_stats.compile_time > 0 and torch.equal(again, first)
+
+
 def test_warmup_option_checks(llama):
     """The warmup spec normalized, and every bad one refused before any work, the model left plain."""
     from hf_plookup.engine.warmup import warmup_spec

@@ -259,6 +259,13 @@ class Staging:
         return self.keep[: len(self.layout.keep)]
 
 
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (torch's own counter; any model's)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
 
 
@@ -478,6 +485,14 @@ class GraphRunner:
         if self.capture:
             g.graph.replay()
             logits = g.logits
+        elif self.compiled:
+            # a bucket built before can still compile again: a guard of its compiled code failed
+            # (the model changed in a way dynamo checks, or torch dropped its compiled code), which
+            # counts as compiling, not as the step
+            before, t0 = _compiled_graphs(), time.perf_counter()
+            logits = self._forward(g)
+            if _compiled_graphs() != before:
+                self.compile_seconds += time.perf_counter() - t0
         else:
             logits = self._forward(g)
         self.num_replays += 1
