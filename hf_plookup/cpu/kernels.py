@@ -254,14 +254,16 @@ class Q4Parts:
     lut: torch.Tensor | None = None  # the "lut" form's codebook, 16 float32 values
 
 
+# (hf_plookup's own: a quantized module seen as a linear's weight, invariant.module_weight)
 _Q4_TYPES = {"WeightQBitsTensor": "optimum.quanto", "TinyGemmWeightQBitsTensor": "optimum.quanto",
-             "Bnb4bitWeight": "hf_plookup"}
+             "Bnb4bitWeight": "hf_plookup", "GptqWeight": "hf_plookup"}
 _Q4_PARTS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, its q4_parts), as _INT8_PARTS
 
 
 def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
-    """The `Q4Parts` of a CPU weight quantized to 4 bits by optimum-quanto (qint4 on axis 0, frozen) or
-    by bitsandbytes (nf4 or fp4, seen as `invariant.bnb4bit.Bnb4bitWeight`), else None. quanto holds
+    """The `Q4Parts` of a CPU weight quantized to 4 bits by optimum-quanto (qint4 on axis 0, frozen), by
+    bitsandbytes (nf4 or fp4, seen as `invariant.bnb4bit.Bnb4bitWeight`) or by GPTQ (gptqmodel's,
+    seen as `invariant.gptq.GptqWeight`), else None. quanto holds
     such a weight in one of two forms:
 
     - `WeightQBitsTensor` (float32 models, and bfloat16 ones whose groups are not 128 values): its
@@ -272,7 +274,8 @@ def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
       of its `_scale_shift`.
 
     bitsandbytes' value is `codebook[code] * absmax` in float32, rounded to the compute dtype ("lut":
-    the scales are the blocks' absmax, the shifts zeros, the group the block).
+    the scales are the blocks' absmax, the shifts zeros, the group the block). A GPTQ linear of
+    gptqmodel, once turned into torch's int4pack form, is read as the tinygemm form (invariant.gptq).
 
     Example: a [64, 256] float32 linear quantized by `quantize(m, weights=qint4); freeze(m)` gives
     codes [64, 256], scales and shifts [64, 2] (groups of 128), "mul_sub", offset 0.0. K and the group
@@ -284,12 +287,8 @@ def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
 def _read_q4_parts(weight: torch.Tensor) -> Q4Parts | None:
     if weight.device.type != "cpu" or weight.dtype not in DTYPES or weight.dim() != 2:
         return None
-    if type(weight).__name__ == "Bnb4bitWeight":  # bitsandbytes' nf4/fp4 (invariant.bnb4bit)
-        fields = weight.q4_fields()
-        if fields is None:
-            return None
-        codes, absmax, group, lut, source = fields
-        return Q4Parts(codes, absmax, torch.zeros_like(absmax), group, "lut", 0.0, source, lut)
+    if type(weight).__module__.startswith("hf_plookup"):  # bitsandbytes' nf4/fp4, GPTQ (invariant.module_weight)
+        return weight.q4_fields()
     if getattr(weight.qtype, "name", None) != "qint4" or weight.axis != 0:
         return None
     n, k = weight.shape
@@ -300,11 +299,11 @@ def _read_q4_parts(weight: torch.Tensor) -> Q4Parts | None:
         return None
     if type(weight).__name__ == "TinyGemmWeightQBitsTensor":
         ss = weight._scale_shift  # [K / group, N, 2]: scale, zero
-        block = _int4pack_block()
+        block = int4pack_block()
         if (weight.dtype != torch.bfloat16 or tuple(ss.shape) != (k // group, n, 2) or block is None or n % block
                 or tuple(source.shape) != (n, k // 2)):
             return None
-        return Q4Parts(lambda: _int4pack_codes(source, n, k, block), ss[:, :, 0].t(), ss[:, :, 1].t(), group, "fma",
+        return Q4Parts(lambda: int4pack_codes(source, n, k, block), ss[:, :, 0].t(), ss[:, :, 1].t(), group, "fma",
                        8.0, source)
     scale, shift = weight._scale, weight._shift
     if (not shift.dtype.is_floating_point or scale.dtype != weight.dtype or shift.dtype != weight.dtype
@@ -315,10 +314,10 @@ def _read_q4_parts(weight: torch.Tensor) -> Q4Parts | None:
 
 
 @functools.cache
-def _int4pack_block() -> int | None:
+def int4pack_block() -> int | None:
     """The columns of a block of torch's CPU int4pack layout (`torch._convert_weight_to_int4pack_for_cpu`,
     which quanto's tinygemm weights hold) on this machine, or None if its layout is not the one
-    `_int4pack_codes` reads. torch picks the block by the CPU it runs on (64 columns with AVX-512,
+    `int4pack_codes` reads. torch picks the block by the CPU it runs on (64 columns with AVX-512,
     32 with AVX2), so it is found by packing a probe of known codes."""
     n, k = 128, 4
     codes = (torch.arange(n)[:, None] * 3 + torch.arange(k)[None, :] * 5) % 16
@@ -327,12 +326,12 @@ def _int4pack_block() -> int | None:
     except (RuntimeError, AttributeError):
         return None
     for block in (64, 32, 16, 8):
-        if tuple(packed.shape) == (n, k // 2) and torch.equal(_int4pack_codes(packed, n, k, block), codes.to(torch.uint8)):
+        if tuple(packed.shape) == (n, k // 2) and torch.equal(int4pack_codes(packed, n, k, block), codes.to(torch.uint8)):
             return block
     return None
 
 
-def _int4pack_codes(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
+def int4pack_codes(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
     """The codes [n, k] of torch's CPU int4pack layout with blocks of `block` columns: bytes
     [n / block, k, block / 2], the low nibble of byte i column i of the block, the high one column
     block / 2 + i. (quanto's own `unpack` multiplies by a K x K identity, N K^2 work.)"""

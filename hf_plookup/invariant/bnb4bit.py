@@ -13,8 +13,8 @@ weight dequantized to cd, then torch's `F.linear`, for any row count). So the mo
 linear of a [N, K] weight of dtype cd, and `linear_weight` gives it as one: a `Bnb4bitWeight`, a
 tensor of that shape and dtype whose `F.linear` is the module's own arithmetic and whose codes,
 absmax and codebook `cpu.kernels.q4_parts` reads (the C linears' "lut" form computes W's values
-exactly). Invariant mode then routes it as any linear (`invariant.linears`): `cast_call` does the
-casts around it.
+exactly; invariant.module_weight). Invariant mode then routes it as any linear
+(`invariant.linears`), casting to the compute dtype and back around it.
 
 Example: a `Linear4bit(576, 1536)` quantized in nf4 with blocks of 64, compute dtype float32, gives
 `linear_weight(module)` of shape [1536, 576], float32; its `q4_parts` has codes [1536, 576],
@@ -28,14 +28,9 @@ CPUs with AVX-512 BF16 it does so at a module's first forward, and computes in b
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-import torch.nn.functional as F
 
-# module -> ((a weak reference to its Params4bit, compute dtype, whether repacked) when made, its
-# Bnb4bitWeight), while the module lives (nothing in an entry holds the module: `Bnb4bitWeight`)
-_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from .module_weight import ModuleWeight, Views
 
 
 def is_linear4bit(module: torch.nn.Module) -> bool:
@@ -54,52 +49,33 @@ def _state(module: torch.nn.Module):
     return getattr(weight, "quant_state", None) or getattr(module, "quant_state", None)
 
 
-class Bnb4bitWeight(torch.Tensor):
+class Bnb4bitWeight(ModuleWeight):
     """A `Linear4bit`'s weight as the [N, K] weight of its compute dtype (see the module text). Its
     only op is `F.linear`, which runs the module's own `bnb.matmul_4bit`; it holds no values."""
 
     @staticmethod
     def __new__(cls, module: torch.nn.Module):
-        n, k = _state(module).shape
-        return torch.Tensor._make_wrapper_subclass(cls, (n, k), dtype=compute_dtype(module),
-                                                   device=module.weight.device, requires_grad=False)
+        return ModuleWeight.__new__(cls, module, tuple(_state(module).shape), compute_dtype(module))
 
     def __init__(self, module: torch.nn.Module):
-        # the Params4bit's codes as a plain tensor (its storage and version counter): a Params4bit keeps
-        # its module, which a view cached for the module's lifetime must not hold
-        with torch._C.DisableTorchFunctionSubclass():
-            self.param = torch.Tensor.detach(module.weight)
+        super().__init__(module, tuple(_state(module).shape), compute_dtype(module))
         self.quant_state = _state(module)
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            import bitsandbytes as bnb
+    @staticmethod
+    def codes_of(module: torch.nn.Module) -> torch.Tensor:
+        return module.weight
 
-            return bnb.matmul_4bit(x, weight.param, quant_state=weight.quant_state, bias=bias)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        import bitsandbytes as bnb
 
-    def data_ptr(self) -> int:
-        """The packed codes' address (what changes when they move)."""
-        return self.param.data_ptr()
-
-    @property
-    def _version(self) -> int:
-        """The packed codes' version counter (what an in-place change bumps)."""
-        return self.param._version
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"a bitsandbytes 4-bit weight seen as a linear's takes F.linear only, not {func}")
+        return bnb.matmul_4bit(x, self.param, quant_state=self.quant_state, bias=bias)
 
     def q4_fields(self):
-        """(codes [N, K] uint8 as a function, absmax [N, K / blocksize] float32, blocksize, codebook
-        [16] float32, the tensor of the packed codes) where `cpu.kernels.q4_parts` (which checked the device and the
-        dtype) can read this weight, else None."""
+        """The `cpu.kernels.Q4Parts` of this weight in the "lut" form (codes [N, K], absmax [N, K /
+        blocksize] float32 as the scales, the codebook) where the C linears can read it, else None
+        (`cpu.kernels.q4_parts` checked the device and the dtype)."""
+        from ..cpu.kernels import Q4Parts
+
         state, param = self.quant_state, self.param
         n, k = state.shape
         group = int(state.blocksize)
@@ -119,7 +95,7 @@ class Bnb4bitWeight(torch.Tensor):
             b = param.data.reshape(-1)
             return torch.stack([b >> 4, b & 15], 1).reshape(n, k)
 
-        return codes, absmax, group, state.code.float(), param
+        return Q4Parts(codes, absmax, torch.zeros_like(absmax), group, "lut", 0.0, param, state.code.float())
 
 
 def compute_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -132,13 +108,10 @@ def linear_weight(module: torch.nn.Module) -> Bnb4bitWeight:
     """The `Bnb4bitWeight` of `module` (an `is_linear4bit` one), made once and kept while the module
     lives and holds the same `Params4bit` in the same layout with the same compute dtype (a weight put
     in its place, or repacked by bitsandbytes, gets a new one)."""
-    now = (compute_dtype(module), _repacked(_state(module)))
-    entry = _VIEWS.get(module)
-    if entry is not None and entry[0][0]() is module.weight and entry[0][1:] == now:
-        return entry[1]
-    view = Bnb4bitWeight(module)
-    _VIEWS[module] = ((weakref.ref(module.weight), *now), view)
-    return view
+    return _VIEWS.get(module, module.weight, (compute_dtype(module), _repacked(_state(module))))
+
+
+_VIEWS = Views(Bnb4bitWeight)
 
 
 def _repacked(state) -> bool:

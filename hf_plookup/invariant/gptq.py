@@ -67,17 +67,18 @@ class GptqWeight(ModuleWeight):
         return out.reshape(*x.shape[:-1], n)
 
     def q4_fields(self):
-        """(codes [N, K] uint8 as a function, scales and shifts [N, K / group], group, the tensor of the
-        packed codes) where `cpu.kernels.q4_parts` can read this weight as its "fma" form, else None."""
+        """The `cpu.kernels.Q4Parts` of this weight in the tinygemm form ("fma", offset 8: codes [N, K],
+        each group's scale and zero offset [N, K / group]) where the C linears can read it, else None
+        (`cpu.kernels.q4_parts` checked the device and the dtype)."""
         from ..cpu import kernels
 
         n, k = self.shape
-        sz, block = self.scales_and_zeros, kernels.int4pack_block()
+        sz, block, param = self.scales_and_zeros, kernels.int4pack_block(), self.param
         if (block is None or n % block or k % self.group or self.group % 2 or tuple(sz.shape) != (k // self.group, n, 2)
-                or self.param.dtype != torch.uint8 or tuple(self.param.shape) != (n, k // 2)):
+                or param.dtype != torch.uint8 or tuple(param.shape) != (n, k // 2)):
             return None
-        return (lambda: kernels.int4pack_codes(self.param, n, k, block)), sz[:, :, 0].t(), sz[:, :, 1].t(), \
-            self.group, self.param
+        return kernels.Q4Parts(lambda: kernels.int4pack_codes(param, n, k, block), sz[:, :, 0].t(), sz[:, :, 1].t(),
+                               self.group, "fma", 8.0, param)
 
 
 _VIEWS = Views(GptqWeight)

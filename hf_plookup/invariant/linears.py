@@ -50,7 +50,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from . import bnb4bit
+from . import bnb4bit, gptq
 from .attention import build_layout, current_layout, invariant_layout
 from ..cpu import kernels as cpu_kernels
 from . import row_linear
@@ -81,7 +81,8 @@ def linear_module(module: torch.nn.Module) -> bool:
     `nn.Linear` (its weight may be a quantized tensor subclass, as torchao's are); optimum-quanto's
     `QLinear` whose weights are frozen (quantized once) and whose activations are not quantized (its
     forward is then `F.linear` with its quantized weight; unfrozen, it quantizes the weight again on
-    every call); bitsandbytes' 4-bit `Linear4bit` (invariant.bnb4bit)."""
+    every call); bitsandbytes' 4-bit `Linear4bit` (invariant.bnb4bit); gptqmodel's GPTQ linear in
+    torch's CPU int4 form (invariant.gptq)."""
     if "forward" in vars(module):
         return False
     if type(module) is torch.nn.Linear:
@@ -89,13 +90,15 @@ def linear_module(module: torch.nn.Module) -> bool:
     cls = type(module)
     if cls.__name__ == "QLinear" and cls.__module__.startswith("optimum.quanto"):
         return getattr(module, "activation_qtype", True) is None and getattr(module, "frozen", False)
-    return bnb4bit.is_linear4bit(module)
+    return bnb4bit.is_linear4bit(module) or gptq.is_gptq_linear(module)
 
 
 def linear_weight(module: torch.nn.Module) -> torch.Tensor:
     """The [N, K] weight of a `linear_module`'s `F.linear`: its `weight`, or for a bitsandbytes 4-bit
-    module the `Bnb4bitWeight` that stands for it (its compute dtype may differ from the input's)."""
-    return bnb4bit.linear_weight(module) if bnb4bit.is_linear4bit(module) else module.weight
+    or GPTQ module the `ModuleWeight` that stands for it (its dtype may differ from the input's)."""
+    if bnb4bit.is_linear4bit(module):
+        return bnb4bit.linear_weight(module)
+    return gptq.linear_weight(module) if gptq.is_gptq_linear(module) else module.weight
 
 
 def check_capturable(backend: str) -> None:
@@ -350,9 +353,13 @@ class InvariantLinears:
 
     @staticmethod
     def _bind(module):
-        if bnb4bit.is_linear4bit(module):  # computing in its compute dtype, as its own forward does
+        # a quantized module's view (asked per call, as it may change; not through linear_weight,
+        # which takes the module bound here, with its forward set, for no linear)
+        view = (bnb4bit.linear_weight if bnb4bit.is_linear4bit(module) else
+                gptq.linear_weight if gptq.is_gptq_linear(module) else None)
+        if view is not None:  # in its weight's dtype, as its own forward computes
             def cast(x):
-                w, b = bnb4bit.linear_weight(module), module.bias
+                w, b = view(module), module.bias
                 y = _invariant_linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype))
                 return y.to(x.dtype)
 

@@ -39,7 +39,7 @@ import torch
 from torch.nn.modules import module as _hooks
 
 from ..invariant.attention import build_layout
-from ..invariant import bnb4bit
+from ..invariant import bnb4bit, gptq
 from ..invariant.linears import linear_module, linear_weight
 from ..attention.registry import record_attention
 from ..cpu import kernels as cpu_kernels
@@ -115,11 +115,18 @@ LAYER_NORMS = {
 def layer_norms(layer: torch.nn.Module) -> tuple | None:
     """The layer's norm modules in the C path's order (`LAYER_NORMS`), or None where its parts are
     neither form's."""
-    kids = {n for n, m in layer.named_children() if any(True for _ in m.parameters())}
+    kids = _weighted_children(layer)
     for names in LAYER_NORMS.values():
         if kids == {"self_attn", "mlp", *(n for n in names if n)}:
             return tuple(getattr(layer, n) if n else None for n in names)
     return None
+
+
+def _weighted_children(module: torch.nn.Module) -> set[str]:
+    """The names of `module`'s children that hold weights: parameters, or a quantized linear's codes
+    in buffers (GPTQ's)."""
+    return {n for n, m in module.named_children()
+            if any(True for _ in m.parameters()) or any(gptq.is_gptq_linear(c) for c in m.modules())}
 
 
 def layer_config(config, i: int):
@@ -159,7 +166,9 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
     # every parameter of one dtype, plain, but the linears' weights, which may also be quantized weights
     # the C linears read (cpu_kernels.int8_parts, q4_parts; the check below)
     # (a linear's weight counts with the dtype its F.linear computes in: bitsandbytes' 4-bit one, its compute dtype)
-    linear_weights = {id(m.weight): linear_weight(m) for m in model.modules() if linear_module(m)}
+    # (a GPTQ linear keeps its codes in buffers, not parameters: its weight is no parameter's)
+    linear_weights = {id(m.weight): linear_weight(m) for m in model.modules()
+                      if linear_module(m) and not gptq.is_gptq_linear(m)}
     params = list(model.parameters())
     dtypes = {linear_weights.get(id(p), p).dtype for p in params}
     if len(dtypes) != 1 or next(iter(dtypes)) not in cpu_kernels.DTYPES or any(
@@ -170,10 +179,9 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
     for i, layer in enumerate(parts[1]):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if layer_norms(layer) is None:
-            kids = sorted(n for n, m in layer.named_children() if any(True for _ in m.parameters()))
+            kids = sorted(_weighted_children(layer))
             return f"layer {i} holds {kids}, not a Llama layer's four parts or a Gemma layer's six"
-        akids = {n for n, m in attn.named_children() if any(True for _ in m.parameters())}
-        mkids = {n for n, m in mlp.named_children() if any(True for _ in m.parameters())}
+        akids, mkids = _weighted_children(attn), _weighted_children(mlp)
         if not ({"q_proj", "k_proj", "v_proj", "o_proj"} <= akids <= {"q_proj", "k_proj", "v_proj", "o_proj",
                                                                       "q_norm", "k_norm"}) or ("q_norm" in akids) != ("k_norm" in akids):
             return f"layer {i}'s attention holds {sorted(akids)}"
@@ -207,15 +215,28 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
     return None
 
 
-class _Linear4bitRef:
-    """Stands for a bitsandbytes 4-bit module's parameter dict in `CpuLayers._refs`: its weight is the
-    `Bnb4bitWeight` the C linears read (invariant.bnb4bit), not the flat `Params4bit`."""
+class _ViewRef:
+    """Stands for a quantized module's parameter dict in `CpuLayers._refs`: its weight is the
+    `ModuleWeight` the C linears read (invariant.module_weight: bitsandbytes' 4-bit, GPTQ), not the
+    tensor of its packed codes. `view`: the module's `linear_weight` (asked on each use)."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
+    def __init__(self, module: torch.nn.Module, view):
+        self.module, self.view = module, view
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return bnb4bit.linear_weight(self.module)
+        return self.view(self.module)
+
+
+def _weight_refs(layers: list[torch.nn.Module]) -> list[tuple[object, str]]:
+    """(a module's parameter dict, or a `_ViewRef`, name) of every weight of the layers."""
+    refs = []
+    for m in (m for la in layers for m in la.modules()):
+        if gptq.is_gptq_linear(m):
+            refs.append((_ViewRef(m, gptq.linear_weight), "weight"))
+        bnb = bnb4bit.is_linear4bit(m)
+        refs += [(_ViewRef(m, bnb4bit.linear_weight) if bnb and n == "weight" else m._parameters, n)
+                 for n, p in m._parameters.items() if p is not None]
+    return refs
 
 
 class CpuLayers:
@@ -254,7 +275,9 @@ class CpuLayers:
         self.checked = False  # the first decode step ran both ways
         self.on = False  # ... and the C path gave the modules' bits
         self.attention: dict[int, dict] = {}  # layer_idx -> the arguments its module passed the attention
-        self._refs = None
+        # (a module's parameter dict, name) of every weight of the layers: found now, as the quantized
+        # modules' checks read no forward set on the instance (as invariant mode sets one per step)
+        self._refs = _weight_refs(self.layers)
         self._plan_key = None  # the addresses the layer structs were built from
         self._structs: list[_Layer] = []
         self._held: list[torch.Tensor] = []
@@ -278,9 +301,6 @@ class CpuLayers:
     def _tensors(self, cache) -> list[torch.Tensor]:
         """Every tensor the layer structs point into (of a quantized weight, the tensor that holds its
         values: `cpu_kernels.values_of`), read from the modules and the cache now."""
-        if self._refs is None:  # (a module's parameter dict, name) of every weight of the layers
-            self._refs = [(_Linear4bitRef(m) if n == "weight" and bnb4bit.is_linear4bit(m) else m._parameters, n)
-                          for la in self.layers for m in la.modules() for n, p in m._parameters.items() if p is not None]
         return [cpu_kernels.values_of(d[n]) for d, n in self._refs] + [*cache.keys, *cache.values]
 
     def _plan(self, cache) -> tuple[list[_Layer], list[int | None]] | None:

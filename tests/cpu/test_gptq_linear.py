@@ -1,0 +1,120 @@
+"""The C linears over GPTQ weights (gptqmodel's `TorchAtenLinear`, made here by transformers'
+`GPTQConfig` at load on a tiny random Llama), which invariant.gptq shows as plain linears once a bf16
+forward has turned them into torch's int4 form: the codes and scales read are the ones the module's
+own kernel uses, a linear is bitwise the float linear of those values and each row as alone, and
+`F.linear` of the view is the module's forward. A GPTQ linear not turned (fp32) is no linear.
+Needs gptqmodel and optimum (docs/measurements/cpu-avx2-2026-11-29-gptq/NOTES.md: they do not
+install from PyPI alone); skipped without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_plookup.cpu import kernels as cpu_kernels
+from hf_plookup.invariant import gptq
+from hf_plookup.invariant.linears import linear_module, linear_weight
+from tests.conftest import at_every_simd_level
+
+pytest.importorskip("gptqmodel")
+pytest.importorskip("optimum.gptq")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
+
+ROWS = (1, 2, 5, 9, 13, 40)
+
+
+def _model(dtype: torch.dtype):
+    from eval.lib.models import load_model
+
+    model, _ = load_model("random:tiny-llama", dtype, "cpu", seed=3, quantization="gptq-4bit")
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 7, 9, 11]]))  # a first forward: bf16 turns the linears
+    return model
+
+
+@pytest.fixture(scope="module")
+def bf16_linears():
+    model = _model(torch.bfloat16)
+    return [m for layer in model.model.layers for m in layer.modules() if type(m).__module__.startswith("gptqmodel.")]
+
+
+def test_turned_linears_are_linears_whose_f_linear_is_the_modules(bf16_linears):
+    for m in bf16_linears:
+        assert gptq.is_gptq_linear(m) and linear_module(m)
+        w = linear_weight(m)
+        assert type(w) is gptq.GptqWeight and tuple(w.shape) == (m.out_features, m.in_features)
+        assert w.dtype == torch.bfloat16 and linear_weight(m) is w  # made once
+        xs = torch.randn(7, m.in_features, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(F.linear(xs, w), m(xs))
+
+
+def test_values_are_the_modules_int4_kernels(bf16_linears):
+    """The "fma" form's values (float32, exact in float64) rounded to bfloat16 are what a 1-row call of
+    the module's own kernel gives for each unit vector."""
+    read = 0
+    for m in bf16_linears:
+        w = linear_weight(m)
+        parts = cpu_kernels.q4_parts(w)
+        if parts is None:  # (columns not a whole number of torch's int4pack blocks on this CPU)
+            assert m.out_features % cpu_kernels.int4pack_block()
+            continue
+        read += 1
+        n, k = w.shape
+        assert (parts.form, parts.offset, parts.group) == ("fma", 8.0, 64)
+        codes = parts.codes().view(n, k // parts.group, parts.group).double()
+        values = ((codes - 8) * parts.scales[..., None].double() + parts.shifts[..., None].double()).view(n, k)
+        with torch.no_grad():
+            theirs = m(torch.eye(k, dtype=torch.bfloat16)).t()
+        assert torch.equal(values.float().to(torch.bfloat16), theirs)
+    assert read > 0
+
+
+def test_linear_is_the_float_linear_of_its_values_row_by_row(bf16_linears):
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for m in bf16_linears:
+        w = linear_weight(m)
+        parts = cpu_kernels.q4_parts(w)
+        if parts is None or m.in_features != 64:
+            continue
+        n, k = w.shape
+        codes = parts.codes().view(n, k // parts.group, parts.group).double()
+        values = ((codes - 8) * parts.scales[..., None].double() + parts.shifts[..., None].double()).view(n, k).float()
+        rows = torch.cat([cpu_kernels.linear(x[i : i + 1], w, None) for i in range(x.shape[0])])
+        for r in ROWS:
+            got = cpu_kernels.linear(x[:r], w, None)
+            assert torch.equal(got, rows[:r])
+            assert torch.equal(got, cpu_kernels.linear(x[:r].float(), values, None).to(torch.bfloat16))
+        outs = at_every_simd_level(lambda: [cpu_kernels.linear(x[:r], w, None) for r in ROWS])
+        assert all(torch.equal(a, b) for got in outs.values() for a, b in zip(got, outs[0]))
+
+
+def test_fp32_linears_are_not_turned_so_not_linears():
+    """In fp32 gptqmodel dequantizes the whole weight and calls a matmul on every call: no int4 form
+    to read, so the module's own forward runs."""
+    model = _model(torch.float32)
+    m = model.model.layers[0].self_attn.q_proj
+    assert not gptq.is_gptq_linear(m) and not linear_module(m)
+
+
+def test_a_gptq_model_decodes_in_the_c_layers_losslessly():
+    """Wrapped in bf16, its decode steps run in the C layers (where every GPTQ linear is read: whole
+    int4pack blocks of columns on this CPU), and greedy with drafts at batch 1 and 2 equals its own
+    greedy."""
+    import hf_plookup
+    from tests.conftest import left_padded
+
+    model = _model(torch.bfloat16)
+    read = all(cpu_kernels.q4_parts(linear_weight(m)) is not None
+               for m in model.modules() if gptq.is_gptq_linear(m))
+    w = hf_plookup.wrap(model, max_cache_tokens=512, tree_min_score=0.0)
+    layers = w._engine.c_layers
+    assert (layers is not None) == read
+    for batch in (1, 2):
+        ids, mask = left_padded(batch, seed=5)
+        kw = dict(attention_mask=mask, max_new_tokens=16)
+        greedy = w.generate(ids, **kw)
+        assert torch.equal(w.generate(ids, prompt_lookup_num_tokens=4, **kw), greedy)
+    if read:
+        assert layers.on  # the first decode step ran both ways and the C path gave the modules' bits
