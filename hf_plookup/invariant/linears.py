@@ -93,12 +93,20 @@ def linear_module(module: torch.nn.Module) -> bool:
     return bnb4bit.is_linear4bit(module) or gptq.is_gptq_linear(module)
 
 
+def module_view(module: torch.nn.Module):
+    """The function that gives a quantized module's `ModuleWeight` (`bnb4bit.linear_weight` for a
+    bitsandbytes 4-bit module, `gptq.linear_weight` for a GPTQ one), else None: the module's weight
+    is its own. Asked of the module as it is (with no forward set on the instance)."""
+    if bnb4bit.is_linear4bit(module):
+        return bnb4bit.linear_weight
+    return gptq.linear_weight if gptq.is_gptq_linear(module) else None
+
+
 def linear_weight(module: torch.nn.Module) -> torch.Tensor:
     """The [N, K] weight of a `linear_module`'s `F.linear`: its `weight`, or for a bitsandbytes 4-bit
     or GPTQ module the `ModuleWeight` that stands for it (its dtype may differ from the input's)."""
-    if bnb4bit.is_linear4bit(module):
-        return bnb4bit.linear_weight(module)
-    return gptq.linear_weight(module) if gptq.is_gptq_linear(module) else module.weight
+    view = module_view(module)
+    return module.weight if view is None else view(module)
 
 
 def check_capturable(backend: str) -> None:
@@ -353,10 +361,9 @@ class InvariantLinears:
 
     @staticmethod
     def _bind(module):
-        # a quantized module's view (asked per call, as it may change; not through linear_weight,
-        # which takes the module bound here, with its forward set, for no linear)
-        view = (bnb4bit.linear_weight if bnb4bit.is_linear4bit(module) else
-                gptq.linear_weight if gptq.is_gptq_linear(module) else None)
+        # a quantized module's view, asked per call (it may change), by the function found now: the
+        # module bound here has its forward set during steps, when module_view takes it for no linear
+        view = module_view(module)
         if view is not None:  # in its weight's dtype, as its own forward computes
             def cast(x):
                 w, b = view(module), module.bias

@@ -39,8 +39,8 @@ import torch
 from torch.nn.modules import module as _hooks
 
 from ..invariant.attention import build_layout
-from ..invariant import bnb4bit, gptq
-from ..invariant.linears import linear_module, linear_weight
+from ..invariant import gptq
+from ..invariant.linears import linear_module, linear_weight, module_view
 from ..attention.registry import record_attention
 from ..cpu import kernels as cpu_kernels
 from ..cpu.kernels import rms_eps, rms_form
@@ -228,14 +228,15 @@ class _ViewRef:
 
 
 def _weight_refs(layers: list[torch.nn.Module]) -> list[tuple[object, str]]:
-    """(a module's parameter dict, or a `_ViewRef`, name) of every weight of the layers."""
+    """(a module's parameter dict, or a `_ViewRef` for a quantized module's weight, name) of every
+    weight of the layers."""
     refs = []
     for m in (m for la in layers for m in la.modules()):
-        if gptq.is_gptq_linear(m):
-            refs.append((_ViewRef(m, gptq.linear_weight), "weight"))
-        bnb = bnb4bit.is_linear4bit(m)
-        refs += [(_ViewRef(m, bnb4bit.linear_weight) if bnb and n == "weight" else m._parameters, n)
-                 for n, p in m._parameters.items() if p is not None]
+        view = module_view(m)
+        if view is not None:  # (its codes: a "weight" parameter for bitsandbytes, buffers for GPTQ)
+            refs.append((_ViewRef(m, view), "weight"))
+        refs += [(m._parameters, n) for n, p in m._parameters.items()
+                 if p is not None and not (view is not None and n == "weight")]
     return refs
 
 

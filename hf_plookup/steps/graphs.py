@@ -3,12 +3,12 @@
 Every running sequence feeds exactly `q = k + 1` tokens (the runner pads missing drafts), so a
 step's shapes depend only on the batch size B and the longest context Lk. Both are rounded up
 to buckets (B to 1, 2, 4, 8, ...; Lk to a power-of-two number of pages, at least two), the
-step's layout is padded to the bucket (`pad_layout`: dummy rows feed token 0 at positions 0..q-1 and write into
-the cache's scratch page), and one graph per `(q, B bucket, Lk bucket, tree)` is captured
-lazily, the first time such a step runs (or at wrap time: `warm`, engine.warmup): a warm-up
-forward on a side stream, then the capture into a graph memory pool shared by all graphs (they
-never run concurrently). Where a call's steps
-choose their width among a few (`widths`, engine.widths), the first step in a new
+step's layout is padded to the bucket (`pad_layout`: dummy rows feed token 0 at positions
+0..q-1 and write into the cache's scratch page), and one graph per `(q, B bucket, Lk bucket,
+tree)` is captured lazily, the first time such a step runs (or at wrap time: `warm`,
+engine.warmup): a warm-up forward on a side stream, then the capture into a graph memory pool
+shared by all graphs (they never run concurrently). Where a call's steps choose their width
+among a few (`widths`, engine.widths), the first step in a new
 `(B bucket, Lk bucket, tree)` captures every one of those widths there at once (on rows that are
 all dummies: `dummy_layout`), so which widths later steps pick by their timings never makes a
 later call capture: new graphs come only with buckets a call has not met before. Each bucket keeps
