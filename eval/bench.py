@@ -520,7 +520,8 @@ def bench_model(args, name: str, on_rows=lambda rows: None, deadline: float = fl
         else:
             new = [{"model": tag, "quantization": quantization, **r}
                    for r in bench_batch_size(args, hf_model, engines, prompts, pad, bs, hf_skip)]
-            info.setdefault("rss_after_first_batch", rss_bytes())
+            if "rss_after_first_batch" not in info:
+                info["rss_after_first_batch"] = rss_bytes()
             for r in new:
                 if r["variant"].startswith("plk") and r["q"] is not None:
                     r["kernels_per_step"] = step_kernels(engines, r["variant"], bs, r["q"], device)

@@ -12,7 +12,9 @@ from dataclasses import fields
 import torch
 
 from .attention.registry import register
+from .cpu.packed_codes import unpack_quantized
 from .cpu.packed_weight import unpack_linears
+from .invariant.linears import linear_of
 from .engine.engine import Engine, EngineOptions
 from .generation import GENERATE_ARGS, OWN_ARGS, resolve
 from .outputs import PlookupGenerateOutput, assemble  # noqa: F401  (PlookupGenerateOutput: public name)
@@ -271,7 +273,8 @@ def _warm_up(model, state: _State, before: _State | None) -> None:
 
 def unwrap(model):
     """The plain HF model again (same object, its own class, plain parameters where `wrap` packed its
-    CPU linear weights: cpu.packed_weight); hf_plookup's state is dropped. A model that is not
+    CPU linear weights: cpu.packed_weight, and the libraries' plain code tensors where it packed
+    quantized ones: cpu.packed_codes); hf_plookup's state is dropped. A model that is not
     wrapped is returned as is."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -283,4 +286,5 @@ def unwrap(model):
         model.__class__ = getattr(type(model), _BASE)
         model.__dict__.pop(_STATE, None)
         unpack_linears(model)
+        unpack_quantized(model, linear_of)
     return model

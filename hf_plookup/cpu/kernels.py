@@ -155,7 +155,8 @@ def torch_bf16_is_native() -> bool:
 
 
 def _own_packing(t: torch.Tensor) -> torch.Tensor | None:
-    """The packed values a weight carries itself (a cpu.packed_weight.PackedWeight), else None."""
+    """The packed values a tensor carries itself (a weight that is a cpu.packed_weight.PackedWeight,
+    a quantized weight's codes that are a cpu.packed_codes.PackedCodes), else None."""
     got = t.__dict__.get("packed") if hasattr(t, "__dict__") else None
     return got if isinstance(got, torch.Tensor) else None
 
@@ -230,7 +231,7 @@ def _read_int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
         q, scale = weight._data, weight._scale
         if weight.qtype.name != "qint8" or weight.axis != 0 or getattr(weight, "activation_qtype", None) is not None:
             return None
-    if (type(q) is not torch.Tensor or q.dtype != torch.int8 or q.dim() != 2 or scale.numel() != q.shape[0]
+    if (not _codes_tensor(q) or q.dtype != torch.int8 or q.dim() != 2 or scale.numel() != q.shape[0]
             or scale.dtype not in DTYPES or tuple(weight.shape) != tuple(q.shape)):
         return None
     return q, scale.reshape(-1)
@@ -295,7 +296,7 @@ def _read_q4_parts(weight: torch.Tensor) -> Q4Parts | None:
     group = weight._group_size or k  # (None: one scale and shift a column, as quanto does where K < 128)
     data = weight._data
     source = getattr(data, "_data", None)
-    if not group or group % 2 or k % group or type(source) is not torch.Tensor or source.dtype != torch.uint8:
+    if not group or group % 2 or k % group or not _codes_tensor(source) or source.dtype != torch.uint8:
         return None
     if type(weight).__name__ == "TinyGemmWeightQBitsTensor":
         ss = weight._scale_shift  # [K / group, N, 2]: scale, zero
@@ -339,6 +340,12 @@ def int4pack_codes(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Te
     return torch.cat([b & 15, b >> 4], 2).permute(0, 2, 1).reshape(n, k)
 
 
+def _codes_tensor(t) -> bool:
+    """A tensor the readers take a library's codes from: a plain one, or one held in the kernels'
+    packed bytes (cpu.packed_codes)."""
+    return type(t) is torch.Tensor or (type(t).__name__ == "PackedCodes" and _own_packing(t) is not None)
+
+
 def _quantized(weight: torch.Tensor) -> tuple[int, object]:
     """(W_Q8, its `int8_parts`) or (W_Q4, its `q4_parts`) for a quantized weight the C linears read,
     else (W_FLOAT, None)."""
@@ -377,14 +384,40 @@ def pack_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> t
     Example: values [[1, 2], [3, 4]], scales [0.5, 2] (float32) give the panel bytes
     [[1, 3, 0, 0, 0, 0, 0, 0], [2, 4, 0, 0, 0, 0, 0, 0]], then from byte 64 the floats [0.5, 2, 0, ..., 0]."""
     n, k = values.shape
-    p, k2 = -(-n // 8), k + (k & 1) if dtype == torch.bfloat16 else k
+    p, k2 = -(-n // 8), _q8_k2(k, dtype)
     at = (p * k2 * 8 + 63) // 64 * 64
     out = torch.zeros(at + p * 8 * 4, dtype=torch.uint8)
     with torch.no_grad():
-        panels = F.pad(values, (0, k2 - k, 0, 8 * p - n)).view(p, 8, k2).permute(0, 2, 1)
-        out[: p * k2 * 8].view(torch.int8).view(p, k2, 8).copy_(panels)
+        write_q8_values(out, values, dtype)
         out[at:].view(torch.float32)[:n].copy_(scales.to(dtype).float())
     return out
+
+
+def _q8_k2(k: int, dtype: torch.dtype) -> int:
+    """The values of k a W_Q8 panel holds for calls in `dtype` (bfloat16 pairs them: K rounded up to even)."""
+    return k + (k & 1) if dtype == torch.bfloat16 else k
+
+
+def _q8_panels(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The panels [P, K2, 8] int8 of a W_Q8 weight's bytes (`pack_q8`), as a view."""
+    p, k2 = -(-n // 8), _q8_k2(k, dtype)
+    return packed[: p * k2 * 8].view(torch.int8).view(p, k2, 8)
+
+
+def write_q8_values(packed: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> None:
+    """Write int8 `values` [N, K] into the panels of W_Q8 bytes made for them (`pack_q8`); the
+    scales stay."""
+    n, k = values.shape
+    panels = _q8_panels(packed, n, k, dtype)
+    p, k2 = panels.shape[:2]
+    panels.copy_(F.pad(values, (0, k2 - k, 0, 8 * p - n)).view(p, 8, k2).permute(0, 2, 1))
+
+
+def q8_values(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The int8 values [N, K] that W_Q8 bytes made by `pack_q8(values, scales, dtype)` hold (a new
+    contiguous tensor)."""
+    panels = _q8_panels(packed, n, k, dtype)
+    return panels.permute(0, 2, 1).reshape(-1, panels.shape[1])[:n, :k].contiguous()
 
 
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, group: int, form: str, offset: float,
@@ -411,8 +444,7 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
     at = (p * k * 4 + 63) // 64 * 64
     out = torch.zeros(at + Q4_META_BYTES + p * groups * 16 * 4, dtype=torch.uint8)
     with torch.no_grad():
-        c = F.pad(codes.to(torch.uint8), (0, 0, 0, 8 * p - n)).view(p, 8, k // 2, 2)
-        out[: p * k * 4].view(p, k // 2, 8).copy_((c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1))
+        write_q4_codes(out, codes)
         head = out[at : at + Q4_META_BYTES].view(torch.int32)
         head[0], head[1] = group, Q4_FORMS[form]
         head[2:3].view(torch.float32)[0] = offset
@@ -423,6 +455,22 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
         sz = F.pad(sz, (0, 0, 0, 0, 0, 8 * p - n)).view(p, 8, 2, groups).permute(0, 3, 2, 1)
         out[at + Q4_META_BYTES :].view(torch.float32).view(p, groups, 2, 8).copy_(sz)
     return out
+
+
+def write_q4_codes(packed: torch.Tensor, codes: torch.Tensor) -> None:
+    """Write 4-bit `codes` [N, K] (0..15) into the panels of W_Q4 bytes made for them (`pack_q4`);
+    the header, scales and shifts stay."""
+    n, k = codes.shape
+    p = -(-n // 8)
+    c = F.pad(codes.to(torch.uint8), (0, 0, 0, 8 * p - n)).view(p, 8, k // 2, 2)
+    packed[: p * k * 4].view(p, k // 2, 8).copy_((c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1))
+
+
+def q4_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The codes [N, K] (uint8, 0..15) that W_Q4 bytes made by `pack_q4` hold (a new contiguous tensor)."""
+    p = -(-n // 8)
+    b = packed[: p * k * 4].view(p, k // 2, 8).permute(0, 2, 1)  # [P, 8, K / 2]
+    return torch.stack([b & 15, b >> 4], 3).reshape(8 * p, k)[:n].contiguous()
 
 
 def pack_reference(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -568,6 +616,14 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     if got is not None:  # a PackedWeight: the packed values are the weight itself
         return got
     src = values_of(weight)
+    got = _own_packing(src)
+    if got is not None:  # codes held in the packed bytes (cpu.packed_codes): those bytes are the weight
+        if got.__dict__.get("packed_at") != got._version:
+            # codes written in place since (load_state_dict): the scales may have changed with them
+            with _PACK_LOCK:
+                got.copy_(_pack_any(weight))
+                got.packed_at = got._version
+        return got
     got = _current(weight, src)
     if got is None:
         with _PACK_LOCK:
@@ -576,6 +632,12 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
                 got = _pack_any(weight)
                 _keep(weight, src, got)
     return got
+
+
+def forget(weight: torch.Tensor) -> None:
+    """Drop what was read and packed of `weight` (its codes moved into a new tensor: cpu.packed_codes)."""
+    for cache in (_INT8_PARTS, _Q4_PARTS, _PACKED):
+        cache.pop(id(weight), None)
 
 
 def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -47,7 +47,7 @@ from . import kernels as cpu_kernels
 log = logging.getLogger("hf_plookup")
 aten = torch.ops.aten
 
-__all__ = ["PackedWeight", "dense", "pack_linears", "packing_bytes", "unpack_linears"]
+__all__ = ["PackedWeight", "dense", "on_plain", "pack_linears", "packing_bytes", "unpack_linears"]
 
 _local = threading.local()  # .scratch: the thread's reused buffer for `dense`
 
@@ -115,28 +115,36 @@ class PackedWeight(torch.Tensor):
             return PackedWeight(args[0].packed, args[0].shape)
         if func is aten.embedding.default and isinstance(args[0], PackedWeight):
             return cpu_kernels.packed_rows(args[0].packed, args[0].shape[1], args[1])
-        plain = {}  # id of a PackedWeight argument -> its unpacked values, each unpacked once
+        return on_plain(func, args, kwargs, PackedWeight, PackedWeight.unpacked,
+                        lambda t, values: cpu_kernels.pack(values, out=t.packed))
 
-        def unpack(t):
-            if isinstance(t, PackedWeight):
-                if id(t) not in plain:
-                    # a normal tensor even under inference mode: a view op's result becomes a view of
-                    # this PackedWeight, and autograd gives it the weight's version counter
-                    with torch.inference_mode(False):
-                        plain[id(t)] = t.unpacked()
-                return plain[id(t)]
-            return t
 
-        out = func(*tree_map(unpack, args), **tree_map(unpack, kwargs))
-        # the arguments the op wrote to (self of an in-place op, out=): their new values packed back
-        named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
-        written = [named.get(a.name) for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        written = [t for t in written if isinstance(t, PackedWeight)]
-        for t in written:
-            cpu_kernels.pack(plain[id(t)], out=t.packed)
-        if written and isinstance(out, torch.Tensor) and any(out is plain[id(t)] for t in written):
-            return next(t for t in written if out is plain[id(t)])  # an in-place op returns its self
-        return out
+def on_plain(func, args: tuple, kwargs: dict, kind: type, plain_of, write_back):
+    """`func(*args, **kwargs)` for a `__torch_dispatch__` of a tensor subclass `kind` that holds its
+    values in another form: each argument of that kind given as `plain_of(t)` (a plain tensor, made
+    once per argument), and each one the op wrote to (self of an in-place op, `out=`) given back by
+    `write_back(t, its new plain values)`. An in-place op returns its own `self`."""
+    plain = {}  # id of an argument of `kind` -> its plain values
+
+    def unpack(t):
+        if isinstance(t, kind):
+            if id(t) not in plain:
+                # a normal tensor even under inference mode: a view op's result becomes a view of
+                # the subclass tensor, and autograd gives it that tensor's version counter
+                with torch.inference_mode(False):
+                    plain[id(t)] = plain_of(t)
+            return plain[id(t)]
+        return t
+
+    out = func(*tree_map(unpack, args), **tree_map(unpack, kwargs))
+    named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    written = [named.get(a.name) for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    written = [t for t in written if isinstance(t, kind)]
+    for t in written:
+        write_back(t, plain[id(t)])
+    if written and isinstance(out, torch.Tensor) and any(out is plain[id(t)] for t in written):
+        return next(t for t in written if out is plain[id(t)])
+    return out
 
 
 def _rebuild(packed: torch.Tensor, shape, is_param: bool) -> PackedWeight:

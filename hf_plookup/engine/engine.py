@@ -19,8 +19,9 @@ from ..attention.registry import BACKEND_CHOICES, TREE_BACKENDS
 from ..base.checks import positive_int
 from ..steps.head import head_chooser
 from ..cpu.huge_pages import to_huge_pages
+from ..cpu.packed_codes import pack_quantized, unpack_quantized
 from ..cpu.packed_weight import pack_linears, unpack_linears
-from ..invariant.linears import InvariantLinears
+from ..invariant.linears import InvariantLinears, linear_of
 from ..steps.graphs import GraphRunner, batch_bucket
 from ..drafting.memory import DraftMemory
 from ..drafting.ngram import NgramProposer
@@ -218,10 +219,11 @@ class Engine:
         self._successors: dict[int, SuccessorTable] = {}
 
     def _pack(self, parts: list) -> None:
-        """The C kernels' packed layout becomes the linear weights' only copy (cpu.packed_weight);
-        the other parameters are copied off the memory they shared with the linears' originals (a
+        """The C kernels' packed layout becomes the linear weights' only copy (cpu.packed_weight; of a
+        quantized weight, its codes' only copy: cpu.packed_codes); the other parameters are copied off the memory they shared with the linears' originals (a
         checkpoint's file mapping is then let go), onto 2 MB pages (cpu.huge_pages)."""
         pack_linears(self.model)
+        pack_quantized(self.model, linear_of)
         parts.append(("packing", time.perf_counter()))
         to_huge_pages(self.model)
         parts.append(("other weights to 2 MB pages", time.perf_counter()))
@@ -385,10 +387,11 @@ class Engine:
         return own.result if own.result is not None else batch.result(own)
 
     def prepare_steps(self) -> None:
-        """Before steps run: compiled steps trace plain parameters, so weights packed in place (by
-        another engine of the same modules: cpu.packed_weight) go plain."""
+        """Before steps run: compiled steps trace plain parameters, so weights and codes packed in
+        place (by another engine of the same modules: cpu.packed_weight, cpu.packed_codes) go plain."""
         if self.use_compile:
             unpack_linears(self.model)
+            unpack_quantized(self.model, linear_of)
 
     def step_widths(self, cfg: DecodeConfig) -> tuple[tuple[int, ...], bool]:
         """The widths a call of `cfg`'s uniform steps feed (several where a step picks its width by

@@ -109,6 +109,11 @@ def linear_weight(module: torch.nn.Module) -> torch.Tensor:
     return module.weight if view is None else view(module)
 
 
+def linear_of(module: torch.nn.Module) -> torch.Tensor | None:
+    """`linear_weight(module)` for a `linear_module`, else None (what cpu.packed_codes walks a model by)."""
+    return linear_weight(module) if linear_module(module) else None
+
+
 def check_capturable(backend: str) -> None:
     """Raise unless invariant steps on `backend` can be captured in CUDA graphs."""
     if backend not in CAPTURED_INVARIANT_BACKENDS:
