@@ -181,3 +181,44 @@ def test_a_layout_that_does_not_round_trip_keeps_the_library_codes(monkeypatch):
     assert all(type(t) is torch.Tensor for t in _code_tensors(model))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
+
+
+def test_save_pretrained_of_a_wrapped_4bit_model_reloads_the_same_model(tmp_path):
+    """A wrapped bitsandbytes model saves a plain checkpoint (its codes rebuilt for `state_dict`) that
+    HF loads back into the same logits, and stays packed itself."""
+    from transformers import AutoModelForCausalLM
+
+    model = QUANTIZERS["bnb-nf4"](tiny_model("llama"))
+    ids = torch.tensor([[5, 7, 9, 11, 13]])
+    with torch.no_grad():
+        want = model(ids).logits
+    wrapped = hf_plookup.wrap(model, invariant=True)
+    wrapped.save_pretrained(tmp_path)
+    assert all(isinstance(t, _Packed) for t in _code_tensors(wrapped))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu").eval()
+    assert type(back.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, want)
+
+
+def test_a_wrapped_model_generates_with_weights_loaded_in_place():
+    """`load_state_dict` into a wrapped quantized model (torchao's `copy_` writes codes and scales in
+    place): its next greedy call, decode steps in the C layers included, is HF's greedy of the model
+    it loaded."""
+    from hf_plookup.api import _state
+    from tests.conftest import left_pad, repeat_prompts
+
+    model = QUANTIZERS["torchao"](tiny_model("llama"))
+    other = QUANTIZERS["torchao"](tiny_model("llama", seed=7))
+    ids, mask = left_pad(repeat_prompts(2))
+    want = other.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    wrapped = hf_plookup.wrap(model, invariant=True)
+    wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        wrapped.load_state_dict(other.state_dict())
+    assert all(isinstance(t, PackedCodes) for t in _code_tensors(wrapped))
+    got = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                           prompt_lookup_num_tokens=4)
+    layers = _state(wrapped).engine.c_layers
+    assert layers is not None and layers.checked and layers.on
+    assert torch.equal(got, want)
