@@ -85,16 +85,15 @@ def busy_warning(load: float | None = None, cores: int | None = None) -> str | N
 
 
 
-def rss_bytes(trim: bool = True) -> int:
-    """This process's resident memory now (Linux /proc/self/statm; 0 elsewhere). `trim`: after a
-    garbage collection and glibc's `malloc_trim(0)`, so that memory freed but kept by the allocator
-    (a model's load leaves gigabytes so) is not counted as held."""
-    if trim:
-        gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc/self/statm; 0 elsewhere), after a garbage
+    collection and glibc's `malloc_trim(0)`, so that memory freed but kept by the allocator (a
+    model's load leaves gigabytes so) is not counted as held."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -340,6 +340,13 @@ def int4pack_codes(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Te
     return torch.cat([b & 15, b >> 4], 2).permute(0, 2, 1).reshape(n, k)
 
 
+def nibble_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The codes [n, k] of bitsandbytes' flat 4-bit layout: the weight's codes in order, two a byte,
+    the first in the high nibble (bytes [0x12, 0x34] are codes 1, 2, 3, 4)."""
+    b = packed.reshape(-1)
+    return torch.stack([b >> 4, b & 15], 1).reshape(n, k)
+
+
 def _codes_tensor(t) -> bool:
     """A tensor the readers take a library's codes from: a plain one, or one held in the kernels'
     packed bytes (cpu.packed_codes)."""

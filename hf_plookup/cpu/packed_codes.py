@@ -213,17 +213,13 @@ def _int4pack_layout(n: int, k: int) -> tuple[Callable, Callable] | None:
 
 
 def _bnb_layout(n: int, k: int, shape: tuple[int, ...]) -> tuple[Callable, Callable]:
-    """bitsandbytes' flat codes (`shape`, N * K / 2 bytes in all): codes of the [N, K] weight in
-    order, two a byte, the first in the high nibble."""
-    def to_codes(t: torch.Tensor) -> torch.Tensor:
-        b = t.reshape(-1)
-        return torch.stack([b >> 4, b & 15], 1).reshape(n, k)
-
+    """bitsandbytes' flat codes (`shape`, N * K / 2 bytes in all: cpu.kernels.nibble_codes) and their
+    inverse."""
     def from_codes(codes: torch.Tensor) -> torch.Tensor:
         c = codes.reshape(-1, 2)
         return ((c[:, 0] << 4) | c[:, 1]).reshape(shape)
 
-    return to_codes, from_codes
+    return lambda t: cpu_kernels.nibble_codes(t, n, k), from_codes
 
 
 @dataclass(frozen=True)

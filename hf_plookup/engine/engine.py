@@ -220,8 +220,9 @@ class Engine:
 
     def _pack(self, parts: list) -> None:
         """The C kernels' packed layout becomes the linear weights' only copy (cpu.packed_weight; of a
-        quantized weight, its codes' only copy: cpu.packed_codes); the other parameters are copied off the memory they shared with the linears' originals (a
-        checkpoint's file mapping is then let go), onto 2 MB pages (cpu.huge_pages)."""
+        quantized weight, its codes' only copy: cpu.packed_codes); the other parameters are copied
+        off the memory they shared with the linears' originals (a checkpoint's file mapping is then
+        let go), onto 2 MB pages (cpu.huge_pages)."""
         pack_linears(self.model)
         pack_quantized(self.model, linear_of)
         parts.append(("packing", time.perf_counter()))

@@ -74,7 +74,7 @@ class Bnb4bitWeight(ModuleWeight):
         """The `cpu.kernels.Q4Parts` of this weight in the "lut" form (codes [N, K], absmax [N, K /
         blocksize] float32 as the scales, the codebook) where the C linears can read it, else None
         (`cpu.kernels.q4_parts` checked the device and the dtype)."""
-        from ..cpu.kernels import Q4Parts
+        from ..cpu.kernels import Q4Parts, nibble_codes
 
         state, param = self.quant_state, self.param
         n, k = state.shape
@@ -91,11 +91,7 @@ class Bnb4bitWeight(ModuleWeight):
         if not bool(torch.isfinite(absmax).all()):  # (the C linears' bf16 rounding of its products assumes numbers)
             return None
 
-        def codes() -> torch.Tensor:
-            b = param.data.reshape(-1)
-            return torch.stack([b >> 4, b & 15], 1).reshape(n, k)
-
-        return Q4Parts(codes, absmax, torch.zeros_like(absmax), group, "lut", 0.0, param, state.code.float())
+        return Q4Parts(lambda: nibble_codes(param.data, n, k), absmax, torch.zeros_like(absmax), group, "lut", 0.0, param, state.code.float())
 
 
 def compute_dtype(module: torch.nn.Module) -> torch.dtype:
