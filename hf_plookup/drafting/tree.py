@@ -80,6 +80,10 @@ ON_CHAIN = 6      # 1 on the voted path (the chain drafter's rule, drafting.ngra
 FRONTIER = 7      # not a per-node field: the list of candidate nodes while keeping the best
 FROM_TEXT = 8     # 1 where a candidate of the text passes through it, 0 for recycled successors' alone
 TRIE_FIELDS = 9
+# NUMBA_TYPES: the kernels below pass scalars among themselves as int64 (np.int64(0), not 0), since
+# numba compiles a callee once for each type it is called with, a literal constant (0, -1, True)
+# and an unsigned prange counter each being a type of their own: every such call compiled the
+# callees under it again, and a first call with trees spent most of its time compiling
 
 
 class TreeParams(NamedTuple):
@@ -157,7 +161,7 @@ def _find_candidates(sources, params, row, length, scratch, t):
     token than the row's last, their continuation starting after that token. Returns (how many,
     how many of them are regular ones (before the substitutions), the longest regular match)."""
     found, best_match, walked = 0, 0, 0
-    pos = sources.prev_own[row, length - 1]
+    pos = np.int64(sources.prev_own[row, length - 1])  # (int64: see NUMBA_TYPES)
     while pos >= 0 and walked < RECORD_SCAN * params.max_candidates:
         if found >= params.max_candidates and best_match >= params.longest:
             break  # nothing further back can match more
@@ -169,7 +173,7 @@ def _find_candidates(sources, params, row, length, scratch, t):
             best_match = max(best_match, m)
             found += 1
         walked += 1
-        pos = sources.prev_own[row, pos]
+        pos = np.int64(sources.prev_own[row, pos])
     last = sources.history[row, length - 1]
     if sources.cross:
         h = _slot(sources.any_keys, last)
@@ -189,7 +193,7 @@ def _find_candidates(sources, params, row, length, scratch, t):
     regular = found
     if regular == 0 or length < 3:
         return found, regular, best_match
-    pos = sources.prev_own[row, length - 2]
+    pos = np.int64(sources.prev_own[row, length - 2])
     while pos >= 0 and found < regular + max(params.max_candidates // SUB_SHARE, 1):
         if sources.history[row, pos + 1] != last:  # pos + 1 <= length - 2: inside the row
             m = _match(sources, row, length - 1, row, pos, params.longest)
@@ -198,7 +202,7 @@ def _find_candidates(sources, params, row, length, scratch, t):
                 scratch.cand_start[t, found] = pos + 2
                 scratch.cand_match[t, found] = m
                 found += 1
-        pos = sources.prev_own[row, pos]
+        pos = np.int64(sources.prev_own[row, pos])
     return found, regular, best_match
 
 
@@ -210,13 +214,13 @@ def _insert(sources, row, length, depth_cap, s, start, w, n_nodes, root_first, s
     n = min(depth_cap, end - start)
     for d in range(n):
         scratch.path[t, d] = _source_token(sources, s, start + d)
-    return _insert_path(n, w, True, n_nodes, root_first, scratch, t)
+    return _insert_path(n, w, np.int64(1), n_nodes, root_first, scratch, t)
 
 
 @numba.njit(cache=True, nogil=True)
 def _insert_path(n, w, text, n_nodes, root_first, scratch, t):
-    """Add the path scratch.path[t, :n] to the trie with its vote `w` (`text`: a candidate of the
-    text, else recycled successors). Returns (the trie's node count, the root's first child)."""
+    """Add the path scratch.path[t, :n] to the trie with its vote `w` (`text` 1: a candidate of the
+    text, 0: recycled successors). Returns (the trie's node count, the root's first child)."""
     trie, weight = scratch.trie, scratch.trie_weight
     node = -1  # the root
     for d in range(n):
@@ -267,7 +271,7 @@ def _insert_recycled(sources, params, last, depth_cap, n_nodes, root_first, tota
             scratch.path[t, n] = tok
             n += 1
             tok = succ[tok, 0] if tok < succ.shape[0] else -1
-        n_nodes, root_first = _insert_path(n, w, False, n_nodes, root_first, scratch, t)
+        n_nodes, root_first = _insert_path(n, w, np.int64(0), n_nodes, root_first, scratch, t)
         total += w
         w *= RECYCLE_RANK_DECAY
     return n_nodes, root_first, total
@@ -300,9 +304,8 @@ def _build_trie(sources, params, row, length, depth_cap, found, regular, best_ma
     the first created) is marked ON_CHAIN: the chain drafter's rule over the regular candidates.
     Last come the recycled successors' paths, where the proposer drafts them (`_insert_recycled`).
     Returns (the root's first child, the sum of the votes)."""
-    n_nodes = 0
+    n_nodes, root_first = np.int64(0), np.int64(-1)  # (int64, not literals: see NUMBA_TYPES)
     total = 0.0
-    root_first = -1
     need = max(SUB_MIN_MATCH, params.min_ngram)
     for j in range(found):
         if j == regular:  # the regular candidates are all in: mark the voted path
@@ -315,7 +318,7 @@ def _build_trie(sources, params, row, length, depth_cap, found, regular, best_ma
             if w <= 0.0:
                 continue
         elif scratch.cand_match[t, j] >= need:
-            w = SUB_WEIGHT * vote(params.short_weight, shortfall, -1, 0, 1.0)
+            w = SUB_WEIGHT * vote(params.short_weight, shortfall, np.int64(-1), np.int64(0), 1.0)
         else:  # a substitution matching too little: its nodes only fill budget nothing else wants
             w = 0.0
         total += w
@@ -409,7 +412,8 @@ def _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratc
 def propose_tree_batch(sources, params, rows, lengths, max_depth, decay, trees, scratch):
     """Every output row's tree, in parallel: task t of the scratch's T takes rows t, t + T, ..."""
     tasks = scratch.cand_source.shape[0]
-    for t in numba.prange(tasks):
+    for task in numba.prange(tasks):
+        t = np.int64(task)  # (prange counts in uint64: see NUMBA_TYPES)
         for i in range(t, rows.shape[0], tasks):
             _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratch, t)
 
@@ -418,7 +422,7 @@ def propose_tree_batch(sources, params, rows, lengths, max_depth, decay, trees, 
 def propose_tree_serial(sources, params, rows, lengths, max_depth, decay, trees, scratch):
     """`propose_tree_batch` on one thread (small batches), in scratch slice 0."""
     for i in range(rows.shape[0]):
-        _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratch, 0)
+        _tree_row(sources, params, rows, lengths, max_depth, decay, trees, i, scratch, np.int64(0))
 
 
 class TreeProposer:

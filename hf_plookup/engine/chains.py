@@ -73,7 +73,7 @@ def accept_chains(scores, given, n_pos, rows, drafts, history, num_tokens, remai
     emitted[i] (tokens appended) and finished[i], and adds the row's accepted drafts to
     n_accepted[rows[i]] and, when it rejected one (took fewer than it fed), 1 to
     n_rejected[rows[i]]."""
-    o = 0
+    o = np.int64(0)  # (not the literal 0, which numba would compile _target for apart)
     for i in range(rows.shape[0]):
         r, m = rows[i], n_pos[i] - 1
         a = 0

@@ -168,7 +168,7 @@ def _generate_until(model, tok, batch: int, contexts: list[str]) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch", [2, 5])
+@pytest.mark.parametrize("batch", [2])  # (5 rows at once: test_stop_strings_batch_of_five_equal_hf)
 def test_lm_eval_generate_until_equals_plain_model(smol, batch):
     model, tok = smol
     ref = _generate_until(model, tok, batch, LMEVAL_CONTEXTS)
