@@ -387,3 +387,17 @@ def at_every_simd_level(fn) -> dict:
     finally:
         cpu_kernels.set_simd_level(top)
     return outs
+
+
+def rows_alone_and_float_linear(weight, bias, values, x, counts) -> torch.Tensor:
+    """A C linear over a quantized `weight` checked on the first m rows of `x` for each m of
+    `counts`: equal to its rows run one at a time and to the float (W_FLOAT) linear of its
+    dequantized `values`, bit for bit. Returns the rows run one at a time."""
+    from hf_plookup.cpu import kernels as cpu_kernels
+
+    rows = torch.cat([cpu_kernels.linear(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
+    for m in counts:
+        got = cpu_kernels.linear(x[:m], weight, bias)
+        assert torch.equal(got, rows[:m]), m
+        assert torch.equal(got, cpu_kernels.linear(x[:m], values, bias)), m
+    return rows

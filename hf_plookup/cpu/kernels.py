@@ -171,12 +171,14 @@ def _plain(t: torch.Tensor) -> bool:
 # int8 values with one scale per output column (`int8_parts`), or 4-bit codes with a scale and a
 # shift per column and group of values (`q4_parts`)
 W_FLOAT, W_Q8, W_Q4 = 0, 1, 2
-# the dtype of the tensor that holds a quantized kind's values (`values_of`)
-VALUES_DTYPES = {W_Q8: torch.int8, W_Q4: torch.uint8}
+# the dtypes of the tensor that holds a quantized kind's values (`values_of`; GPTQ keeps its 4-bit
+# codes in int32 words)
+VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q4: (torch.uint8, torch.int32)}
 # how a W_Q4 code q becomes its weight, f being q - offset (cpu_kernels.h, q4_value): "mul_sub",
 # round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32; "lut",
-# round(codebook[q] * scale) from float32
-Q4_FORMS = {"mul_sub": 0, "fma": 1, "lut": 2}
+# round(codebook[q] * scale) from float32; "sub_mul_f16", round(fp16((f - shift) * scale)) from
+# float32 (shift: a zero point)
+Q4_FORMS = {"mul_sub": 0, "fma": 1, "lut": 2, "sub_mul_f16": 3}
 Q4_META_BYTES = 128  # a W_Q4 weight's header (cpu_kernels.h, q4_meta)
 
 
@@ -257,14 +259,14 @@ class Q4Parts:
 
 # (hf_plookup's own: a quantized module seen as a linear's weight, invariant.module_weight)
 _Q4_TYPES = {"WeightQBitsTensor": "optimum.quanto", "TinyGemmWeightQBitsTensor": "optimum.quanto",
-             "Bnb4bitWeight": "hf_plookup", "GptqWeight": "hf_plookup"}
+             "Bnb4bitWeight": "hf_plookup", "GptqWeight": "hf_plookup", "GptqDequantWeight": "hf_plookup"}
 _Q4_PARTS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, its q4_parts), as _INT8_PARTS
 
 
 def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
     """The `Q4Parts` of a CPU weight quantized to 4 bits by optimum-quanto (qint4 on axis 0, frozen), by
     bitsandbytes (nf4 or fp4, seen as `invariant.bnb4bit.Bnb4bitWeight`) or by GPTQ (gptqmodel's,
-    seen as `invariant.gptq.GptqWeight`), else None. quanto holds
+    seen as `invariant.gptq.GptqWeight` or `GptqDequantWeight`), else None. quanto holds
     such a weight in one of two forms:
 
     - `WeightQBitsTensor` (float32 models, and bfloat16 ones whose groups are not 128 values): its
@@ -276,7 +278,8 @@ def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
 
     bitsandbytes' value is `codebook[code] * absmax` in float32, rounded to the compute dtype ("lut":
     the scales are the blocks' absmax, the shifts zeros, the group the block). A GPTQ linear of
-    gptqmodel, once turned into torch's int4pack form, is read as the tinygemm form (invariant.gptq).
+    gptqmodel, once turned into torch's int4pack form, is read as the tinygemm form; one that
+    dequantizes on every call (float32) as "sub_mul_f16": fp16(scale * (code - zero)) (invariant.gptq).
 
     Example: a [64, 256] float32 linear quantized by `quantize(m, weights=qint4); freeze(m)` gives
     codes [64, 256], scales and shifts [64, 2] (groups of 128), "mul_sub", offset 0.0. K and the group
@@ -436,7 +439,8 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
     float32 offset, zeros to byte 64, then the 16 float32 values of `lut`, the "lut" form's codebook);
     then [P, K / group, 2, 8] float32: each panel's 8 scales of a group, then its 8 shifts (zeros past
     N). The affine forms' scales and shifts are rounded to `dtype` first (they are the library's
-    values in the weight's dtype); the "lut" form's scales are bitsandbytes' float32 absmax, kept so.
+    values in the weight's dtype); the "lut" form's scales are bitsandbytes' float32 absmax and the
+    "sub_mul_f16" form's GPTQ's fp16 scales and integer zeros, kept so.
 
     Example: codes [[1, 2], [3, 4]], group 2, scales [[0.5], [2]], shifts [[0], [1]] give the panel
     bytes [0x21, 0x43, 0, 0, 0, 0, 0, 0], then from byte 64 the header [2, form, offset, 0, ...], then
@@ -458,7 +462,7 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
         if lut is not None:
             head[16:].view(torch.float32).copy_(lut.reshape(16).float())
         sz = torch.stack([scales, shifts], 1)  # [N, 2, groups]
-        sz = (sz.float() if form == "lut" else sz.to(dtype).float())
+        sz = (sz.float() if form in ("lut", "sub_mul_f16") else sz.to(dtype).float())
         sz = F.pad(sz, (0, 0, 0, 0, 0, 8 * p - n)).view(p, 8, 2, groups).permute(0, 3, 2, 1)
         out[at + Q4_META_BYTES :].view(torch.float32).view(p, groups, 2, 8).copy_(sz)
     return out

@@ -17,6 +17,10 @@ sees the library's tensor, rebuilt from the bytes for that op:
   `qweight`): blocks of columns, two codes a byte (`cpu.kernels.int4pack_codes` and its inverse);
 - bitsandbytes' flat codes (a `Params4bit`, two codes a byte, the first in the high nibble).
 
+A GPTQ linear that dequantizes on every call (float32: invariant.gptq) keeps both copies: its
+`qweight` goes into a function gptqmodel compiles with torch.compile, which a tensor of this kind
+would trace into.
+
 Each layout's round trip is checked before a tensor is replaced (the library's bytes rebuilt from
 the packed ones must equal them) on the first weight of each library class and shape in a model (a
 layout is the same for every weight of one; checking them all would add seconds to a large model's

@@ -120,7 +120,8 @@ static inline int64_t now_ns(void) {
  *
  * W_Q4: 4-bit codes q (0..15) with a scale s and a shift z per output column and group of G values
  * of k (optimum-quanto's qint4, in its plain and its tinygemm form; bitsandbytes' nf4 and fp4, whose
- * scale is the block's absmax and whose code picks a value of a 16-entry codebook). K and G even, G
+ * scale is the block's absmax and whose code picks a value of a 16-entry codebook; GPTQ's, whose
+ * shift is the group's zero point). K and G even, G
  * dividing K (K2 = K). Panels [P][K / 2][8] bytes: byte c of pair j holds column c's code at k = 2j
  * in its low nibble and at 2j + 1 in its high one. From byte q4_meta_at(P, K) a 128-byte q4_meta,
  * then [P][K / G][2][8] fp32: the panel's 8 scales of group g, then its 8 shifts (zeros past N).
@@ -138,8 +139,11 @@ static inline int64_t q8_scales_at(int64_t P, int64_t K2) { return (P * K2 * 8 +
  *   Q4_FMA:     fma(f, s, z)         (tinygemm's form: (q - 8) * scale + zero in fp32, rounded once,
  *               whatever the dtype; offset 8)
  *   Q4_LUT:     rnd(lut[q] * s)      (bitsandbytes' 4-bit: the codebook's value times the block's
- *               fp32 absmax, in fp32, rounded to the dtype; the shifts unused) */
-enum { Q4_MUL_SUB = 0, Q4_FMA = 1, Q4_LUT = 2 };
+ *               fp32 absmax, in fp32, rounded to the dtype; the shifts unused)
+ *   Q4_SUB_MUL_F16: rnd(rnd_f16((f - z) * s))  (GPTQ as gptqmodel dequantizes it for fp32 calls:
+ *               the code less the group's zero, times its fp16 scale, rounded to fp16, widened;
+ *               offset 0) */
+enum { Q4_MUL_SUB = 0, Q4_FMA = 1, Q4_LUT = 2, Q4_SUB_MUL_F16 = 3 };
 typedef struct {
     int32_t group; /* G */
     int32_t form;
@@ -156,9 +160,22 @@ static inline const float* q4_scales(const void* wp, int64_t P, int64_t K, int64
     return (const float*)(m + 1) + (p * (K / m->group) + g) * 16;
 }
 
+/* v rounded to fp16 (to nearest even) and widened back: fp16's quantum is 2^-24 below its least
+ * normal 2^-14, else 2^-10 of the value's power of two; past 65504, infinity */
+static inline float rnd_f16(float v) {
+    if (fabsf(v) < 0x1p-14f) return rintf(v * 0x1p24f) * 0x1p-24f; /* (exact: rintf rounds to even) */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = (u + 0xfffu + ((u >> 13) & 1u)) & ~0x1fffu;
+    float r;
+    memcpy(&r, &u, 4);
+    return fabsf(r) > 65504.0f ? copysignf(INFINITY, v) : r;
+}
+
 static inline float q4_value(int q, float s, float z, const q4_meta* m, int bf16) {
     if (m->form == Q4_LUT) return rnd(m->lut[q] * s, bf16);
     float f = (float)q - m->offset;
+    if (m->form == Q4_SUB_MUL_F16) return rnd(rnd_f16((f - z) * s), bf16);
     if (m->form == Q4_FMA) return fmaf(f, s, z);
     return rnd(rnd(f * s, bf16) - z, bf16);
 }

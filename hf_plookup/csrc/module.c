@@ -64,7 +64,8 @@ static void fill_ops(int level) {
 static int detect_level(void) {
 #if HAVE_X86_KERNELS
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return LEVEL_PORTABLE;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+        return LEVEL_PORTABLE;
 #if HAVE_AVX512BF16_KERNELS
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
         return LEVEL_AVX512BF16;

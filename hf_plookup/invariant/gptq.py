@@ -1,24 +1,33 @@
 """gptqmodel's GPTQ linears on CPU (`TorchAtenLinear`: transformers' `GPTQConfig`) seen as plain
-linears.
+linears, in the two forms such a module takes at its first forward.
 
-A GPTQ 4-bit linear keeps int32 `qweight` [K / 8, N] (eight codes a word), `qzeros` [K / G, N / 8],
-`scales` [K / G, N] and `g_idx`. On CPU, gptqmodel's `TorchAtenLinear` turns itself, at its first
-forward with bf16 or fp16 activations in eval mode, into the form of torch's CPU int4 kernel: the
-codes repacked by `torch._convert_weight_to_int4pack_for_cpu` (its `qweight` from then on), and
-`scales_and_zeros` [K / G, N, 2] holding each group's scale and zero offset `(8 - zero) * scale`.
-Its forward is then `torch._weight_int4pack_mm_for_cpu` (each weight `(code - 8) * scale +
-offset` in float32, products summed in float32 along K, each row alone), plus the bias. That is the
-form optimum-quanto's tinygemm weights have, which the C linears read ("fma", offset 8:
-`cpu.kernels.q4_parts`); `linear_weight` gives the module as a `GptqWeight` over it (`ModuleWeight`).
+A GPTQ 4-bit linear keeps int32 `qweight` [K / 8, N] (eight codes a word, code k of a column in
+bits 4 (k % 8) of word k / 8), `qzeros` [K / G, N / 8] (the groups' zero points, packed the same
+way along N), fp16 `scales` [K / G, N] and `g_idx`. Its first forward in eval mode fixes its form:
+
+- **Turned** (bf16 or fp16 activations): it turns itself into the form of torch's CPU int4 kernel:
+  the codes repacked by `torch._convert_weight_to_int4pack_for_cpu` (its `qweight` from then on),
+  and `scales_and_zeros` [K / G, N, 2] holding each group's scale and zero offset `(8 - zero) *
+  scale`. Its forward is then `torch._weight_int4pack_mm_for_cpu` (each weight `(code - 8) * scale
+  + offset` in float32, products summed in float32 along K, each row alone), plus the bias. That is
+  the form optimum-quanto's tinygemm weights have, which the C linears read ("fma", offset 8:
+  `cpu.kernels.q4_parts`); `linear_weight` gives the module as a `GptqWeight` over it.
+- **Dequantizing** (float32 activations; `linear_mode` "train" from then on, whatever comes later):
+  on every call it dequantizes the whole weight, `fp16(scale * (code - zero))` (the product of the
+  fp16 scale and a small integer, rounded once to fp16), widens it to the activations' dtype and
+  multiplies (`torch.matmul`), plus the bias. The C linears read it as the "sub_mul_f16" form
+  (the zeros as shifts, offset 0); `linear_weight` gives it as a float32 `GptqDequantWeight`, which
+  the C layers take in a float32 model.
 
 Example: a GPTQ `q_proj` of SmolLM2 (576 -> 576, groups of 64) run once in bf16 gives
 `linear_weight(module)` of shape [576, 576], bfloat16, whose `q4_parts` has codes [576, 576],
-scales and shifts [576, 9], group 64, form "fma", offset 8.0.
+scales and shifts [576, 9], group 64, form "fma", offset 8.0; run once in float32, a float32 view
+of the same shape whose parts are the same codes, the fp16 scales and the zero points [576, 9],
+form "sub_mul_f16", offset 0.0.
 
-Not seen as a linear (the module's own forward runs): a module not yet turned (run in fp32, where
-gptqmodel dequantizes the whole weight and calls a matmul on every call, or not run at all), one
-with act-order (`desc_act`: its inputs permuted), an adapter, or other than 4 bits; and a weight
-in fp16, which the C linears do not take (`q4_parts` None: the module's kernel runs).
+Not seen as a linear (the module's own forward runs): a module not run yet, one with act-order
+(`desc_act`: its inputs permuted), an adapter, or other than 4 bits; and a turned weight in fp16,
+which the C linears do not take (`q4_parts` None: the module's kernel runs).
 """
 
 from __future__ import annotations
@@ -29,14 +38,40 @@ from .module_weight import ModuleWeight, Views
 
 
 def is_gptq_linear(module: torch.nn.Module) -> bool:
-    """A gptqmodel GPTQ linear turned into torch's CPU int4 form (see the module text), 4 bits, its
-    inputs in order, no adapter, no forward set on the instance."""
-    if "forward" in vars(module) or not type(module).__module__.startswith("gptqmodel."):
-        return False
-    return (getattr(module, "bits", None) == 4 and getattr(module, "_cpu_transformed", False)
-            and getattr(module, "linear_mode", None) == "inference" and getattr(module, "adapter", None) is None
+    """A gptqmodel GPTQ linear in one of the two forms of the module text (turned or dequantizing),
+    4 bits, its inputs in order, no adapter, no forward set on the instance."""
+    return _turned(module) or _dequantizing(module)
+
+
+def _gptq(module: torch.nn.Module) -> bool:
+    return ("forward" not in vars(module) and type(module).__module__.startswith("gptqmodel.")
+            and getattr(module, "bits", None) == 4 and getattr(module, "adapter", None) is None
+            and not module.training)
+
+
+def _turned(module: torch.nn.Module) -> bool:
+    """Turned into torch's CPU int4 form."""
+    return (_gptq(module) and getattr(module, "_cpu_transformed", False)
+            and getattr(module, "linear_mode", None) == "inference"
             and isinstance(getattr(module, "scales_and_zeros", None), torch.Tensor)
             and not getattr(module, "_fused_op_handles_bias", True) and module._ret_idx_is_identity())
+
+
+def _dequantizing(module: torch.nn.Module) -> bool:
+    """Dequantizing on every call, GPTQ's own layout: int32 words, fp16 scales, groups in order."""
+    if not (_gptq(module) and not getattr(module, "_cpu_transformed", False)
+            and getattr(module, "linear_mode", None) == "train" and not getattr(module, "planar", False)):
+        return False
+    qweight, qzeros, scales, g_idx = (getattr(module, a, None) for a in ("qweight", "qzeros", "scales", "g_idx"))
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in (qweight, qzeros, scales, g_idx)):
+        return False
+    n, k, group = module.out_features, module.in_features, int(getattr(module, "group_size", 0) or 0)
+    if group <= 0 or k % 8 or n % 8 or k % group:
+        return False
+    return (qweight.dtype == torch.int32 and tuple(qweight.shape) == (k // 8, n) and qweight.is_contiguous()
+            and qzeros.dtype == torch.int32 and tuple(qzeros.shape) == (k // group, n // 8)
+            and scales.dtype == torch.float16 and tuple(scales.shape) == (k // group, n)
+            and g_idx.numel() == k and torch.equal(g_idx.long(), torch.arange(k) // group))
 
 
 class GptqWeight(ModuleWeight):
@@ -81,10 +116,69 @@ class GptqWeight(ModuleWeight):
                                self.group, "fma", 8.0, param)
 
 
+def words_codes(words: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of int32 `words` [R, C], eight a word from its low bits up, as [R * 8, C]
+    uint8: code 8r + j of column c is bits 4j .. 4j + 3 of words[r, c] (GPTQ's `qweight` holds codes
+    so along K; its `qzeros`, transposed, along N).
+
+    Example: the word 0x76543210 gives the codes 0, 1, ..., 7."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32).view(1, 8, 1)
+    return ((words.unsqueeze(1) >> shifts) & 15).reshape(words.shape[0] * 8, words.shape[1]).to(torch.uint8)
+
+
+class GptqDequantWeight(ModuleWeight):
+    """A dequantizing GPTQ linear's weight (see the module text) as a float32 [N, K] weight. Its
+    `F.linear` is the module's forward: the fp16 weight dequantized, widened to the input's dtype,
+    `torch.matmul`, plus the bias. It holds no values."""
+
+    @staticmethod
+    def __new__(cls, module: torch.nn.Module):
+        return ModuleWeight.__new__(cls, module, (module.out_features, module.in_features), torch.float32)
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(module, (module.out_features, module.in_features), torch.float32)
+        self.scales, self.qzeros, self.group = module.scales, module.qzeros, int(module.group_size)
+
+    @staticmethod
+    def codes_of(module: torch.nn.Module) -> torch.Tensor:
+        return module.qweight
+
+    def zeros(self) -> torch.Tensor:
+        """The groups' zero points [K / group, N] (int8, 0..15)."""
+        return words_codes(self.qzeros.t().contiguous()).t().to(torch.int8)
+
+    def dequantized(self) -> torch.Tensor:
+        """[K, N] fp16: scale * (code - zero), as the module computes it (an int8 difference times
+        the fp16 scale, rounded to fp16)."""
+        codes = words_codes(self.param).to(torch.int8)  # [K, N]
+        rows = torch.arange(codes.shape[0]) // self.group
+        return self.scales[rows] * (codes - self.zeros()[rows])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n, k = self.shape
+        out = torch.matmul(x.reshape(-1, k), self.dequantized().to(x.dtype))
+        if bias is not None:
+            out.add_(bias)
+        return out.reshape(*x.shape[:-1], n)
+
+    def q4_fields(self):
+        """The `cpu.kernels.Q4Parts` of this weight in the "sub_mul_f16" form: codes [N, K], the fp16
+        scales and the zero points [N, K / group] (both as float32, exactly), offset 0."""
+        from ..cpu import kernels
+
+        param = self.param
+        return kernels.Q4Parts(lambda: words_codes(param).t().contiguous(), self.scales.t().float(),
+                               self.zeros().t().float(), self.group, "sub_mul_f16", 0.0, param)
+
+
 _VIEWS = Views(GptqWeight)
+_DEQUANT_VIEWS = Views(GptqDequantWeight)
 
 
-def linear_weight(module: torch.nn.Module) -> GptqWeight:
-    """The `GptqWeight` of `module` (an `is_gptq_linear` one), made once and kept while the module
-    lives and holds the same codes and scales."""
-    return _VIEWS.get(module, module.qweight, (id(module.scales_and_zeros),))
+def linear_weight(module: torch.nn.Module) -> GptqWeight | GptqDequantWeight:
+    """The view of `module` (an `is_gptq_linear` one) in its form, made once and kept while the
+    module lives and holds the same codes and scales. (Asked during steps too, when invariant mode
+    has set a forward on the instance, so the form is told by the module's state alone.)"""
+    if getattr(module, "_cpu_transformed", False):
+        return _VIEWS.get(module, module.qweight, (id(module.scales_and_zeros),))
+    return _DEQUANT_VIEWS.get(module, module.qweight, (id(module.scales), id(module.qzeros)))

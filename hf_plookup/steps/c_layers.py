@@ -315,9 +315,9 @@ class CpuLayers:
         if key == self._plan_key:
             return self._structs, self._windows
         # each tensor of the dtype it had when checked (a quantized weight's values: their own dtype)
-        want = [cpu_kernels.VALUES_DTYPES.get(cpu_kernels.weight_kind(d[n]), self.dtype) for d, n in self._refs]
-        want += [self.dtype] * (len(tensors) - len(want))  # (the pages)
-        if not all(t.dtype == w and t.is_contiguous() for t, w in zip(tensors, want)):
+        want = [cpu_kernels.VALUES_DTYPES.get(cpu_kernels.weight_kind(d[n]), (self.dtype,)) for d, n in self._refs]
+        want += [(self.dtype,)] * (len(tensors) - len(want))  # (the pages)
+        if not all(t.dtype in w and t.is_contiguous() for t, w in zip(tensors, want)):
             self.on = False  # a weight swapped for another kind
             return None
         structs, windows = [], []

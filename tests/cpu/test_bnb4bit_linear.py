@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from hf_plookup.cpu import kernels as cpu_kernels
 from hf_plookup.invariant import bnb4bit
 from hf_plookup.invariant.linears import linear_module, linear_weight, row_strategy
-from tests.conftest import at_every_simd_level
+from tests.conftest import at_every_simd_level, rows_alone_and_float_linear
 
 bnb = pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
@@ -132,11 +132,7 @@ def test_lut_linear_is_the_float_linear_of_bitsandbytes_values(kind, dtype, nest
     values = (parts.lut[parts.codes().long()] * parts.scales.repeat_interleave(parts.group, 1)).to(dtype)
     assert torch.equal(values, _their_values(lin))
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    rows = torch.cat([cpu_kernels.linear(x[i : i + 1], w, b) for i in range(x.shape[0])])
-    for m in ROWS:
-        got = cpu_kernels.linear(x[:m], w, b)
-        assert torch.equal(got, rows[:m])
-        assert torch.equal(got, cpu_kernels.linear(x[:m], values, b))
+    rows = rows_alone_and_float_linear(w, b, values, x, ROWS)
     ref = x.double() @ values.double().T + b.double()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(rows.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))

@@ -2,7 +2,8 @@
 `GPTQConfig` at load on a tiny random Llama), which invariant.gptq shows as plain linears once a bf16
 forward has turned them into torch's int4 form: the codes and scales read are the ones the module's
 own kernel uses, a linear is bitwise the float linear of those values and each row as alone, and
-`F.linear` of the view is the module's forward. A GPTQ linear not turned (fp32) is no linear.
+`F.linear` of the view is the module's forward; the same for a linear first run in float32, which
+dequantizes on every call (the "sub_mul_f16" form).
 Needs gptqmodel and optimum (docs/measurements/cpu-avx2-2026-11-29-gptq/NOTES.md: they do not
 install from PyPI alone); skipped without them."""
 
@@ -90,12 +91,61 @@ def test_linear_is_the_float_linear_of_its_values_row_by_row(bf16_linears):
         assert all(torch.equal(a, b) for got in outs.values() for a, b in zip(got, outs[0]))
 
 
-def test_fp32_linears_are_not_turned_so_not_linears():
-    """In fp32 gptqmodel dequantizes the whole weight and calls a matmul on every call: no int4 form
-    to read, so the module's own forward runs."""
-    model = _model(torch.float32)
-    m = model.model.layers[0].self_attn.q_proj
-    assert not gptq.is_gptq_linear(m) and not linear_module(m)
+@pytest.fixture(scope="module")
+def fp32_model():
+    return _model(torch.float32)  # (its first forward, in float32: the linears dequantize from then on)
+
+
+def test_fp32_linears_dequantize_and_are_read_as_gptq_dequantizes(fp32_model):
+    """In float32 gptqmodel dequantizes the whole weight on every call: the view's values are its
+    dequantized weight (the module's output for each unit vector), `F.linear` of the view is the
+    module's forward, and the C linear is the float linear of those values, each row as alone, at
+    every SIMD level."""
+    linears = [m for layer in fp32_model.model.layers for m in layer.modules()
+               if type(m).__module__.startswith("gptqmodel.")]
+    assert linears
+    x = torch.randn(40, max(m.in_features for m in linears), generator=torch.Generator().manual_seed(4))
+    for m in linears:
+        assert gptq.is_gptq_linear(m) and linear_module(m) and not m._cpu_transformed
+        w = linear_weight(m)
+        assert type(w) is gptq.GptqDequantWeight and w.dtype == torch.float32 and linear_weight(m) is w
+        parts = cpu_kernels.q4_parts(w)
+        assert (parts.form, parts.offset, parts.group) == ("sub_mul_f16", 0.0, 64)
+        n, k = w.shape
+        with torch.no_grad():
+            theirs = m(torch.eye(k)).t()  # [N, K]: each weight alone
+            values = w.dequantized().t().float()
+            assert torch.equal(values, theirs)
+            xs = x[:, :k]
+            assert torch.equal(F.linear(xs, w), m(xs))
+        rows = torch.cat([cpu_kernels.linear(xs[i : i + 1], w, None) for i in range(xs.shape[0])])
+        for r in ROWS:
+            got = cpu_kernels.linear(xs[:r], w, None)
+            assert torch.equal(got, rows[:r]) and torch.equal(got, cpu_kernels.linear(xs[:r], values, None))
+        outs = at_every_simd_level(lambda: [cpu_kernels.linear(xs[:r], w, None) for r in ROWS])
+        assert all(torch.equal(a, b) for got in outs.values() for a, b in zip(got, outs[0]))
+
+
+def test_an_fp32_gptq_model_decodes_in_the_c_layers_as_hf_greedy(fp32_model):
+    """Wrapped in float32, its decode steps run in the C layers over GPTQ's own layout, and greedy
+    with drafts at batch 1 and 2 equals HF's greedy of the same model."""
+    import hf_plookup
+    from tests.conftest import left_padded
+
+    refs = {}
+    for batch in (1, 2):
+        ids, mask = left_padded(batch, seed=5)
+        refs[batch] = (ids, mask, fp32_model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
+    w = hf_plookup.wrap(fp32_model, max_cache_tokens=512, tree_min_score=0.0)
+    try:
+        assert w._engine.c_layers is not None
+        for ids, mask, ref in refs.values():
+            for k in (None, 4):
+                out = w.generate(ids, attention_mask=mask, max_new_tokens=16, prompt_lookup_num_tokens=k)
+                assert torch.equal(out, ref), (k, ids.shape[0])
+        assert w._engine.c_layers.on  # the first decode step ran both ways and the C path gave HF's bits
+    finally:
+        hf_plookup.unwrap(w)
 
 
 def test_a_gptq_model_decodes_in_the_c_layers_losslessly():

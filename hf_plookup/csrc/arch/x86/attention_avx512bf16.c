@@ -8,7 +8,7 @@
 
 #if HAVE_AVX512BF16_KERNELS
 
-#define AVX512BF16 __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bf16")))
+#define AVX512BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bf16")))
 
 AVX512BF16 static inline __m256i ld_pairs(const void* p, int64_t i) { return _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)); }
 AVX512BF16 static inline __m256i ld_pairs_part(const void* p, int64_t i, int rem) { /* rem < 16 values, zeros after */

@@ -180,6 +180,10 @@ AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scal
 #define DEQ_LUT(F, S, Z) ((void)(Z), _mm256_mul_ps(F, S)) /* (no shift) */
 /* (a codebook value times a finite scale is never NaN: cpu.kernels reads no weight with another scale) */
 #define DEQ_LUT_BF16(F, S, Z) ((void)(Z), rnd8_number(_mm256_mul_ps(F, S)))
+/* F16C's conversions round to nearest even, as rnd_f16 */
+#define RND_F16(V) _mm256_cvtph_ps(_mm256_cvtps_ph(V, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+#define DEQ_SUB_MUL_F16(F, S, Z) RND_F16(_mm256_mul_ps(_mm256_sub_ps(F, Z), S))
+#define DEQ_SUB_MUL_F16_BF16(F, S, Z) rnd8_number(DEQ_SUB_MUL_F16(F, S, Z))
 AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, int bf16,
                             float* d) {
     const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
@@ -199,6 +203,10 @@ AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int
                     Q4_LUT_CODES(src + k * 4, f0, f1);
                     f[0] = bf16 ? DEQ_LUT_BF16(f0, sc, sh) : DEQ_LUT(f0, sc, sh);
                     f[1] = bf16 ? DEQ_LUT_BF16(f1, sc, sh) : DEQ_LUT(f1, sc, sh);
+                } else if (m->form == Q4_SUB_MUL_F16) {
+                    Q4_AFFINE(src + k * 4, f0, f1);
+                    f[0] = bf16 ? DEQ_SUB_MUL_F16_BF16(f0, sc, sh) : DEQ_SUB_MUL_F16(f0, sc, sh);
+                    f[1] = bf16 ? DEQ_SUB_MUL_F16_BF16(f1, sc, sh) : DEQ_SUB_MUL_F16(f1, sc, sh);
                 } else {
                     Q4_AFFINE(src + k * 4, f0, f1);
                     f[0] = m->form == Q4_FMA ? DEQ_FMA(f0, sc, sh) : bf16 ? DEQ_MUL_SUB_BF16(f0, sc, sh) : DEQ_MUL_SUB(f0, sc, sh);
@@ -265,11 +273,14 @@ Q4_TILES(pq4ms, Q4_AFFINE, DEQ_MUL_SUB)
 Q4_TILES(pq4msb, Q4_AFFINE, DEQ_MUL_SUB_BF16)
 Q4_TILES(pq4lut, Q4_LUT_CODES, DEQ_LUT)
 Q4_TILES(pq4lutb, Q4_LUT_CODES, DEQ_LUT_BF16)
-/* by form (Q4_MUL_SUB, Q4_FMA, Q4_LUT) and bf16: the tiles of up to 9 rows, as pf32_wide and pf32_one */
-static const q4tile_fn* const q4_wide[3][2] = {{pq4ms_wide, pq4msb_wide}, {pq4fma_wide, pq4fma_wide},
-                                               {pq4lut_wide, pq4lutb_wide}};
-static const q4tile_fn* const q4_one[3][2] = {{pq4ms_one, pq4msb_one}, {pq4fma_one, pq4fma_one},
-                                              {pq4lut_one, pq4lutb_one}};
+Q4_TILES(pq4smh, Q4_AFFINE, DEQ_SUB_MUL_F16)
+Q4_TILES(pq4smhb, Q4_AFFINE, DEQ_SUB_MUL_F16_BF16)
+/* by form (Q4_MUL_SUB, Q4_FMA, Q4_LUT, Q4_SUB_MUL_F16) and bf16: the tiles of up to 9 rows, as
+ * pf32_wide and pf32_one */
+static const q4tile_fn* const q4_wide[4][2] = {{pq4ms_wide, pq4msb_wide}, {pq4fma_wide, pq4fma_wide},
+                                               {pq4lut_wide, pq4lutb_wide}, {pq4smh_wide, pq4smhb_wide}};
+static const q4tile_fn* const q4_one[4][2] = {{pq4ms_one, pq4msb_one}, {pq4fma_one, pq4fma_one},
+                                              {pq4lut_one, pq4lutb_one}, {pq4smh_one, pq4smhb_one}};
 
 /* linear_range_avx2 for a W_Q4 weight: up to 9 rows by the W_Q4 tiles; more by the fp32 tiles over
  * its values dequantized Q4_KBLOCK values of k at a time (once for every MANY_BLOCK_ROWS rows), each tile's

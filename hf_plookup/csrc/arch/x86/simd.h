@@ -12,7 +12,7 @@
 #if HAVE_X86_KERNELS
 #include <immintrin.h>
 
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c"))) /* (F16C: every AVX2 CPU has it) */
 #define AVX2_INLINE AVX2 static inline __attribute__((always_inline))
 /* gcc 12 at -O3 kept a tile's sums in memory, a store per FMA, unless every loop over them unrolls */
 #define UNROLL _Pragma("GCC unroll 16")
