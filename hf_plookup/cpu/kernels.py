@@ -350,6 +350,16 @@ def nibble_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.stack([b >> 4, b & 15], 1).reshape(n, k)
 
 
+def words_codes(words: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of int32 `words` [R, C], eight a word from its low bits up, as [R * 8, C]
+    uint8: code 8r + j of column c is bits 4j .. 4j + 3 of words[r, c] (GPTQ's `qweight` holds codes
+    so along K; its `qzeros`, transposed, along N).
+
+    Example: the word 0x76543210 gives the codes 0, 1, ..., 7."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32).view(1, 8, 1)
+    return ((words.unsqueeze(1) >> shifts) & 15).reshape(words.shape[0] * 8, words.shape[1]).to(torch.uint8)
+
+
 def _codes_tensor(t) -> bool:
     """A tensor the readers take a library's codes from: a plain one, or one held in the kernels'
     packed bytes (cpu.packed_codes)."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cpu import kernels
 from .module_weight import ModuleWeight, Views
 
 
@@ -105,8 +106,6 @@ class GptqWeight(ModuleWeight):
         """The `cpu.kernels.Q4Parts` of this weight in the tinygemm form ("fma", offset 8: codes [N, K],
         each group's scale and zero offset [N, K / group]) where the C linears can read it, else None
         (`cpu.kernels.q4_parts` checked the device and the dtype)."""
-        from ..cpu import kernels
-
         n, k = self.shape
         sz, block, param = self.scales_and_zeros, kernels.int4pack_block(), self.param
         if (block is None or n % block or k % self.group or self.group % 2 or tuple(sz.shape) != (k // self.group, n, 2)
@@ -114,16 +113,6 @@ class GptqWeight(ModuleWeight):
             return None
         return kernels.Q4Parts(lambda: kernels.int4pack_codes(param, n, k, block), sz[:, :, 0].t(), sz[:, :, 1].t(),
                                self.group, "fma", 8.0, param)
-
-
-def words_codes(words: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes of int32 `words` [R, C], eight a word from its low bits up, as [R * 8, C]
-    uint8: code 8r + j of column c is bits 4j .. 4j + 3 of words[r, c] (GPTQ's `qweight` holds codes
-    so along K; its `qzeros`, transposed, along N).
-
-    Example: the word 0x76543210 gives the codes 0, 1, ..., 7."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32).view(1, 8, 1)
-    return ((words.unsqueeze(1) >> shifts) & 15).reshape(words.shape[0] * 8, words.shape[1]).to(torch.uint8)
 
 
 class GptqDequantWeight(ModuleWeight):
@@ -145,12 +134,12 @@ class GptqDequantWeight(ModuleWeight):
 
     def zeros(self) -> torch.Tensor:
         """The groups' zero points [K / group, N] (int8, 0..15)."""
-        return words_codes(self.qzeros.t().contiguous()).t().to(torch.int8)
+        return kernels.words_codes(self.qzeros.t().contiguous()).t().to(torch.int8)
 
     def dequantized(self) -> torch.Tensor:
         """[K, N] fp16: scale * (code - zero), as the module computes it (an int8 difference times
         the fp16 scale, rounded to fp16)."""
-        codes = words_codes(self.param).to(torch.int8)  # [K, N]
+        codes = kernels.words_codes(self.param).to(torch.int8)  # [K, N]
         rows = torch.arange(codes.shape[0]) // self.group
         return self.scales[rows] * (codes - self.zeros()[rows])
 
@@ -164,10 +153,8 @@ class GptqDequantWeight(ModuleWeight):
     def q4_fields(self):
         """The `cpu.kernels.Q4Parts` of this weight in the "sub_mul_f16" form: codes [N, K], the fp16
         scales and the zero points [N, K / group] (both as float32, exactly), offset 0."""
-        from ..cpu import kernels
-
         param = self.param
-        return kernels.Q4Parts(lambda: words_codes(param).t().contiguous(), self.scales.t().float(),
+        return kernels.Q4Parts(lambda: kernels.words_codes(param).t().contiguous(), self.scales.t().float(),
                                self.zeros().t().float(), self.group, "sub_mul_f16", 0.0, param)
 
 

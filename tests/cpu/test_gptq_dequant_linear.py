@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_plookup.cpu import kernels as cpu_kernels
-from hf_plookup.invariant.gptq import GptqDequantWeight, words_codes
+from hf_plookup.invariant.gptq import GptqDequantWeight
 from tests.conftest import at_every_simd_level, rows_alone_and_float_linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
@@ -49,9 +49,9 @@ def _layer(n: int, k: int, group: int, scale: float = 0.01, seed: int = 0) -> tu
 
 
 def test_words_codes_literal():
-    assert words_codes(torch.tensor([[0x76543210]], dtype=torch.int32)).flatten().tolist() == list(range(8))
+    assert cpu_kernels.words_codes(torch.tensor([[0x76543210]], dtype=torch.int32)).flatten().tolist() == list(range(8))
     top = torch.tensor([[-0x10000000 + 0x0FEDCBA9]], dtype=torch.int32)  # 0xFFEDCBA9: the sign bit set
-    assert words_codes(top).flatten().tolist() == [9, 10, 11, 12, 13, 14, 15, 15]
+    assert cpu_kernels.words_codes(top).flatten().tolist() == [9, 10, 11, 12, 13, 14, 15, 15]
 
 
 def test_view_reads_the_codes_zeros_and_scales_it_was_made_of():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hf_plookup.cpu import kernels as cpu_kernels
 from hf_plookup.invariant import gptq
 from hf_plookup.invariant.linears import linear_module, linear_weight
-from tests.conftest import at_every_simd_level
+from tests.conftest import at_every_simd_level, rows_alone_and_float_linear
 
 pytest.importorskip("gptqmodel")
 pytest.importorskip("optimum.gptq")
@@ -118,10 +118,7 @@ def test_fp32_linears_dequantize_and_are_read_as_gptq_dequantizes(fp32_model):
             assert torch.equal(values, theirs)
             xs = x[:, :k]
             assert torch.equal(F.linear(xs, w), m(xs))
-        rows = torch.cat([cpu_kernels.linear(xs[i : i + 1], w, None) for i in range(xs.shape[0])])
-        for r in ROWS:
-            got = cpu_kernels.linear(xs[:r], w, None)
-            assert torch.equal(got, rows[:r]) and torch.equal(got, cpu_kernels.linear(xs[:r], values, None))
+        rows_alone_and_float_linear(w, None, values, xs, ROWS)
         outs = at_every_simd_level(lambda: [cpu_kernels.linear(xs[:r], w, None) for r in ROWS])
         assert all(torch.equal(a, b) for got in outs.values() for a, b in zip(got, outs[0]))
 
