@@ -8,8 +8,8 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
 
 - `linear(x, weight, bias)`: each weight is streamed once per call for all rows, and each output
   is one FMA chain over k = 0 .. K-1 in order, so row i of an M-row call is bitwise that row
-  alone, at any M and thread count. float32 and bfloat16 (widened exactly, fp32 accumulation,
-  rounded once at the output). The kernel reads the weight packed (`pack`: panels of 8 output
+  alone, at any M and thread count. float32, bfloat16 and float16 (widened exactly, fp32
+  accumulation, rounded once at the output). The kernel reads the weight packed (`pack`: panels of 8 output
   columns, their values for one k side by side), for tiles that need no horizontal sums and read
   each panel as one stream (docs/results.md, "...: weights packed by output column"). Under the
   engine the packed layout is the weight itself (cpu.packed_weight: one copy); a plain weight
@@ -20,13 +20,14 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
 - `attend(...)`: one query head over exactly its visible keys, read in place from the pages in
   position order, with one fixed order of arithmetic per query: chains, tree nodes (the
   context, then the node's ancestors), GQA, sliding windows (the caller trims the keys) and
-  tanh soft-capping. With AVX-512 BF16, bf16 scores q.k take the dot-product instruction (lane l
+  tanh soft-capping; float32, bfloat16 and float16 pages. With AVX-512 BF16, bf16 scores q.k take the dot-product instruction (lane l
   adds the exact products of values d+2l+1, then d+2l, of each 16, values and sums below FLT_MIN
   flushed to 0): a fixed order too, but bf16 attention's bits then depend on whether the CPU has
   the instruction; the rest of attention is unchanged.
 
 `steps.c_layers` runs whole decoder layers of decode steps from these kernels (`layer_attention`,
-`layer_mlp` in `csrc/layers.c`).
+`layer_mlp` in `csrc/layers.c`), in float32 and bfloat16 (`LAYER_DTYPES`); a float16 model's steps
+take the linears and attention here and their norms and elementwise ops from torch.
 
 Threads: the kernels split their work over `torch.get_num_threads()` threads of a small pool
 of their own (numba's OpenMP layer beside torch's OpenMP runtime took milliseconds a call).
@@ -59,7 +60,17 @@ try:
 except ImportError:  # built without a C compiler: the callers fall back (invariant.linears.row_strategy)
     _ext = None
 
-DTYPES = (torch.float32, torch.bfloat16)
+# the dtypes of the linears and the attention, and of the norms and decoder layers (steps.c_layers),
+# which float16 models do without: their steps run the linears and the attention here, the rest in
+# torch (8 fp16 values are one F16C conversion away from fp32)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LAYER_DTYPES = (torch.float32, torch.bfloat16)
+_DT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/cpu_kernels.h, DT_F32 ...
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The C kernels' code of a dtype of `DTYPES` (csrc/cpu_kernels.h: DT_F32, DT_BF16, DT_F16)."""
+    return _DT_CODES[dtype]
 
 
 def _load():
@@ -385,7 +396,7 @@ def weight_kind(weight: torch.Tensor) -> int:
 
 def supported(weight: torch.Tensor) -> bool:
     """Whether `linear` takes this weight, the kernels being built (`linear` and `attend` may be
-    called once this or `available()` said so): a plain 2-D float32/bfloat16 CPU tensor or one
+    called once this or `available()` said so): a plain 2-D CPU tensor of `DTYPES` or one
     packed in place (not another tensor subclass, such as a sharded DTensor), or a quantized weight of
     `int8_parts` or `q4_parts`."""
     if not available():
@@ -496,7 +507,7 @@ def q4_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def pack_reference(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """weight [N, K] in the layout `linear` reads: panels of 8 output columns, P = ceil(N / 8) of them,
-    zeros past N. float32: [P, K, 8], element [p, k, c] = weight[8p + c, k]. bfloat16: [P, K2 / 2, 8, 2]
+    zeros past N. float32 and float16: [P, K, 8], element [p, k, c] = weight[8p + c, k]. bfloat16: [P, K2 / 2, 8, 2]
     (K2: K rounded up to even, zeros past K), element [p, j, c, h] = weight[8p + c, 2j + h], so that
     one 32-bit lane holds values k and k + 1 of a column. `out`: a tensor of that shape to write to.
     In torch ops, one thread: the reference `pack` (C, threaded) is tested against.
@@ -536,10 +547,10 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def _pack_c(w_ptr: int, n: int, k: int, dtype: torch.dtype, packed_ptr: int, unpack: int) -> None:
     # bf16 with K even is fp32's layout with K/2 32-bit pairs (a pair is values 2j, 2j + 1 of a row):
     # moved as 32-bit words, twice as fast as 16-bit ones
-    bf16 = dtype == torch.bfloat16
-    if bf16 and k % 2 == 0:
-        bf16, k = False, k // 2
-    _LIB.pack_weight(w_ptr, n, k, bf16, packed_ptr, unpack, threads())
+    dt = dtype_code(dtype)
+    if dtype == torch.bfloat16 and k % 2 == 0:
+        dt, k = dtype_code(torch.float32), k // 2
+    _LIB.pack_weight(w_ptr, n, k, dt, packed_ptr, unpack, threads())
 
 
 def unpack(packed: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -662,7 +673,7 @@ def forget(weight: torch.Tensor) -> None:
 
 
 def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x2d, weight, bias)` for x2d [M, K] in weight's dtype (float32 or bfloat16; an int8
+    """`F.linear(x2d, weight, bias)` for x2d [M, K] in weight's dtype (one of `DTYPES`; an int8
     weight's: that of its scales), each row computed as it would be alone, from `packed(weight)`.
     `supported(weight)` must hold."""
     if not x2d.is_contiguous():
@@ -676,7 +687,7 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     out = torch.empty(m, n, dtype=weight.dtype)
     if m:  # (the kernel reads and writes raw memory: autograd never sees it, as in inference)
         if _LIB.linear(x2d.data_ptr(), m, w.data_ptr(), weight_kind(weight), k, None if b is None else b.data_ptr(), n,
-                       out.data_ptr(), weight.dtype == torch.bfloat16, threads()):
+                       out.data_ptr(), dtype_code(weight.dtype), threads()):
             raise MemoryError("cpu_kernels.linear: no memory for the transposed input")
     return out
 
@@ -694,7 +705,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> to
     Example (float32): x = [[3, 4]], weight = [1, 1], eps = 0: r = 1 / sqrt(12.5), so
     `rms_norm(x, w, 0.0, "scale_after")` is [[0.8485, 1.1314]], and "one_plus" doubles it."""
     k = weight.shape[-1]
-    if x.dtype != weight.dtype or x.dtype not in DTYPES or x.shape[-1] != k or weight.dim() != 1:
+    if x.dtype != weight.dtype or x.dtype not in LAYER_DTYPES or x.shape[-1] != k or weight.dim() != 1:
         raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
     x2d = x.reshape(-1, k)
     if not x2d.is_contiguous():
@@ -714,12 +725,12 @@ def rms_eps(module: torch.nn.Module) -> float | None:
 
 def rms_form(module: torch.nn.Module) -> str | None:
     """Which `RMS_FORMS` form `module`'s forward computes, or None. A candidate is a
-    module named like a norm, with one 1-D float32/bfloat16 CPU weight, an epsilon
+    module named like a norm, with one 1-D float32/bfloat16 CPU weight (`LAYER_DTYPES`), an epsilon
     (`variance_epsilon` or `eps`) and a forward of the hidden states alone; its form is the one
     whose output matches the module's own on random rows (to float32 rounding, or bfloat16's)."""
     weight, eps = getattr(module, "weight", None), rms_eps(module)
     if ("norm" not in type(module).__name__.lower() or not isinstance(weight, torch.nn.Parameter) or eps is None
-            or weight.dim() != 1 or weight.device.type != "cpu" or weight.dtype not in DTYPES
+            or weight.dim() != 1 or weight.device.type != "cpu" or weight.dtype not in LAYER_DTYPES
             or not available()):
         return None
     params = list(inspect.signature(type(module).forward).parameters.values())[1:]
@@ -747,7 +758,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slo
            softcap: float | None) -> torch.Tensor:
     """Attention of T query tokens over one layer's pages, each query over exactly its keys.
 
-    q [T, H, D] (the cache's dtype, float32 or bfloat16); k_cache [num_blocks, block_size, H_kv,
+    q [T, H, D] (the cache's dtype, one of `DTYPES`); k_cache [num_blocks, block_size, H_kv,
     D], v_cache the same with Dv values (Dv = D but for multi-head latent attention); kv_slots [B, Lk] int64 flat slot of each cache position of a
     sequence; per token t: its sequence seq[t], the run of cache positions run_lo[t] ..
     run_hi[t] - 1 it reads, then extra[extra_off[t] : extra_off[t + 1]] (a tree node's
@@ -769,7 +780,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slo
     slots, *per_token = (np.ascontiguousarray(a, dtype=np.int64) for a in (kv_slots, seq, run_lo, run_hi, extra_off, extra))
     failed = _LIB.attend(q.data_ptr(), t, h, d, dv, k_cache.data_ptr(), v_cache.data_ptr(), h_kv, slots.ctypes.data,
                          slots.shape[-1], *(a.ctypes.data for a in per_token), scale, softcap or 0.0, out.data_ptr(),
-                         int(q.dtype == torch.bfloat16), threads())
+                         dtype_code(q.dtype), threads())
     if failed:
         raise MemoryError("cpu_kernels.attend: no memory for the attention scores")
     return out

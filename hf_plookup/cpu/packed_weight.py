@@ -207,7 +207,7 @@ def packing_bytes(model: torch.nn.Module) -> int:
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Put a PackedWeight in the place of every weight of `model`'s plain `nn.Linear` layers that the C
-    kernels take (cpu.kernels.supported: float32/bfloat16 CPU), packed into one mapping on 2 MB pages
+    kernels take (cpu.kernels.supported: float32, bfloat16 or float16 CPU), packed into one mapping on 2 MB pages
     where Linux offers them (cpu.huge_pages: the kernels stream them faster from there). Each weight
     is packed and its parameter replaced before the next is read, so the original of each is released
     as its packed copy is made: the process never holds a second copy of the weights. Returns how

@@ -14,7 +14,7 @@
 
 /* ------------------------------------------------------------------ portable loops (level 0) */
 
-/* dot(q, key), fp32 query, fp32 or bf16 key, in the lanes of the vector scores */
+/* dot(q, key), fp32 query, fp32, bf16 or fp16 key, in the lanes of the vector scores */
 static float qk_c(const float* q, const void* k, int64_t D, int bf16) {
     float acc[8] = {0};
     for (int64_t d = 0; d < D; d++) acc[d & 7] = fmaf(q[d], load1(k, d, bf16), acc[d & 7]);
@@ -136,10 +136,10 @@ static int64_t pass_begin(pass_t* P, const attend_job* J, int64_t t_lo, int64_t 
     int64_t nown = P->own_at[nt], vsep = Dv != D; /* values narrower than keys (MLA): their own offsets */
     int64_t nrows = (nS + nown) * (1 + vsep), nq = nt * HP, D8 = P->D8 = (D + 7) / 8 * 8;
     int64_t wmax = D8 > Dv ? D8 : Dv; /* the widest row of a block */
-    int dp = b16 && ops.scores_bf16[1];
+    int dp = b16 == DT_BF16 && ops.scores_bf16[1];
     /* tiles: bf16 only (fp32 gained nothing: docs/results.md, "Attention tiles: the bf16 attention by
-     * tiles"); a level with bf16 scores of its own has none */
-    P->tiles = ops.tile_scores && b16 && nt * ng >= TILE_QUERIES;
+     * tiles"; fp16 pages go by head groups); a level with bf16 scores of its own has none */
+    P->tiles = ops.tile_scores && b16 == DT_BF16 && nt * ng >= TILE_QUERIES;
     int64_t* mem = (int64_t*)malloc((size_t)nrows * sizeof(int64_t) + (size_t)nq * 3 * sizeof(float*) +
                                     (size_t)(total + nq * (D8 + Dv) + KEY_BLOCK * wmax) * sizeof(float) +
                                     (size_t)(dp ? nq * D : 0) * sizeof(uint16_t));

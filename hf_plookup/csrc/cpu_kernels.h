@@ -55,7 +55,13 @@
 #define EXPORT __attribute__((visibility("default")))
 #pragma GCC visibility push(hidden)
 
-/* ------------------------------------------------------------------ bf16 helpers (portable) */
+/* ------------------------------------------------------------------ 16-bit floats (portable)
+ *
+ * A call's dtype, `dt` (named `bf16` where only fp32 and bf16 arrive: the norms, attention, layers):
+ * DT_F32, DT_BF16 or DT_F16 (the linears alone take fp16, cpu.kernels.LINEAR_DTYPES). 16-bit values
+ * are widened exactly to fp32 for arithmetic and each result rounded back to nearest even, as torch
+ * computes ops of bf16 and fp16 CPU tensors. */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -72,17 +78,55 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stay
     return (uint16_t)(u >> 16);
 }
 
-static inline float load1(const void* p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+/* v rounded to fp16 (to nearest even) and widened back: fp16's quantum is 2^-24 below its least
+ * normal 2^-14, else 2^-10 of the value's power of two; past 65504, infinity */
+static inline float rnd_f16(float v) {
+    if (fabsf(v) < 0x1p-14f) return rintf(v * 0x1p24f) * 0x1p-24f; /* (exact: rintf rounds to even) */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = (u + 0xfffu + ((u >> 13) & 1u)) & ~0x1fffu;
+    float r;
+    memcpy(&r, &u, 4);
+    return fabsf(r) > 65504.0f ? copysignf(INFINITY, v) : r;
 }
 
-static inline void store1(void* p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(v);
+static inline float f16_to_f32(uint16_t h) { /* exact */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 1023u, u;
+    if (e == 0) return sign ? -(float)m * 0x1p-24f : (float)m * 0x1p-24f;
+    u = sign | (e == 31 ? 0x7f800000u : (e + 112u) << 23) | m << 13;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_f16(float f) { /* rnd_f16's value, as bits; a NaN stays NaN, made quiet (as F16C) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((u >> 13) & 0x3ffu));
+    float r = fabsf(rnd_f16(f));
+    if (r == INFINITY) return sign | 0x7c00u;
+    if (r < 0x1p-14f) return (uint16_t)(sign | (uint16_t)(r * 0x1p24f)); /* (2^-14 itself: 1 << 10, exponent 1) */
+    memcpy(&u, &r, 4);
+    return (uint16_t)(sign | (((u >> 23) - 112u) << 10) | ((u >> 13) & 0x3ffu));
+}
+
+static inline float load1(const void* p, int64_t i, int dt) {
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t*)p)[i]);
+    if (dt == DT_F16) return f16_to_f32(((const uint16_t*)p)[i]);
+    return ((const float*)p)[i];
+}
+
+static inline void store1(void* p, int64_t i, float v, int dt) {
+    if (dt == DT_BF16) ((uint16_t*)p)[i] = f32_to_bf16(v);
+    else if (dt == DT_F16) ((uint16_t*)p)[i] = f32_to_f16(v);
     else ((float*)p)[i] = v;
 }
 
-/* v rounded to bf16 (when bf16), as torch rounds each op's fp32 result of bf16 tensors */
-static inline float rnd(float v, int b16) { return b16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+/* v rounded to the call's dtype, as torch rounds each op's fp32 result of bf16 or fp16 tensors */
+static inline float rnd(float v, int dt) {
+    return dt == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : dt == DT_F16 ? rnd_f16(v) : v;
+}
 
 /* the fixed tree of an 8-lane sum: ((0+4)+(2+6)) + ((1+5)+(3+7)), as the vector code's hsum8 */
 static inline float sum8(const float* acc) {
@@ -100,12 +144,13 @@ static inline int64_t now_ns(void) {
  * A linear's weights come packed (cpu.kernels.pack) in panels of 8 output columns, the 8 columns'
  * values for one k side by side: fp32 [P][K][8]; bf16 [P][K2/2][8][2], K2 being K rounded up to even,
  * so that lane c of a 32-bit pair holds column c's value k in its low half and k + 1 in its high
- * half; P = ceil(N / 8), zeros past N and K. x goes in transposed, in blocks of rows (x_block), fp32
- * (bf16 widened, exactly), so that a tile broadcasts x[m][k] from one place.
+ * half; fp16 [P][K][8], 8 values F16C widens in one instruction; P = ceil(N / 8), zeros past N and K.
+ * x goes in transposed, in blocks of rows (x_block), fp32 (bf16 and fp16 widened, exactly), so that
+ * a tile broadcasts x[m][k] from one place.
  *
  * Every output n of row m is one FMA chain over k in order, from 0:
  *   s = fma(w[n][K-1], x[m][K-1], ... fma(w[n][1], x[m][1], fma(w[n][0], x[m][0], 0)) ...)
- * then s + bias[n], then (bf16) one rounding to nearest even. Nothing in it depends on the row count,
+ * then s + bias[n], then (bf16, fp16) one rounding to nearest even. Nothing in it depends on the row count,
  * the row's place or the thread, and a padding zero adds 0 * 0.
  *
  * Weight kinds (each linear of a call has its own, `wkind`): W_FLOAT, the call's dtype as above; W_Q8,
@@ -114,7 +159,7 @@ static inline int64_t now_ns(void) {
  * fp32), then, from byte q8_scales_at(P, K2), P * 8 fp32 scales (the model's scale rounded to the
  * call's dtype, then widened exactly; zeros past N). Its output n is the same FMA chain over k of the integer weights, then
  *   s = rnd(rnd(s) * scale[n])
- * (rnd: to bf16 for a bf16 call, else nothing), then + bias[n] and the rounding above: torchao's
+ * (rnd: to the call's dtype, nothing for fp32), then + bias[n] and the rounding above: torchao's
  * order (the product of x and the integer weights, rounded to the dtype, times the scale, rounded,
  * plus the bias).
  *
@@ -160,30 +205,18 @@ static inline const float* q4_scales(const void* wp, int64_t P, int64_t K, int64
     return (const float*)(m + 1) + (p * (K / m->group) + g) * 16;
 }
 
-/* v rounded to fp16 (to nearest even) and widened back: fp16's quantum is 2^-24 below its least
- * normal 2^-14, else 2^-10 of the value's power of two; past 65504, infinity */
-static inline float rnd_f16(float v) {
-    if (fabsf(v) < 0x1p-14f) return rintf(v * 0x1p24f) * 0x1p-24f; /* (exact: rintf rounds to even) */
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    u = (u + 0xfffu + ((u >> 13) & 1u)) & ~0x1fffu;
-    float r;
-    memcpy(&r, &u, 4);
-    return fabsf(r) > 65504.0f ? copysignf(INFINITY, v) : r;
-}
-
-static inline float q4_value(int q, float s, float z, const q4_meta* m, int bf16) {
-    if (m->form == Q4_LUT) return rnd(m->lut[q] * s, bf16);
+static inline float q4_value(int q, float s, float z, const q4_meta* m, int dt) {
+    if (m->form == Q4_LUT) return rnd(m->lut[q] * s, dt);
     float f = (float)q - m->offset;
-    if (m->form == Q4_SUB_MUL_F16) return rnd(rnd_f16((f - z) * s), bf16);
+    if (m->form == Q4_SUB_MUL_F16) return rnd(rnd_f16((f - z) * s), dt);
     if (m->form == Q4_FMA) return fmaf(f, s, z);
-    return rnd(rnd(f * s, bf16) - z, bf16);
+    return rnd(rnd(f * s, dt) - z, dt);
 }
 
 /* Calls of more than 9 rows (a batch's verify step, a prompt chunk) go in blocks of rows: fp32 in
  * blocks of MANY_ROWS rows, each over MANY_PANELS panels and MANY_KBLOCK values at a time, so that
  * the panels' block stays in L1 while every row block passes over it (a chain cut there goes on
- * from its stored sums, bitwise); bf16 in blocks of up to 9 rows over one panel, since each bf16
+ * from its stored sums, bitwise); bf16 and fp16 in blocks of up to 9 rows over one panel, since each 16-bit
  * pass widens the panel again and passes of 3 x 3 over 3 panels were slower (docs/results.md, "CPU
  * verify steps: the bound, and the ideas tried"). x too goes in blocks of rows (x_block), which was
  * faster at 16 and 40 fp32 rows than one [K][M] block (docs/results.md, "Packed linears: weights
@@ -195,11 +228,11 @@ static inline float q4_value(int q, float s, float z, const q4_meta* m, int bf16
 
 /* x goes to the tiles transposed in blocks of this many rows, [blocks][K2][B] (the last block fewer
  * rows), so that a pass over one block reads its x values as one stream: all M rows as one block
- * up to 9 rows, else the rows of a fp32 pass (MANY_ROWS) or of a bf16 one (at most 9, the blocks as even
+ * up to 9 rows, else the rows of a fp32 pass (MANY_ROWS) or of a 16-bit one (at most 9, the blocks as even
  * as they come: 10 rows as 5 + 5 rather than 9 + 1, whose 1-row pass is one FMA chain at a time) */
-static inline int64_t x_block(int64_t M, int64_t bf16) {
+static inline int64_t x_block(int64_t M, int64_t dt) {
     if (M <= 9) return M;
-    if (!bf16) return MANY_ROWS;
+    if (dt == DT_F32) return MANY_ROWS;
     int64_t blocks = (M + 8) / 9;
     return (M + blocks - 1) / blocks;
 }
@@ -213,14 +246,14 @@ static inline int64_t x_at(int64_t M, int64_t B, int64_t K2, int64_t m, int64_t*
 }
 
 /* row m's values [k, K) into xm (ld apart), widened, then zeros up to K2 (the rest of pack_x's work) */
-static inline void x_row_rest(const void* x, int64_t m, int64_t K, int64_t K2, int bf16, float* xm, int64_t ld,
+static inline void x_row_rest(const void* x, int64_t m, int64_t K, int64_t K2, int dt, float* xm, int64_t ld,
                               int64_t k) {
-    for (; k < K; k++) xm[k * ld] = load1(x, m * K + k, bf16);
+    for (; k < K; k++) xm[k * ld] = load1(x, m * K + k, dt);
     for (k = K; k < K2; k++) xm[k * ld] = 0.0f;
 }
 
 int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const int64_t* wkind,
-                const void* const* bias, void* const* out, const int64_t* N, int64_t bf16, int64_t threads);
+                const void* const* bias, void* const* out, const int64_t* N, int64_t dt, int64_t threads);
 
 /* ------------------------------------------------------------------ attention (attention.c) */
 
@@ -281,11 +314,11 @@ typedef struct {
     int level;
     /* linears: x [M, K] into the tiles' transposed blocks (x_block), and the outputs of panels
      * [p_lo, p_hi) of a packed linear of weight kind wkind, every row (linear.c says what they compute) */
-    void (*pack_x)(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
+    void (*pack_x)(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float* xt);
     void (*linear_range)(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
-                         int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16);
+                         int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);
     /* a weight [N, K] into packed panels [p_lo, p_hi), or back when unpack (pack.c says the moves) */
-    void (*pack_range)(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
+    void (*pack_range)(const void* w, void* packed, int64_t N, int64_t K, int64_t dt, int64_t unpack, int64_t p_lo,
                        int64_t p_hi);
     /* attention: scores and weighted sums by the number of heads (index NH, 1 .. MAX_NH), and the
      * softmax of a row of scores after multiplying them by scale */
@@ -312,10 +345,10 @@ extern kernel_ops ops; /* module.c: the level's kernels, set between calls, neve
 /* ------------------------------------------------------------------ each level's kernels */
 
 /* portable C (level 0) */
-void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
+void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float* xt);
 void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
-                    int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16);
-void pack_range_c(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
+                    int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);
+void pack_range_c(const void* w, void* packed, int64_t N, int64_t K, int64_t dt, int64_t unpack, int64_t p_lo,
                   int64_t p_hi);
 extern const scores_fn scores_c[MAX_NH + 1];
 extern const wsum_fn wsum_c[MAX_NH + 1];
@@ -328,10 +361,10 @@ void rope_c(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const vo
 
 #if HAVE_X86_KERNELS
 /* AVX2 + FMA (level 1 and up; arch/x86) */
-void pack_x_avx2(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt);
+void pack_x_avx2(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float* xt);
 void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
-                       int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16);
-void pack_range_avx2(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
+                       int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);
+void pack_range_avx2(const void* w, void* packed, int64_t N, int64_t K, int64_t dt, int64_t unpack, int64_t p_lo,
                      int64_t p_hi);
 extern const scores_fn scores_avx2[MAX_NH + 1];
 extern const wsum_fn wsum_avx2[MAX_NH + 1];
@@ -362,8 +395,8 @@ void pool_after_fork_child(void);
 /* ------------------------------------------------------------------ entry points (ctypes) */
 
 EXPORT int64_t linear(const void* x, int64_t M, const void* w, int64_t wkind, int64_t K, const void* bias, int64_t N,
-                      void* out, int64_t bf16, int64_t threads);
-EXPORT void pack_weight(const void* w, int64_t N, int64_t K, int64_t bf16, void* packed, int64_t unpack,
+                      void* out, int64_t dt, int64_t threads);
+EXPORT void pack_weight(const void* w, int64_t N, int64_t K, int64_t dt, void* packed, int64_t unpack,
                         int64_t threads);
 EXPORT int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const void* k_cache,
                       const void* v_cache, int64_t H_kv, const int64_t* kv_slots, int64_t Lk, const int64_t* seq,

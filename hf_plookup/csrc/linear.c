@@ -1,7 +1,7 @@
 /* Linears: out [M, N] = x @ w^T (+ bias) over packed weights, every output one FMA chain over k in
  * order (cpu_kernels.h says the packing and the arithmetic). Each weight is read from memory once per
- * call, for all rows: a step of 5 tokens streams the weights as a step of 1 does. bf16 weights and
- * inputs are widened exactly (a bf16 is the high half of an fp32).
+ * call, for all rows: a step of 5 tokens streams the weights as a step of 1 does. bf16 and fp16
+ * weights and inputs are widened exactly (a bf16 is the high half of an fp32; every fp16 is an fp32).
  *
  * This file holds the portable loop (level 0) and the call's work split over the threads; the tiles
  * that compute the same bits with vectors are in arch/x86/linear_avx2.c. */
@@ -9,53 +9,54 @@
 
 #include <stdlib.h>
 
-/* x [M, K] (fp32, or bf16 widened) into xt, transposed in blocks of rows (x_block), K2 values a row
- * (zeros past K) */
-void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt) {
-    int64_t B = x_block(M, bf16);
+/* x [M, K] (fp32, or bf16 or fp16 widened) into xt, transposed in blocks of rows (x_block), K2 values
+ * a row (zeros past K) */
+void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float* xt) {
+    int64_t B = x_block(M, dt);
     for (int64_t m = 0; m < M; m++) {
         int64_t ld, at = x_at(M, B, K2, m, &ld);
-        x_row_rest(x, m, K, K2, (int)bf16, xt + at, ld, 0);
+        x_row_rest(x, m, K, K2, (int)dt, xt + at, ld, 0);
     }
 }
 
 /* the weight of output column n at value k of a packed linear of N columns (of W_Q8: the integer,
  * widened; of W_Q4: the dequantized value) */
-static inline float packed_w(const void* wp, int64_t wkind, int64_t K2, int64_t N, int64_t n, int64_t k, int bf16) {
+static inline float packed_w(const void* wp, int64_t wkind, int64_t K2, int64_t N, int64_t n, int64_t k, int dt) {
     if (wkind == W_Q8) return (float)((const int8_t*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
     if (wkind == W_Q4) {
         int64_t P = (N + 7) / 8;
         const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K2));
         const float* sz = q4_scales(wp, P, K2, n / 8, k / m->group);
         uint8_t byte = ((const uint8_t*)wp)[((n / 8) * (K2 / 2) + k / 2) * 8 + n % 8];
-        return q4_value(k & 1 ? byte >> 4 : byte & 15, sz[n % 8], sz[8 + n % 8], m, bf16);
+        return q4_value(k & 1 ? byte >> 4 : byte & 15, sz[n % 8], sz[8 + n % 8], m, dt);
     }
-    if (!bf16) return ((const float*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
+    if (dt == DT_F32) return ((const float*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
+    if (dt == DT_F16) return f16_to_f32(((const uint16_t*)wp)[((n / 8) * K2 + k) * 8 + n % 8]);
     return bf16_to_f32(((const uint16_t*)wp)[((n / 8) * K2 + (k & ~(int64_t)1)) * 8 + (n % 8) * 2 + (k & 1)]);
 }
 
 /* a W_Q8 weight's chain s of output n, scaled (cpu_kernels.h): rnd(rnd(s) * scale[n]) */
-static inline float q8_scaled(const void* wp, int64_t K2, int64_t N, int64_t n, float s, int bf16) {
+static inline float q8_scaled(const void* wp, int64_t K2, int64_t N, int64_t n, float s, int dt) {
     const float* scale = (const float*)((const char*)wp + q8_scales_at((N + 7) / 8, K2));
-    return rnd(rnd(s, bf16) * scale[n], bf16);
+    return rnd(rnd(s, dt) * scale[n], dt);
 }
 
 /* out [M, N] = x @ w^T (+ bias) for the columns of panels [p_lo, p_hi) (8 columns a panel), every row:
  * xt is x transposed in blocks of rows (x_block), fp32; w is packed, of kind wkind, K2 its values a
- * column (K, or K rounded up to even for bf16); bias and out are bf16 when bf16, else fp32, and so is
- * a W_FLOAT w. One output at a time. */
+ * column (K, or K rounded up to even for bf16); bias and out are of the call's dtype dt, and so is a
+ * W_FLOAT w. One output at a time. */
 void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
-                    int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16) {
-    int64_t B = x_block(M, bf16);
+                    int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
+    int64_t B = x_block(M, dt);
     for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N; n++)
         for (int64_t m = 0; m < M; m++) {
             int64_t ld;
             const float* xm = xt + x_at(M, B, K2, m, &ld);
             float s = 0.0f;
-            for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, wkind, K2, N, n, k, (int)bf16), xm[k * ld], s);
-            if (wkind == W_Q8) s = q8_scaled(wp, K2, N, n, s, (int)bf16);
-            if (bias) s += load1(bias, n, (int)bf16);
-            store1(out, m * N + n, s, (int)bf16);
+            for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, wkind, K2, N, n, k, (int)dt), xm[k * ld], s);
+            if (wkind == W_Q8) s = q8_scaled(wp, K2, N, n, s, (int)dt);
+            if (bias) s += load1(bias, n, (int)dt);
+            store1(out, m * N + n, s, (int)dt);
         }
 }
 
@@ -67,7 +68,7 @@ void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, i
 
 typedef struct {
     const float* xt;
-    int64_t M, K2, bf16, n;
+    int64_t M, K2, dt, n;
     const void *w[MAX_LINEARS], *bias[MAX_LINEARS];
     int64_t wkind[MAX_LINEARS];
     void* out[MAX_LINEARS];
@@ -81,22 +82,22 @@ static void linear_part(void* ctx, int64_t part) {
     while (part >= j->first[i + 1]) i++;
     int64_t panels = (j->N[i] + 7) / 8, p_lo = (part - j->first[i]) * BLOCK_P;
     int64_t p_hi = p_lo + BLOCK_P < panels ? p_lo + BLOCK_P : panels;
-    ops.linear_range(j->xt, j->M, j->w[i], j->wkind[i], j->K2, j->bias[i], p_lo, p_hi, j->out[i], j->N[i], j->bf16);
+    ops.linear_range(j->xt, j->M, j->w[i], j->wkind[i], j->K2, j->bias[i], p_lo, p_hi, j->out[i], j->N[i], j->dt);
 }
 
 /* out_i [M, N_i] = x [M, K] @ w_i^T (+ bias_i [N_i]) for the n (<= MAX_LINEARS) linears of one input, w_i
- * packed, of kind wkind_i (NULL: all W_FLOAT), in one parallel job; fp32, or bf16 (all of them) when
- * bf16; a bias may be NULL. Returns 0, or -1 when scratch memory could not be had. */
+ * packed, of kind wkind_i (NULL: all W_FLOAT), in one parallel job; all of them of dtype dt (DT_F32,
+ * DT_BF16, DT_F16); a bias may be NULL. Returns 0, or -1 when scratch memory could not be had. */
 int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const int64_t* wkind,
-                const void* const* bias, void* const* out, const int64_t* N, int64_t bf16, int64_t threads) {
-    int64_t K2 = bf16 ? K + (K & 1) : K;
+                const void* const* bias, void* const* out, const int64_t* N, int64_t dt, int64_t threads) {
+    int64_t K2 = dt == DT_BF16 ? K + (K & 1) : K;
     float* xt = NULL; /* x transposed in blocks (x_block), widened and padded once for every tile (fp32 1-row x is its own) */
-    if (M > 1 || bf16) {
+    if (M > 1 || dt != DT_F32) {
         xt = (float*)malloc((size_t)(M * K2) * sizeof(float));
         if (!xt) return -1;
-        ops.pack_x(x, M, K, K2, bf16, xt);
+        ops.pack_x(x, M, K, K2, dt, xt);
     }
-    linear_job j = {xt ? xt : (const float*)x, M, K2, bf16, n};
+    linear_job j = {xt ? xt : (const float*)x, M, K2, dt, n};
     j.first[0] = 0;
     for (int64_t i = 0; i < n; i++) {
         j.w[i] = w[i], j.wkind[i] = wkind ? wkind[i] : W_FLOAT, j.bias[i] = bias[i], j.out[i] = out[i], j.N[i] = N[i];
@@ -107,9 +108,9 @@ int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* cons
     return 0;
 }
 
-/* out [M, N] = x @ w^T (+ bias [N]), w packed, of kind wkind; fp32, or bf16 (x, bias, out, a W_FLOAT w)
- * when bf16; bias may be NULL. Returns 0, or -1 when scratch memory could not be had. */
+/* out [M, N] = x @ w^T (+ bias [N]), w packed, of kind wkind; x, bias, out and a W_FLOAT w of dtype dt;
+ * bias may be NULL. Returns 0, or -1 when scratch memory could not be had. */
 int64_t linear(const void* x, int64_t M, const void* w, int64_t wkind, int64_t K, const void* bias, int64_t N,
-               void* out, int64_t bf16, int64_t threads) {
-    return linears(x, M, K, 1, &w, &wkind, &bias, &out, &N, bf16, threads);
+               void* out, int64_t dt, int64_t threads) {
+    return linears(x, M, K, 1, &w, &wkind, &bias, &out, &N, dt, threads);
 }

@@ -25,9 +25,12 @@ scales and shifts [576, 9], group 64, form "fma", offset 8.0; run once in float3
 of the same shape whose parts are the same codes, the fp16 scales and the zero points [576, 9],
 form "sub_mul_f16", offset 0.0.
 
+A turned weight in fp16 (transformers' dtype "auto" loads most published GPTQ checkpoints so) is
+read the same way: the C linears take fp16 calls, though the C layers do not (a float16 model's
+steps run the C linears and attention, the rest in torch).
+
 Not seen as a linear (the module's own forward runs): a module not run yet, one with act-order
-(`desc_act`: its inputs permuted), an adapter, or other than 4 bits; and a turned weight in fp16,
-which the C linears do not take (`q4_parts` None: the module's kernel runs).
+(`desc_act`: its inputs permuted), an adapter, or other than 4 bits.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ from ..cpu.packed_weight import dense
 
 # Where invariant="auto" turns the mode on, by (device type, dtype). On CPU the mode runs decode
 # and verify steps through cpu.kernels, which are faster than torch's kernels for every row
-# count of such a step, so it is on for float32 and bfloat16 wherever those kernels were built
+# count of such a step (float16 too: its linears run there, the rest of its step in torch), so it is
+# on for float32, bfloat16 and float16 wherever those kernels were built
 # (INVARIANT_AUTO_NEEDS_KERNELS); bfloat16 and float16 without them stay on too (slower, but
 # without the mode their prompt lookup can part from plain greedy). CUDA: not measured, off. Also
 # off where it was not measured: compiled steps, the Triton backend, accelerate-dispatched and
@@ -171,8 +172,9 @@ KERNELS = {"cpu": (cpu_kernels.supported, cpu_kernels.linear), "numba": (row_lin
 FIRST_KERNELS = ("cpu",)
 # a prompt chunk of more rows than this runs torch's call (its GEMM is as fast from about here on)
 # in float32, and in bfloat16 on CPUs with bf16 dot products (cpu_kernels.torch_bf16_is_native);
-# the "cpu" kernel takes shorter chunks, and every bfloat16 one elsewhere (torch's bf16 GEMM then
-# widens in software and runs at about half its float32 speed)
+# the "cpu" kernel takes shorter chunks, every bfloat16 one elsewhere (torch's bf16 GEMM then
+# widens in software and runs at about half its float32 speed) and every float16 one (torch's fp16
+# GEMM was slower than the "cpu" kernel on every CPU measured, docs/results.md)
 PREFILL_TORCH_ROWS = 64
 # prompt chunks that take torch's call run as one call of at most this many rows where
 # `merge_safe` holds (a step's chunks of several sequences, or of several units of one)
@@ -236,14 +238,15 @@ def _group_call(rows: int, is_prefill: bool, weight: torch.Tensor, bias: torch.T
     of a chunk of more than PREFILL_TORCH_ROWS rows) or "rows" (`invariant_rows` under the
     weight's other strategy). Decode rows take their weight's `row_strategy`. A prompt chunk's
     rows take the "cpu" kernel where that is the weight's strategy, except for long chunks in
-    float32, and in bfloat16 where torch's bf16 GEMM is native. Short chunks never take torch's
+    float32, and in bfloat16 where torch's bf16 GEMM is native (never in float16). Short chunks never take torch's
     batched call: where a prompt is cut depends on what else shares the step (a chain's budget
     moves the cuts), and torch's rows change with the call's row count below about 64 rows."""
     cpu = row_strategy(weight, bias) == "cpu"
     if not is_prefill:
         return "cpu" if cpu else "rows"
     short = rows <= PREFILL_TORCH_ROWS
-    if cpu and (short or (weight.dtype == torch.bfloat16 and not cpu_kernels.torch_bf16_is_native())):
+    if cpu and (short or weight.dtype == torch.float16
+                or (weight.dtype == torch.bfloat16 and not cpu_kernels.torch_bf16_is_native())):
         return "cpu"
     return "rows" if short else "gemm"  # (only "gemm" calls are merged: merge_safe checks long chunks)
 

@@ -171,7 +171,7 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
                       if linear_module(m) and not gptq.is_gptq_linear(m)}
     params = list(model.parameters())
     dtypes = {linear_weights.get(id(p), p).dtype for p in params}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in cpu_kernels.DTYPES or any(
+    if len(dtypes) != 1 or next(iter(dtypes)) not in cpu_kernels.LAYER_DTYPES or any(
             not cpu_kernels._plain(p) for p in params if id(p) not in linear_weights):
         return "its weights are not all plain (or quantized as the C linears read) float32 or all bfloat16 CPU tensors"
     config = model.config

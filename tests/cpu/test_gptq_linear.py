@@ -34,28 +34,31 @@ def _model(dtype: torch.dtype):
     return model
 
 
-@pytest.fixture(scope="module")
-def bf16_linears():
-    model = _model(torch.bfloat16)
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def turned_linears(request):
+    """The GPTQ linears of a model turned by a first forward in bf16 or fp16 (transformers' default
+    dtype "auto" loads most published GPTQ checkpoints in fp16)."""
+    model = _model(request.param)
     return [m for layer in model.model.layers for m in layer.modules() if type(m).__module__.startswith("gptqmodel.")]
 
 
-def test_turned_linears_are_linears_whose_f_linear_is_the_modules(bf16_linears):
-    for m in bf16_linears:
+def test_turned_linears_are_linears_whose_f_linear_is_the_modules(turned_linears):
+    for m in turned_linears:
         assert gptq.is_gptq_linear(m) and linear_module(m)
         w = linear_weight(m)
+        dtype = w.dtype
         assert type(w) is gptq.GptqWeight and tuple(w.shape) == (m.out_features, m.in_features)
-        assert w.dtype == torch.bfloat16 and linear_weight(m) is w  # made once
-        xs = torch.randn(7, m.in_features, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        assert dtype in (torch.bfloat16, torch.float16) and linear_weight(m) is w  # made once
+        xs = torch.randn(7, m.in_features, generator=torch.Generator().manual_seed(2)).to(dtype)
         with torch.no_grad():
             assert torch.equal(F.linear(xs, w), m(xs))
 
 
-def test_values_are_the_modules_int4_kernels(bf16_linears):
-    """The "fma" form's values (float32, exact in float64) rounded to bfloat16 are what a 1-row call of
-    the module's own kernel gives for each unit vector."""
+def test_values_are_the_modules_int4_kernels(turned_linears):
+    """The "fma" form's values (float32, exact in float64) rounded to the model's dtype are what a
+    1-row call of the module's own kernel gives for each unit vector."""
     read = 0
-    for m in bf16_linears:
+    for m in turned_linears:
         w = linear_weight(m)
         parts = cpu_kernels.q4_parts(w)
         if parts is None:  # (columns not a whole number of torch's int4pack blocks on this CPU)
@@ -67,15 +70,16 @@ def test_values_are_the_modules_int4_kernels(bf16_linears):
         codes = parts.codes().view(n, k // parts.group, parts.group).double()
         values = ((codes - 8) * parts.scales[..., None].double() + parts.shifts[..., None].double()).view(n, k)
         with torch.no_grad():
-            theirs = m(torch.eye(k, dtype=torch.bfloat16)).t()
-        assert torch.equal(values.float().to(torch.bfloat16), theirs)
+            theirs = m(torch.eye(k, dtype=w.dtype)).t()
+        assert torch.equal(values.float().to(w.dtype), theirs)
     assert read > 0
 
 
-def test_linear_is_the_float_linear_of_its_values_row_by_row(bf16_linears):
-    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    for m in bf16_linears:
+def test_linear_is_the_float_linear_of_its_values_row_by_row(turned_linears):
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+    for m in turned_linears:
         w = linear_weight(m)
+        x = x.to(w.dtype)
         parts = cpu_kernels.q4_parts(w)
         if parts is None or m.in_features != 64:
             continue
@@ -86,7 +90,7 @@ def test_linear_is_the_float_linear_of_its_values_row_by_row(bf16_linears):
         for r in ROWS:
             got = cpu_kernels.linear(x[:r], w, None)
             assert torch.equal(got, rows[:r])
-            assert torch.equal(got, cpu_kernels.linear(x[:r].float(), values, None).to(torch.bfloat16))
+            assert torch.equal(got, cpu_kernels.linear(x[:r].float(), values, None).to(w.dtype))
         outs = at_every_simd_level(lambda: [cpu_kernels.linear(x[:r], w, None) for r in ROWS])
         assert all(torch.equal(a, b) for got in outs.values() for a, b in zip(got, outs[0]))
 
@@ -165,3 +169,26 @@ def test_a_gptq_model_decodes_in_the_c_layers_losslessly():
         assert torch.equal(w.generate(ids, prompt_lookup_num_tokens=4, **kw), greedy)
     if read:
         assert layers.on  # the first decode step ran both ways and the C path gave the modules' bits
+
+
+def test_an_fp16_gptq_model_runs_its_linears_on_the_c_kernels_losslessly():
+    """Wrapped in fp16 (the C layers take fp32 and bf16), each step's GPTQ linears run on the C
+    kernels (row strategy "cpu", read in torch's int4 form) and its attention on the C attention; greedy
+    with drafts at batch 1 and 2 equals its own greedy."""
+    import hf_plookup
+    from hf_plookup.invariant.linears import row_strategy
+    from tests.conftest import left_padded
+
+    model = _model(torch.float16)
+    gptqs = [m for m in model.modules() if gptq.is_gptq_linear(m)]
+    read = [m for m in gptqs if cpu_kernels.q4_parts(linear_weight(m)) is not None]
+    assert read and all(m.out_features % cpu_kernels.int4pack_block() for m in gptqs if m not in read)
+    w = hf_plookup.wrap(model, max_cache_tokens=512, tree_min_score=0.0)
+    assert w._engine.c_layers is None
+    for batch in (1, 2):
+        ids, mask = left_padded(batch, seed=5)
+        kw = dict(attention_mask=mask, max_new_tokens=16)
+        greedy = w.generate(ids, **kw)
+        assert torch.equal(w.generate(ids, prompt_lookup_num_tokens=4, **kw), greedy)
+        assert w.last_stats.invariant
+    assert all(row_strategy(linear_weight(m), m.bias) == "cpu" for m in read)

@@ -14,6 +14,7 @@ from hf_plookup.cpu import kernels as ck
 from tests.conftest import dense_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KERNEL_DTYPES = {**DTYPES, "fp16": torch.float16}  # (the linears and attention take fp16 too, the norms not)
 # (tests/test_imports.py fails where the package was installed without them)
 pytestmark = pytest.mark.skipif(not ck.available(), reason="the C kernels were not built")
 
@@ -38,12 +39,12 @@ def test_linear_literal():
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 64), k=st.integers(1, 300), n=st.integers(1, 160), dtype=st.sampled_from(["fp32", "bf16"]),
+@given(m=st.integers(1, 64), k=st.integers(1, 300), n=st.integers(1, 160), dtype=st.sampled_from(sorted(KERNEL_DTYPES)),
        bias=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
 def test_linear_rows_are_invariant(m, k, n, dtype, bias, threads, seed):
     """Every row of an M-row call equals that row alone, at another place of another call and
     under another thread count; values match a float64 reference."""
-    dt = DTYPES[dtype]
+    dt = KERNEL_DTYPES[dtype]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(dt)
     w = torch.randn(n, k, generator=g).to(dt)
@@ -57,16 +58,17 @@ def test_linear_rows_are_invariant(m, k, n, dtype, bias, threads, seed):
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     if dt == torch.float32:
         torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5 * k**0.5)
-    else:  # one rounding to bf16 of an fp32 sum: within 1 bf16 ulp (plus the sum's own error)
-        torch.testing.assert_close(full.double(), ref, rtol=2**-7, atol=1e-4 * k**0.5)
+    else:  # one rounding of an fp32 sum: within 1 ulp of the dtype (plus the sum's own error)
+        ulp = 2**-7 if dt == torch.bfloat16 else 2**-10
+        torch.testing.assert_close(full.double(), ref, rtol=ulp, atol=1e-4 * k**0.5)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", sorted(KERNEL_DTYPES))
 def test_linear_simd_levels_agree_bitwise(dtype):
     """The portable C loop and the AVX2 tiles (up to 9 rows in one pass, 1-9 rows x 1-4 panels; more
     rows in passes of up to 9 over each panel) run one arithmetic per output: every level this CPU
     has gives the same bits (level 2 runs level 1's linears)."""
-    dt = DTYPES[dtype]
+    dt = KERNEL_DTYPES[dtype]
     g = torch.Generator().manual_seed(3)
     top = ck.simd_level()
     try:
@@ -80,6 +82,30 @@ def test_linear_simd_levels_agree_bitwise(dtype):
     finally:
         ck.set_simd_level(top)
     assert ck.simd_level() == top
+
+
+def test_fp16_outputs_round_as_torch_rounds():
+    """An fp16 output is its fp32 sum rounded once to nearest even, as torch's `.half()`: with K = 1,
+    out[m, n] = a[m] * b[n], and a product of two fp16 values is exact in fp32, so each output rounds
+    a known fp32 number. The values cover ties, fp16's subnormals and their edge (2^-24 .. 2^-14),
+    overflow past 65504 to infinity and NaN; every SIMD level, calls of one row and of many, and
+    the scalar stores of columns past the last whole panel (N = 301)."""
+    g = torch.Generator().manual_seed(5)
+    special = [300.0, 256.25, 0.0, -0.0, 65504.0, float("inf"), float("nan"), 1.0 + 2**-10, 2**-14, 2**-24, 3.0]
+    a = torch.cat([torch.randn(290, generator=g) * 2.0 ** torch.randint(-14, 9, (290,), generator=g),
+                   torch.tensor(special)]).half()
+    b = a[torch.randperm(len(a), generator=g)]
+    want = (a.float()[:, None] * b.float()[None, :]).half()
+    top = ck.simd_level()
+    try:
+        for level in range(top + 1):
+            ck.set_simd_level(level)
+            for got, ref in ((ck.linear(a[:, None], b[:, None], None), want),
+                             (ck.linear(a[-7:-6, None], b[:, None], None), want[-7:-6])):
+                assert torch.equal(got.isnan(), ref.isnan()), level
+                assert torch.equal(got.nan_to_num(0.0), ref.nan_to_num(0.0)), level
+    finally:
+        ck.set_simd_level(top)
 
 
 def test_linear_is_one_chain_over_k():
@@ -255,13 +281,13 @@ def test_bf16_scores_follow_the_dot_product_order():
 
 
 @settings(max_examples=25, deadline=None)
-@given(dtype=st.sampled_from(["fp32", "bf16"]), window=st.sampled_from([None, 9, 40]), softcap=st.sampled_from([None, 5.0]),
+@given(dtype=st.sampled_from(sorted(KERNEL_DTYPES)), window=st.sampled_from([None, 9, 40]), softcap=st.sampled_from([None, 5.0]),
        tree=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16), dv=st.sampled_from([40, 24]))
 def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, tree, threads, seed, dv):
     """Chains or trees over paged keys (GQA 6/2, D=40, values of 40 or, as in multi-head latent
     attention, 24; sliding window, soft-capping): each query equals a float64 reference, and
     bitwise itself when computed alone or under another thread count."""
-    dt = DTYPES[dtype]
+    dt = KERNEL_DTYPES[dtype]
     g, kc, vc, kv_slots = _paged(seed, dt, dv=dv)
     arrays = _chains_or_trees(g, [(start, 1 + int(torch.randint(5, (1,), generator=g))) for start in (60, 33, 5)],
                               tree, window)
@@ -277,16 +303,17 @@ def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, t
 
 
 @settings(max_examples=12, deadline=None)
-@given(dtype=st.sampled_from(["fp32", "bf16"]), d=st.sampled_from([13, 64]), dv=st.sampled_from([None, 7]),
+@given(dtype=st.sampled_from(sorted(KERNEL_DTYPES)), d=st.sampled_from([13, 64]), dv=st.sampled_from([None, 7]),
        window=st.sampled_from([None, 20]), softcap=st.sampled_from([None, 5.0]), tree=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_attend_tiles_equal_head_groups_bitwise(dtype, d, dv, window, softcap, tree, seed):
     """16 tokens of one sequence with 4 query heads per KV head: 64 queries share each KV head's
     cached keys, which in bf16 they read widened to fp32 rows, in tiles of queries (D of 13 padded
-    with zeros); a token alone has 4 queries and reads them by groups of heads (fp32: both ways).
+    with zeros); a token alone has 4 queries and reads them by groups of heads (fp32 and fp16: both
+    ways).
     Every query gets the same bits both ways, and the float64 reference's values, at each SIMD level
     this CPU has (level 1 has the tiles; level 2 reads bf16 pages by its dot products instead)."""
-    dt = DTYPES[dtype]
+    dt = KERNEL_DTYPES[dtype]
     g, kc, vc, kv_slots = _paged(seed, dt, num_seqs=1, h=8, h_kv=2, d=d, ctx=110, dv=dv)
     arrays = _chains_or_trees(g, [(70, 16)], tree, window)
     q = torch.randn(16, 8, d, generator=g).to(dt)
@@ -338,13 +365,13 @@ def _attend_alone(q, kc, vc, kv_slots, arrays, i, scale, softcap):
 
 
 @settings(max_examples=10, deadline=None)
-@given(dtype=st.sampled_from(["fp32", "bf16"]), window=st.sampled_from([None, 30]), seed=st.integers(0, 2**16))
+@given(dtype=st.sampled_from(sorted(KERNEL_DTYPES)), window=st.sampled_from([None, 30]), seed=st.integers(0, 2**16))
 def test_attend_partitions_and_levels_agree_bitwise(dtype, window, seed):
     """Five sequences feeding up to 20 chain tokens (more than the 16 that share one pass over the
     keys) under 1, 2 and 3 threads, which cut the work by sequence, by KV head or by token: every
     query is bitwise itself computed alone, at each SIMD level this CPU has (the portable level's
     exp is libm's, so its bits are its own)."""
-    dt = DTYPES[dtype]
+    dt = KERNEL_DTYPES[dtype]
     g, kc, vc, kv_slots = _paged(seed, dt, num_seqs=5, ctx=130)
     seq, lo, hi = [], [], []
     for b in range(5):

@@ -22,7 +22,7 @@ from tests.conftest import left_padded, tiny_model
 
 pytestmark = pytest.mark.skipif(not ck.available(), reason="the C kernels were not built (nothing is packed then)")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @settings(max_examples=60, deadline=None)
@@ -70,7 +70,7 @@ def test_the_docstring_example():
     assert not lin.weight.packed[2, :, 4:].any()  # zeros past row 20
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_packed_weight_reads_writes_and_moves_as_the_weight(dtype):
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.ReLU(), torch.nn.Linear(24, 40, bias=False),
@@ -131,7 +131,7 @@ def test_unpack_linears_gives_plain_parameters_back():
     assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_prompt_gemm_through_the_scratch_equals_the_plain_weight(dtype):
     """The engine's GEMM for a long prompt chunk reads the weight unpacked into a reused scratch: the
     same bits as torch's call on the weight itself (the scratch is reused by the next weight)."""

@@ -24,7 +24,9 @@ DOCS = pathlib.Path(__file__).resolve().parents[2] / "eval" / "data" / "builtin.
 # fused MoE experts are not nn.Linear: their rows depend on the routing of the other tokens
 NOT_COVERED = {"qwen3_moe", "deepseek_v3", "gpt_oss"}
 BF16_ARCHS = ["llama", "gemma3_text", "qwen3", "gpt_neox", "mistral", "gemma2"]
-CASES = [(a, torch.float32) for a in ARCHS if a not in NOT_COVERED] + [(a, torch.bfloat16) for a in BF16_ARCHS]
+FP16_ARCHS = ["llama", "gemma3_text"]  # (fp16: the C linears and attention, torch's norms)
+CASES = ([(a, torch.float32) for a in ARCHS if a not in NOT_COVERED] + [(a, torch.bfloat16) for a in BF16_ARCHS]
+         + [(a, torch.float16) for a in FP16_ARCHS])
 
 
 def _drafts_change_no_logit(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
@@ -86,7 +88,7 @@ def test_decode_steps_run_torch_on_one_thread():
     assert torch.equal(logits, single)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
 def test_long_prompt_chunks_change_no_logit(dtype):
     """Prompt chunks of more than PREFILL_TORCH_ROWS rows run torch's GEMM (float32, and bfloat16
     where its bf16 GEMM is native) instead of the row kernel: a chunk holds the same rows alone
@@ -156,7 +158,7 @@ def test_without_invariant_mode_fp32_verify_rows_differ():
     torch.testing.assert_close(chain, plain)  # only rounding apart
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_invariant_rows_equal_one_row_calls(dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 40, generator=g).to(dtype)

@@ -2,7 +2,8 @@
  * and each output's arithmetic; linear.c has the portable loop with the same bits).
  *
  * A tile of MB rows x NP panels keeps MB x NP vectors of 8 sums and makes one FMA per 8 outputs: no
- * horizontal sums, a bf16 pair widened by one shift and one mask, and each panel read as one
+ * horizontal sums, a bf16 pair widened by one shift and one mask, 8 fp16 values by one F16C
+ * conversion, and each panel read as one
  * sequential stream, which the tile prefetches PACK_AHEAD bytes ahead into L2. A tile's shape changes
  * which outputs are computed together, never an output's arithmetic. Against the row-along-K tiles
  * this replaced, SmolLM2's linears took less time at 1 to 9 rows in both dtypes (docs/results.md,
@@ -17,6 +18,7 @@
  * models on CPU") */
 #define PACK_AHEAD_F32 4096
 #define PACK_AHEAD_BF16 4096
+#define PACK_AHEAD_F16 4096
 #define PACK_AHEAD_Q8 4096
 /* a tile: sums over values [0, kn) of panels K values long (wp and xt at the first of them), into o
  * [MB][NP * 8], from 0 or (init) from o's sums: a chain cut at a block of K goes on bitwise */
@@ -46,6 +48,9 @@ typedef void (*ptile_fn)(const float* xt, int64_t ldx, const void* wp, int64_t K
 #define LOAD_Q8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 #define PTILE_F32(MB, NP) PTILE_1K(pf32, float, _mm256_loadu_ps, 2, PACK_AHEAD_F32, MB, NP)
 #define PTILE_Q8(MB, NP) PTILE_1K(pq8, int8_t, LOAD_Q8, 8, PACK_AHEAD_Q8, MB, NP)
+/* fp16: 16 bytes a k, widened by F16C (exact) */
+#define LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#define PTILE_F16(MB, NP) PTILE_1K(pf16, uint16_t, LOAD_F16, 4, PACK_AHEAD_F16, MB, NP)
 /* K here is K2 (even); values k and k + 1 of 8 columns are one 32-byte load */
 #define PTILE_BF16(MB, NP)                                                                              \
     AVX2 static void pbf16_##MB##x##NP(const float* xt, int64_t ldx, const void* wp, int64_t K, int64_t kn, float* o, int init) { \
@@ -84,6 +89,7 @@ PTILES_X1(PTILE_F32) PTILE_F32(1, 4) PTILE_F32(2, 4) PTILE_F32(3, 3) PTILE_F32(4
 PTILES_X1(PTILE_BF16) PTILE_BF16(1, 4) PTILE_BF16(2, 3) PTILE_BF16(3, 3) PTILE_BF16(4, 2) PTILE_BF16(5, 2)
 PTILE_F32(1, 3) PTILE_F32(2, 3)
 PTILES_X1(PTILE_Q8) PTILE_Q8(1, 4) PTILE_Q8(2, 4) PTILE_Q8(3, 3) PTILE_Q8(4, 3) PTILE_Q8(5, 2) PTILE_Q8(6, 2)
+PTILES_X1(PTILE_F16) PTILE_F16(1, 4) PTILE_F16(2, 4) PTILE_F16(3, 3) PTILE_F16(4, 3) PTILE_F16(5, 2) PTILE_F16(6, 2)
 /* by rows (1-9): the tile of one pass over the panels, and its panels; the 1-panel tile of as many rows */
 static const ptile_fn pf32_wide[] = {0, pf32_1x4, pf32_2x4, pf32_3x3, pf32_4x3, pf32_5x2, pf32_6x2, pf32_7x1, pf32_8x1, pf32_9x1};
 static const int pf32_np[] = {0, 4, 4, 3, 3, 2, 2, 1, 1, 1};
@@ -93,11 +99,13 @@ static const int pbf16_np[] = {0, 4, 3, 3, 2, 2, 1, 1, 1, 1};
 static const ptile_fn pbf16_one[] = {0, pbf16_1x1, pbf16_2x1, pbf16_3x1, pbf16_4x1, pbf16_5x1, pbf16_6x1, pbf16_7x1, pbf16_8x1, pbf16_9x1};
 static const ptile_fn pq8_wide[] = {0, pq8_1x4, pq8_2x4, pq8_3x3, pq8_4x3, pq8_5x2, pq8_6x2, pq8_7x1, pq8_8x1, pq8_9x1};
 static const ptile_fn pq8_one[] = {0, pq8_1x1, pq8_2x1, pq8_3x1, pq8_4x1, pq8_5x1, pq8_6x1, pq8_7x1, pq8_8x1, pq8_9x1};
+static const ptile_fn pf16_wide[] = {0, pf16_1x4, pf16_2x4, pf16_3x3, pf16_4x3, pf16_5x2, pf16_6x2, pf16_7x1, pf16_8x1, pf16_9x1};
+static const ptile_fn pf16_one[] = {0, pf16_1x1, pf16_2x1, pf16_3x1, pf16_4x1, pf16_5x1, pf16_6x1, pf16_7x1, pf16_8x1, pf16_9x1};
 /* fp32 calls of more than 9 rows: MANY_ROWS rows x MANY_PANELS panels (the 4 x 3 tile has the fewest
  * broadcasts per FMA), fewer rows in the last block */
 static const ptile_fn pf32_many[] = {0, pf32_1x3, pf32_2x3, pf32_3x3, pf32_4x3};
 
-/* out[m0 + i][n] = o[i][c] + bias[n] (rounded to bf16 when bf16) for the columns n = 8 p + c < N of a
+/* out[m0 + i][n] = o[i][c] + bias[n] (rounded to the call's dtype dt) for the columns n = 8 p + c < N of a
  * tile's sums o [mb][np * 8]: 8 columns a vector where a panel lies within N, the same bits as one at a
  * time (store1), which had taken a large share of the 9-row bf16 tiles' time (docs/results.md, "Linear
  * stores and transposes: the linears' own overheads") */
@@ -110,23 +118,26 @@ AVX2 static inline __m128i bf16x8(__m256 v) { /* f32_to_bf16 of each lane */
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
 AVX2 static void packed_store(const float* o, int mb, int np, int64_t m0, int64_t p, const void* bias, void* out,
-                              int64_t N, int bf16) {
+                              int64_t N, int dt) {
     for (int j = 0; j < np; j++) {
         int64_t n0 = (p + j) * 8;
         if (n0 + 8 > N) { /* the last panel's columns within N, one at a time */
             for (int i = 0; i < mb; i++)
                 for (int64_t n = n0; n < N; n++) {
                     float s = o[(i * np + j) * 8 + n - n0];
-                    if (bias) s += load1(bias, n, bf16);
-                    store1(out, (m0 + i) * N + n, s, bf16);
+                    if (bias) s += load1(bias, n, dt);
+                    store1(out, (m0 + i) * N + n, s, dt);
                 }
             continue;
         }
-        __m256 b = bias ? (bf16 ? ld_bf16(bias, n0) : ld_f32(bias, n0)) : _mm256_setzero_ps();
+        __m256 b = bias ? ld_dt(bias, n0, dt) : _mm256_setzero_ps();
         for (int i = 0; i < mb; i++) {
             __m256 s = _mm256_loadu_ps(o + (i * np + j) * 8);
             if (bias) s = _mm256_add_ps(s, b);
-            if (bf16) _mm_storeu_si128((__m128i*)((uint16_t*)out + (m0 + i) * N + n0), bf16x8(s));
+            if (dt == DT_BF16) _mm_storeu_si128((__m128i*)((uint16_t*)out + (m0 + i) * N + n0), bf16x8(s));
+            else if (dt == DT_F16) /* (F16C: to nearest even, a NaN made quiet, as f32_to_f16) */
+                _mm_storeu_si128((__m128i*)((uint16_t*)out + (m0 + i) * N + n0),
+                                 _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             else _mm256_storeu_ps((float*)out + (m0 + i) * N + n0, s);
         }
     }
@@ -134,15 +145,13 @@ AVX2 static void packed_store(const float* o, int mb, int np, int64_t m0, int64_
 
 /* a W_Q8 tile's sums o [mb][np * 8] of panels p.. scaled in place as q8_scaled (linear.c) does each:
  * rnd(rnd(s) * scale), 8 columns a vector (the scales run on to a whole panel, zeros past N) */
-AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scales, int bf16) {
+AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scales, int dt) {
     for (int j = 0; j < np; j++) {
         __m256 sc = _mm256_loadu_ps(scales + (p + j) * 8);
         for (int i = 0; i < mb; i++) {
             float* q = o + (i * np + j) * 8;
             __m256 v = _mm256_loadu_ps(q);
-            if (bf16) v = rnd8(v);
-            v = _mm256_mul_ps(v, sc);
-            if (bf16) v = rnd8(v);
+            v = rnd8_dt(_mm256_mul_ps(rnd8_dt(v, dt), sc), dt);
             _mm256_storeu_ps(q, v);
         }
     }
@@ -180,11 +189,12 @@ AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scal
 #define DEQ_LUT(F, S, Z) ((void)(Z), _mm256_mul_ps(F, S)) /* (no shift) */
 /* (a codebook value times a finite scale is never NaN: cpu.kernels reads no weight with another scale) */
 #define DEQ_LUT_BF16(F, S, Z) ((void)(Z), rnd8_number(_mm256_mul_ps(F, S)))
-/* F16C's conversions round to nearest even, as rnd_f16 */
-#define RND_F16(V) _mm256_cvtph_ps(_mm256_cvtps_ph(V, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
 #define DEQ_SUB_MUL_F16(F, S, Z) RND_F16(_mm256_mul_ps(_mm256_sub_ps(F, Z), S))
 #define DEQ_SUB_MUL_F16_BF16(F, S, Z) rnd8_number(DEQ_SUB_MUL_F16(F, S, Z))
-AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, int bf16,
+/* fp16 calls (DEQ_SUB_MUL_F16 and DEQ_FMA as fp32's: a value rounded to fp16 stays so) */
+#define DEQ_MUL_SUB_F16(F, S, Z) RND_F16(_mm256_sub_ps(RND_F16(_mm256_mul_ps(F, S)), Z))
+#define DEQ_LUT_F16(F, S, Z) ((void)(Z), RND_F16(_mm256_mul_ps(F, S)))
+AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, int dt,
                             float* d) {
     const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
     const int64_t G = m->group;
@@ -201,16 +211,18 @@ AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int
                 __m256 f[2];
                 if (m->form == Q4_LUT) {
                     Q4_LUT_CODES(src + k * 4, f0, f1);
-                    f[0] = bf16 ? DEQ_LUT_BF16(f0, sc, sh) : DEQ_LUT(f0, sc, sh);
-                    f[1] = bf16 ? DEQ_LUT_BF16(f1, sc, sh) : DEQ_LUT(f1, sc, sh);
+                    f[0] = dt == DT_BF16 ? DEQ_LUT_BF16(f0, sc, sh) : dt == DT_F16 ? DEQ_LUT_F16(f0, sc, sh) : DEQ_LUT(f0, sc, sh);
+                    f[1] = dt == DT_BF16 ? DEQ_LUT_BF16(f1, sc, sh) : dt == DT_F16 ? DEQ_LUT_F16(f1, sc, sh) : DEQ_LUT(f1, sc, sh);
                 } else if (m->form == Q4_SUB_MUL_F16) {
                     Q4_AFFINE(src + k * 4, f0, f1);
-                    f[0] = bf16 ? DEQ_SUB_MUL_F16_BF16(f0, sc, sh) : DEQ_SUB_MUL_F16(f0, sc, sh);
-                    f[1] = bf16 ? DEQ_SUB_MUL_F16_BF16(f1, sc, sh) : DEQ_SUB_MUL_F16(f1, sc, sh);
+                    f[0] = dt == DT_BF16 ? DEQ_SUB_MUL_F16_BF16(f0, sc, sh) : DEQ_SUB_MUL_F16(f0, sc, sh);
+                    f[1] = dt == DT_BF16 ? DEQ_SUB_MUL_F16_BF16(f1, sc, sh) : DEQ_SUB_MUL_F16(f1, sc, sh);
                 } else {
                     Q4_AFFINE(src + k * 4, f0, f1);
-                    f[0] = m->form == Q4_FMA ? DEQ_FMA(f0, sc, sh) : bf16 ? DEQ_MUL_SUB_BF16(f0, sc, sh) : DEQ_MUL_SUB(f0, sc, sh);
-                    f[1] = m->form == Q4_FMA ? DEQ_FMA(f1, sc, sh) : bf16 ? DEQ_MUL_SUB_BF16(f1, sc, sh) : DEQ_MUL_SUB(f1, sc, sh);
+                    f[0] = m->form == Q4_FMA ? DEQ_FMA(f0, sc, sh) : dt == DT_BF16 ? DEQ_MUL_SUB_BF16(f0, sc, sh)
+                         : dt == DT_F16 ? DEQ_MUL_SUB_F16(f0, sc, sh) : DEQ_MUL_SUB(f0, sc, sh);
+                    f[1] = m->form == Q4_FMA ? DEQ_FMA(f1, sc, sh) : dt == DT_BF16 ? DEQ_MUL_SUB_BF16(f1, sc, sh)
+                         : dt == DT_F16 ? DEQ_MUL_SUB_F16(f1, sc, sh) : DEQ_MUL_SUB(f1, sc, sh);
                 }
                 _mm256_storeu_ps(dj + k * 8, f[0]);
                 _mm256_storeu_ps(dj + (k + 1) * 8, f[1]);
@@ -275,44 +287,50 @@ Q4_TILES(pq4lut, Q4_LUT_CODES, DEQ_LUT)
 Q4_TILES(pq4lutb, Q4_LUT_CODES, DEQ_LUT_BF16)
 Q4_TILES(pq4smh, Q4_AFFINE, DEQ_SUB_MUL_F16)
 Q4_TILES(pq4smhb, Q4_AFFINE, DEQ_SUB_MUL_F16_BF16)
-/* by form (Q4_MUL_SUB, Q4_FMA, Q4_LUT, Q4_SUB_MUL_F16) and bf16: the tiles of up to 9 rows, as
- * pf32_wide and pf32_one */
-static const q4tile_fn* const q4_wide[4][2] = {{pq4ms_wide, pq4msb_wide}, {pq4fma_wide, pq4fma_wide},
-                                               {pq4lut_wide, pq4lutb_wide}, {pq4smh_wide, pq4smhb_wide}};
-static const q4tile_fn* const q4_one[4][2] = {{pq4ms_one, pq4msb_one}, {pq4fma_one, pq4fma_one},
-                                              {pq4lut_one, pq4lutb_one}, {pq4smh_one, pq4smhb_one}};
+Q4_TILES(pq4msh, Q4_AFFINE, DEQ_MUL_SUB_F16)
+Q4_TILES(pq4luth, Q4_LUT_CODES, DEQ_LUT_F16)
+/* by form (Q4_MUL_SUB, Q4_FMA, Q4_LUT, Q4_SUB_MUL_F16) and dtype (DT_F32, DT_BF16, DT_F16): the tiles
+ * of up to 9 rows, as pf32_wide and pf32_one */
+static const q4tile_fn* const q4_wide[4][3] = {{pq4ms_wide, pq4msb_wide, pq4msh_wide},
+                                               {pq4fma_wide, pq4fma_wide, pq4fma_wide},
+                                               {pq4lut_wide, pq4lutb_wide, pq4luth_wide},
+                                               {pq4smh_wide, pq4smhb_wide, pq4smh_wide}};
+static const q4tile_fn* const q4_one[4][3] = {{pq4ms_one, pq4msb_one, pq4msh_one},
+                                              {pq4fma_one, pq4fma_one, pq4fma_one},
+                                              {pq4lut_one, pq4lutb_one, pq4luth_one},
+                                              {pq4smh_one, pq4smhb_one, pq4smh_one}};
 
 /* linear_range_avx2 for a W_Q4 weight: up to 9 rows by the W_Q4 tiles; more by the fp32 tiles over
  * its values dequantized Q4_KBLOCK values of k at a time (once for every MANY_BLOCK_ROWS rows), each tile's
  * chains going on from its stored sums (init). Either way every output is the W_FLOAT chain over
  * the dequantized weight. */
 AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int64_t K, const void* bias, int64_t p_lo,
-                                 int64_t p_hi, void* out, int64_t N, int64_t bf16) {
+                                 int64_t p_hi, void* out, int64_t N, int64_t dt) {
     int64_t P = (N + 7) / 8;
     if (M <= 9) {
         const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
-        const q4tile_fn *wide = q4_wide[m->form][bf16 != 0], *one = q4_one[m->form][bf16 != 0];
+        const q4tile_fn *wide = q4_wide[m->form][dt], *one = q4_one[m->form][dt];
         float o[9 * 32];
         int np = pf32_np[M];
         for (int64_t p = p_lo; p < p_hi;) {
             int n = p + np <= p_hi ? np : 1;
             (n == np ? wide : one)[M](xt, M, (const uint8_t*)wp + p * K * 4, K, q4_scales(wp, P, K, p, 0),
                                       K / m->group * 16, m, o);
-            packed_store(o, (int)M, n, 0, p, bias, out, N, (int)bf16);
+            packed_store(o, (int)M, n, 0, p, bias, out, N, (int)dt);
             p += n;
         }
         return;
     }
     float d[MANY_PANELS * Q4_KBLOCK * 8];
-    int64_t B = x_block(M, bf16), blocks = (M + B - 1) / B;
+    int64_t B = x_block(M, dt), blocks = (M + B - 1) / B;
     float acc[MANY_BLOCK_ROWS * MANY_PANELS * 8];
     for (int64_t p = p_lo; p < p_hi;) {
-        int n = !bf16 && p + MANY_PANELS <= p_hi ? MANY_PANELS : 1;
+        int n = dt == DT_F32 && p + MANY_PANELS <= p_hi ? MANY_PANELS : 1;
         for (int64_t b0 = 0; b0 < blocks; b0 += MANY_BLOCK_ROWS / B) {
             int64_t b1 = b0 + MANY_BLOCK_ROWS / B < blocks ? b0 + MANY_BLOCK_ROWS / B : blocks;
             for (int64_t k0 = 0; k0 < K; k0 += Q4_KBLOCK) {
                 int64_t kn = K - k0 < Q4_KBLOCK ? K - k0 : Q4_KBLOCK;
-                q4_dequant(wp, P, K, p, n, k0, kn, (int)bf16, d);
+                q4_dequant(wp, P, K, p, n, k0, kn, (int)dt, d);
                 for (int64_t b = b0; b < b1; b++) {
                     int64_t mb, at = x_at(M, B, K, b * B, &mb), m0 = b * B;
                     (n == MANY_PANELS ? pf32_many : pf32_one)[mb](xt + at + k0 * mb, mb, d, kn, kn,
@@ -320,7 +338,7 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
                 }
             }
             int64_t r1 = b1 * B < M ? b1 * B : M;
-            packed_store(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)bf16);
+            packed_store(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)dt);
         }
         p += n;
     }
@@ -329,33 +347,34 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
 /* the tiles' part of linear_range_c (linear.c): up to 9 rows in one pass over the panels, more in
  * blocks of rows (MANY_ROWS, cpu_kernels.h) */
 void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
-                       int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t bf16) {
+                       int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
     if (wkind == W_Q4) {
-        linear_range_q4(xt, M, wp, K2, bias, p_lo, p_hi, out, N, bf16);
+        linear_range_q4(xt, M, wp, K2, bias, p_lo, p_hi, out, N, dt);
         return;
     }
     int q8 = wkind == W_Q8;
-    const ptile_fn *wide = q8 ? pq8_wide : bf16 ? pbf16_wide : pf32_wide, *one = q8 ? pq8_one : bf16 ? pbf16_one : pf32_one;
-    int64_t panel = K2 * 8 * (q8 ? 1 : bf16 ? 2 : 4); /* bytes */
+    const ptile_fn *wide = q8 ? pq8_wide : dt == DT_BF16 ? pbf16_wide : dt == DT_F16 ? pf16_wide : pf32_wide;
+    const ptile_fn *one = q8 ? pq8_one : dt == DT_BF16 ? pbf16_one : dt == DT_F16 ? pf16_one : pf32_one;
+    int64_t panel = K2 * 8 * (q8 ? 1 : dt == DT_F32 ? 4 : 2); /* bytes */
     const float* scales = q8 ? (const float*)((const char*)wp + q8_scales_at((N + 7) / 8, K2)) : NULL;
     float o[9 * 32];
     if (M <= 9) {
-        int np = (q8 ? pf32_np : bf16 ? pbf16_np : pf32_np)[M]; /* (W_Q8 holds as many registers as fp32) */
+        int np = (dt == DT_BF16 && !q8 ? pbf16_np : pf32_np)[M]; /* (W_Q8 and fp16 hold as many registers as fp32) */
         for (int64_t p = p_lo; p < p_hi;) {
             int n = p + np <= p_hi ? np : 1;
             (n == np ? wide : one)[M](xt, M, (const char*)wp + p * panel, K2, K2, o, 0);
-            if (q8) q8_scale(o, (int)M, n, p, scales, (int)bf16);
-            packed_store(o, (int)M, n, 0, p, bias, out, N, (int)bf16);
+            if (q8) q8_scale(o, (int)M, n, p, scales, (int)dt);
+            packed_store(o, (int)M, n, 0, p, bias, out, N, (int)dt);
             p += n;
         }
         return;
     }
-    /* more rows: fp32 weights by MANY_PANELS panels and K blocks, bf16 and W_Q8 (each pass widens the
-     * panel again) one panel at a time over its whole K */
-    int64_t B = x_block(M, bf16), blocks = (M + B - 1) / B;
+    /* more rows: fp32 weights by MANY_PANELS panels and K blocks, bf16, fp16 and W_Q8 (each pass widens
+     * the panel again) one panel at a time over its whole K */
+    int64_t B = x_block(M, dt), blocks = (M + B - 1) / B;
     float acc[MANY_BLOCK_ROWS * MANY_PANELS * 8];
     for (int64_t p = p_lo; p < p_hi;) {
-        int n = !bf16 && !q8 && p + MANY_PANELS <= p_hi ? MANY_PANELS : 1;
+        int n = dt == DT_F32 && !q8 && p + MANY_PANELS <= p_hi ? MANY_PANELS : 1;
         int64_t kb = n == MANY_PANELS ? MANY_KBLOCK : K2;
         for (int64_t b0 = 0; b0 < blocks; b0 += MANY_BLOCK_ROWS / B) {
             int64_t b1 = b0 + MANY_BLOCK_ROWS / B < blocks ? b0 + MANY_BLOCK_ROWS / B : blocks;
@@ -363,61 +382,64 @@ void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind
                 for (int64_t b = b0; b < b1; b++) {
                     int64_t mb, at = x_at(M, B, K2, b * B, &mb), m0 = b * B;
                     (n == MANY_PANELS ? pf32_many : one)[mb](xt + at + k0 * mb, mb,
-                        (const char*)wp + p * panel + k0 * 8 * (bf16 ? 2 : 4), K2,
+                        (const char*)wp + p * panel + k0 * 8 * 4, K2, /* (k0 > 0: fp32 panels alone) */
                         K2 - k0 < kb ? K2 - k0 : kb, acc + (m0 - b0 * B) * n * 8, k0 > 0);
                 }
             int64_t r1 = b1 * B < M ? b1 * B : M;
-            if (q8) q8_scale(acc, (int)(r1 - b0 * B), n, p, scales, (int)bf16);
-            packed_store(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)bf16);
+            if (q8) q8_scale(acc, (int)(r1 - b0 * B), n, p, scales, (int)dt);
+            packed_store(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)dt);
         }
         p += n;
     }
 }
 
-/* x's rows m .. m + R - 1 (R = 8, 4 or 1), values [0, K - K % R) (bf16 widened), into a block of the
+/* x's rows m .. m + R - 1 (R = 8, 4 or 1), values [0, K - K % R) (bf16, fp16 widened), into a block of the
  * transposed x: value k of row m + i at dst[k * ld + i]; by R x R transposes, not one scalar store per
  * value, which kept a 9-row call's caller busy while the other threads waited (docs/results.md,
  * "Linear stores and transposes: the linears' own overheads") */
-AVX2 static void transpose8(const void* x, int64_t m, int64_t K, int bf16, float* dst, int64_t ld) {
+AVX2 static void transpose8(const void* x, int64_t m, int64_t K, int dt, float* dst, int64_t ld) {
     for (int64_t k0 = 0; k0 + 8 <= K; k0 += 8) {
         __m256 r[8];
-        for (int i = 0; i < 8; i++) r[i] = bf16 ? ld_bf16(x, (m + i) * K + k0) : ld_f32(x, (m + i) * K + k0);
+        for (int i = 0; i < 8; i++) r[i] = ld_dt(x, (m + i) * K + k0, dt);
         transpose8x8(r);
         for (int v = 0; v < 8; v++) _mm256_storeu_ps(dst + (k0 + v) * ld, r[v]);
     }
 }
-AVX2 static int64_t transpose1(const void* x, int64_t m, int64_t K, int bf16, float* dst) { /* one row: as it is */
+AVX2 static int64_t transpose1(const void* x, int64_t m, int64_t K, int dt, float* dst) { /* one row: as it is */
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, bf16 ? ld_bf16(x, m * K + k) : ld_f32(x, m * K + k));
+    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, ld_dt(x, m * K + k, dt));
     return k;
 }
-AVX2 static void transpose4(const void* x, int64_t m, int64_t K, int bf16, float* dst, int64_t ld) {
+AVX2 static void transpose4(const void* x, int64_t m, int64_t K, int dt, float* dst, int64_t ld) {
     for (int64_t k0 = 0; k0 + 4 <= K; k0 += 4) {
         __m128 r[4];
-        for (int i = 0; i < 4; i++)
-            r[i] = bf16 ? _mm256_castps256_ps128(widen8(_mm_loadl_epi64((const __m128i*)((const uint16_t*)x + (m + i) * K + k0))))
-                        : _mm_loadu_ps((const float*)x + (m + i) * K + k0);
+        for (int i = 0; i < 4; i++) {
+            const __m128i* h = (const __m128i*)((const uint16_t*)x + (m + i) * K + k0);
+            r[i] = dt == DT_BF16 ? _mm256_castps256_ps128(widen8(_mm_loadl_epi64(h)))
+                 : dt == DT_F16  ? _mm_cvtph_ps(_mm_loadl_epi64(h))
+                                 : _mm_loadu_ps((const float*)x + (m + i) * K + k0);
+        }
         _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
         for (int v = 0; v < 4; v++) _mm_storeu_ps(dst + (k0 + v) * ld, r[v]);
     }
 }
 
 /* pack_x_c (linear.c) by register transposes: a block's rows go by eights, then fours, then alone */
-void pack_x_avx2(const void* x, int64_t M, int64_t K, int64_t K2, int64_t bf16, float* xt) {
-    int64_t B = x_block(M, bf16);
+void pack_x_avx2(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float* xt) {
+    int64_t B = x_block(M, dt);
     for (int64_t m = 0; m < M; m++) {
         int64_t ld, k = 0, i = m % B; /* i: the row's place in its block */
         float* xm = xt + x_at(M, B, K2, m, &ld);
         if (ld == 1) /* one row: its values in a line */
-            k = transpose1(x, m, K, (int)bf16, xm);
+            k = transpose1(x, m, K, (int)dt, xm);
         else if (i / 8 * 8 + 8 <= ld) {
-            if (i % 8 == 0) transpose8(x, m, K, (int)bf16, xm, ld);
+            if (i % 8 == 0) transpose8(x, m, K, (int)dt, xm, ld);
             k = K / 8 * 8; /* (this row's values up to there are in) */
         } else if (i / 4 * 4 + 4 <= ld) {
-            if (i % 4 == 0) transpose4(x, m, K, (int)bf16, xm, ld);
+            if (i % 4 == 0) transpose4(x, m, K, (int)dt, xm, ld);
             k = K / 4 * 4;
         }
-        x_row_rest(x, m, K, K2, (int)bf16, xm, ld, k);
+        x_row_rest(x, m, K, K2, (int)dt, xm, ld, k);
     }
 }
 

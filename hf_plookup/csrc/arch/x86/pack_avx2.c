@@ -4,8 +4,9 @@
  * of a row, which are adjacent in the row too. So both dtypes move 32-bit elements: 8 elements of 8
  * rows are one register transpose between 8 rows of the weight and 8 lines of the panel, where the
  * portable code moves one value at a time (docs/results.md, "Larger models on CPU: one copy of the
- * weights", says what that cost a prompt's GEMMs). The last, partial panel and bf16 weights of odd K
- * (whose pairs do not start on 4-byte elements) go the portable way (pack_range_c). */
+ * weights", says what that cost a prompt's GEMMs). The last, partial panel, bf16 weights of odd K
+ * (whose pairs do not start on 4-byte elements) and fp16 weights (16-bit elements) go the portable way
+ * (pack_range_c). */
 #include "simd.h"
 
 #if HAVE_X86_KERNELS
@@ -32,17 +33,18 @@ AVX2 static void move_panel(float* w, int64_t ld, float* pk, int64_t E, int unpa
         }
 }
 
-void pack_range_avx2(const void* w, void* packed, int64_t N, int64_t K, int64_t bf16, int64_t unpack, int64_t p_lo,
+void pack_range_avx2(const void* w, void* packed, int64_t N, int64_t K, int64_t dt, int64_t unpack, int64_t p_lo,
                      int64_t p_hi) {
-    if (bf16 && (K & 1)) { /* a row's pairs would start at 2-byte offsets, and its last value pairs a zero */
-        pack_range_c(w, packed, N, K, bf16, unpack, p_lo, p_hi);
+    /* (bf16 of odd K: a row's pairs would start at 2-byte offsets, and its last value pairs a zero) */
+    if (dt == DT_F16 || (dt == DT_BF16 && (K & 1))) {
+        pack_range_c(w, packed, N, K, dt, unpack, p_lo, p_hi);
         return;
     }
     int64_t full = N / 8 < p_hi ? N / 8 : p_hi; /* panels whose 8 rows all lie within N */
-    int64_t E = bf16 ? K / 2 : K;              /* 32-bit elements of a row, and of a panel's lines */
+    int64_t E = dt == DT_BF16 ? K / 2 : K;     /* 32-bit elements of a row, and of a panel's lines */
     for (int64_t p = p_lo; p < full; p++)
         move_panel((float*)w + p * 8 * E, E, (float*)packed + p * E * 8, E, (int)unpack);
-    if (full < p_hi) pack_range_c(w, packed, N, K, bf16, unpack, full > p_lo ? full : p_lo, p_hi);
+    if (full < p_hi) pack_range_c(w, packed, N, K, dt, unpack, full > p_lo ? full : p_lo, p_hi);
 }
 
 #endif

@@ -1,5 +1,5 @@
-/* The x86 vector code's one abstraction: 8 fp32 lanes of AVX2 (+ FMA), the loads that widen bf16 into
- * them, and the fixed tree of their horizontal sum. Every arch/x86 file builds on these.
+/* The x86 vector code's one abstraction: 8 fp32 lanes of AVX2 (+ FMA), the loads that widen bf16 and
+ * fp16 into them, and the fixed tree of their horizontal sum. Every arch/x86 file builds on these.
  *
  * The package is built for the baseline x86-64 (one build for every CPU), so the vector functions
  * carry their instruction set as a target attribute (AVX2 below, AVX512BF16 in
@@ -78,14 +78,23 @@ AVX2 static inline __m256 rnd8(__m256 v) {
     return _mm256_blendv_ps(rnd8_number(v), _mm256_castsi256_ps(nan), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 AVX2 static inline __m256 ld_bf16(const void* p, int64_t i) { return widen8(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))); }
+AVX2 static inline __m256 ld_f16(const void* p, int64_t i) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i))); }
+/* each lane rounded to fp16 and widened back (rnd_f16: F16C's conversions round to nearest even) */
+#define RND_F16(V) _mm256_cvtph_ps(_mm256_cvtps_ph(V, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+/* 8 values of a call's dtype from p + i, widened; each lane rounded to it (rnd) */
+AVX2 static inline __m256 ld_dt(const void* p, int64_t i, int dt) {
+    return dt == DT_BF16 ? ld_bf16(p, i) : dt == DT_F16 ? ld_f16(p, i) : ld_f32(p, i);
+}
+AVX2 static inline __m256 rnd8_dt(__m256 v, int dt) { return dt == DT_BF16 ? rnd8(v) : dt == DT_F16 ? RND_F16(v) : v; }
 /* the first `rem` (< 8) values, zeros after: a zero lane adds 0 * 0 to its sum */
 AVX2 static inline __m256 ld_part(const void* p, int64_t i, int rem, int bf16) {
     float tmp[8] = {0};
     for (int j = 0; j < rem; j++) tmp[j] = load1(p, i + j, bf16);
     return _mm256_loadu_ps(tmp);
 }
-/* 8 values from p + i (fp32, or bf16 widened), or the first rem (< 8) of them and zeros (rem > 0) */
-#define LDX(P, OFF, REM) ((REM) ? ld_part(P, OFF, REM, bf16) : (bf16 ? ld_bf16(P, OFF) : ld_f32(P, OFF)))
+/* 8 values from p + i (fp32, or bf16 or fp16 widened; `bf16` the dtype code in scope), or the first
+ * rem (< 8) of them and zeros (rem > 0) */
+#define LDX(P, OFF, REM) ((REM) ? ld_part(P, OFF, REM, bf16) : ld_dt(P, OFF, bf16))
 
 /* a key block's NH x KB sums a[h][u] (8 lanes each; NH * KB is 8 or 9) to scores s[h * ld + j + u]
  * (the head groups' scores, both instruction sets) */
