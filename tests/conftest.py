@@ -38,6 +38,22 @@ import torch  # noqa: E402
 if _WORKERS > 1:  # in case a plugin imported torch before the variable was set
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# Tests that take tens of seconds on 2 cores (real weights: marked slow; subprocesses, compiling, the
+# architecture sweep: named here) start first, and the workers steal each other's pending tests
+# (pyproject's `--dist worksteal`), so that the two workers end together rather than one waiting
+# for the other's long test, started last.
+_LONG_TESTS = ("test_second_process_loads_the_first_ones_compiled_steps", "test_bench_smoke",
+               "test_summarize_two_processes", "test_tensor_parallel_two_cpu_ranks_match_single_process",
+               "test_warmup_builds_the_buckets_before_the_first_call", "test_soak_bounded",
+               "test_compiled_steps_change_no_logit", "test_cpu_memory_on_a_quantized_model", "test_cpu_memory_smoke",
+               "test_invariant_mode_without_the_c_kernels", "test_every_causal_lm_type_runs_as_hf_greedy_or_is_refused",
+               "test_step_bench_smoke", "test_bench_on_a_quantized_model", "test_bench_starts_both_ways_for_real",
+               "test_every_eval_script_starts_both_ways")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.originalname in _LONG_TESTS))
+
 from transformers import AutoConfig, AutoModelForCausalLM, StoppingCriteria
 
 VOCAB = 96
