@@ -20,14 +20,13 @@ threads, so each row also rounds differently in a 1-row and a 5-row call). The C
 - `attend(...)`: one query head over exactly its visible keys, read in place from the pages in
   position order, with one fixed order of arithmetic per query: chains, tree nodes (the
   context, then the node's ancestors), GQA, sliding windows (the caller trims the keys) and
-  tanh soft-capping; float32, bfloat16 and float16 pages. With AVX-512 BF16, bf16 scores q.k take the dot-product instruction (lane l
+  tanh soft-capping. With AVX-512 BF16, bf16 scores q.k take the dot-product instruction (lane l
   adds the exact products of values d+2l+1, then d+2l, of each 16, values and sums below FLT_MIN
   flushed to 0): a fixed order too, but bf16 attention's bits then depend on whether the CPU has
   the instruction; the rest of attention is unchanged.
 
 `steps.c_layers` runs whole decoder layers of decode steps from these kernels (`layer_attention`,
-`layer_mlp` in `csrc/layers.c`), in float32 and bfloat16 (`LAYER_DTYPES`); a float16 model's steps
-take the linears and attention here and their norms and elementwise ops from torch.
+`layer_mlp` in `csrc/layers.c`). Every kernel takes float32, bfloat16 and float16 (`DTYPES`).
 
 Threads: the kernels split their work over `torch.get_num_threads()` threads of a small pool
 of their own (numba's OpenMP layer beside torch's OpenMP runtime took milliseconds a call).
@@ -60,11 +59,8 @@ try:
 except ImportError:  # built without a C compiler: the callers fall back (invariant.linears.row_strategy)
     _ext = None
 
-# the dtypes of the linears and the attention, and of the norms and decoder layers (steps.c_layers),
-# which float16 models do without: their steps run the linears and the attention here, the rest in
-# torch (8 fp16 values are one F16C conversion away from fp32)
+# the dtypes of every kernel (16-bit values widened exactly to fp32 for arithmetic, fp16 by F16C)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-LAYER_DTYPES = (torch.float32, torch.bfloat16)
 _DT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/cpu_kernels.h, DT_F32 ...
 
 
@@ -699,13 +695,13 @@ RMS_FORMS = {"scale_after": 0, "one_plus": 1}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
-    """RMS normalization of x [..., K] over its last dimension with weight [K] (both float32, or
-    both bfloat16, on CPU), each row alone in one fixed order (`RMS_FORMS` names the forms).
+    """RMS normalization of x [..., K] over its last dimension with weight [K] (both of one dtype of
+    `DTYPES`, on CPU), each row alone in one fixed order (`RMS_FORMS` names the forms).
 
     Example (float32): x = [[3, 4]], weight = [1, 1], eps = 0: r = 1 / sqrt(12.5), so
     `rms_norm(x, w, 0.0, "scale_after")` is [[0.8485, 1.1314]], and "one_plus" doubles it."""
     k = weight.shape[-1]
-    if x.dtype != weight.dtype or x.dtype not in LAYER_DTYPES or x.shape[-1] != k or weight.dim() != 1:
+    if x.dtype != weight.dtype or x.dtype not in DTYPES or x.shape[-1] != k or weight.dim() != 1:
         raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
     x2d = x.reshape(-1, k)
     if not x2d.is_contiguous():
@@ -713,7 +709,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> to
     w = weight.contiguous()
     out = torch.empty(x2d.shape, dtype=x.dtype)
     _LIB.rms_norm(x2d.data_ptr(), x2d.shape[0], k, w.data_ptr(), eps, RMS_FORMS[form], out.data_ptr(),
-                  x.dtype == torch.bfloat16, threads())
+                  dtype_code(x.dtype), threads())
     return out.view(x.shape)
 
 
@@ -725,12 +721,12 @@ def rms_eps(module: torch.nn.Module) -> float | None:
 
 def rms_form(module: torch.nn.Module) -> str | None:
     """Which `RMS_FORMS` form `module`'s forward computes, or None. A candidate is a
-    module named like a norm, with one 1-D float32/bfloat16 CPU weight (`LAYER_DTYPES`), an epsilon
+    module named like a norm, with one 1-D CPU weight of `DTYPES`, an epsilon
     (`variance_epsilon` or `eps`) and a forward of the hidden states alone; its form is the one
-    whose output matches the module's own on random rows (to float32 rounding, or bfloat16's)."""
+    whose output matches the module's own on random rows (to float32 rounding, or the 16-bit dtype's)."""
     weight, eps = getattr(module, "weight", None), rms_eps(module)
     if ("norm" not in type(module).__name__.lower() or not isinstance(weight, torch.nn.Parameter) or eps is None
-            or weight.dim() != 1 or weight.device.type != "cpu" or weight.dtype not in LAYER_DTYPES
+            or weight.dim() != 1 or weight.device.type != "cpu" or weight.dtype not in DTYPES
             or not available()):
         return None
     params = list(inspect.signature(type(module).forward).parameters.values())[1:]

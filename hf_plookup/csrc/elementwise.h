@@ -4,25 +4,28 @@
  * IEEE operations in the same order (the build keeps products and sums apart, -ffp-contract=off), so
  * the levels give the same bits.
  *
- * Each loop is written for both dtypes (an ELEMENTWISE function taking B) and inlined with B a
- * constant (BOTH_DTYPES), so each dtype gets its own loop, which the compiler vectorizes: one loop
- * serving both tests the dtype per value and stays scalar, which a 9-token bf16 step felt in its
- * norms, RoPE and residuals. */
+ * Each loop is written for every dtype (an ELEMENTWISE function taking B, the dtype code of
+ * cpu_kernels.h) and inlined with B a constant (EACH_DTYPE), so each dtype gets its own loop, which
+ * the compiler vectorizes: one loop serving all tests the dtype per value and stays scalar, which a
+ * 9-token bf16 step felt in its norms, RoPE and residuals. */
 #ifndef HF_PLOOKUP_ELEMENTWISE_H
 #define HF_PLOOKUP_ELEMENTWISE_H
 
 #include "cpu_kernels.h"
 
 #define ELEMENTWISE static inline __attribute__((always_inline))
-#define BOTH_DTYPES(CALL)    \
-    do {                     \
-        if (b16) {           \
-            const int B = 1; \
-            CALL;            \
-        } else {             \
-            const int B = 0; \
-            CALL;            \
-        }                    \
+#define EACH_DTYPE(CALL)             \
+    do {                             \
+        if (b16 == DT_BF16) {        \
+            const int B = DT_BF16;   \
+            CALL;                    \
+        } else if (b16 == DT_F16) {  \
+            const int B = DT_F16;    \
+            CALL;                    \
+        } else {                     \
+            const int B = DT_F32;    \
+            CALL;                    \
+        }                            \
     } while (0)
 
 /* RMS normalization of rows m_lo .. m_hi-1 of K values (layers.c, rms_norm, says the forms) */
@@ -49,7 +52,7 @@ ELEMENTWISE void rms_rows_n(const void* x, int64_t m_lo, int64_t m_hi, int64_t K
     }
 }
 
-/* out[i] = a[i] op b[i] (op: + or *) for n values: torch's add or mul (bf16: the fp32 result rounded) */
+/* out[i] = a[i] op b[i] (op: + or *) for n values: torch's add or mul (bf16, fp16: the fp32 result rounded) */
 ELEMENTWISE void binary_n(void* out, const void* a, const void* b, int64_t n, int mul, const int B) {
     for (int64_t i = 0; i < n; i++) {
         float va = load1(a, i, B), vb = load1(b, i, B);

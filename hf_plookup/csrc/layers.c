@@ -7,17 +7,17 @@
 
 void rms_rows_c(const void* x, int64_t m_lo, int64_t m_hi, int64_t K, const void* w, float eps, int64_t form,
                 void* out, int b16) {
-    BOTH_DTYPES(rms_rows_n(x, m_lo, m_hi, K, w, eps, form, out, B));
+    EACH_DTYPE(rms_rows_n(x, m_lo, m_hi, K, w, eps, form, out, B));
 }
-void add_into_c(void* x, const void* y, int64_t n, int b16) { BOTH_DTYPES(binary_n(x, x, y, n, 0, B)); }
-void mul_to_c(void* out, const void* a, const void* b, int64_t n, int b16) { BOTH_DTYPES(binary_n(out, a, b, n, 1, B)); }
+void add_into_c(void* x, const void* y, int64_t n, int b16) { EACH_DTYPE(binary_n(x, x, y, n, 0, B)); }
+void mul_to_c(void* out, const void* a, const void* b, int64_t n, int b16) { EACH_DTYPE(binary_n(out, a, b, n, 1, B)); }
 void rope_c(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const void* sin, int b16) {
-    BOTH_DTYPES(rope_n(x, T, nh, D, cos, sin, B));
+    EACH_DTYPE(rope_n(x, T, nh, D, cos, sin, B));
 }
 
 /* ------------------------------------------------------------------ RMS norms */
 
-/* RMS normalization of M rows of K values, x and out fp32 (or bf16 when bf16), w [K] the same:
+/* RMS normalization of M rows of K values, x, out and w [K] of the dtype code `bf16` (fp32, bf16, fp16):
  *   r = 1 / sqrt(sum(x^2) / K + eps), the sum in 8 lanes over K (lane l: k = l, l + 8, ...)
  *   added in sum8's fixed tree;
  *   form 0 (Llama's): out = w * round(x * r)  (round: to the dtype, a no-op in fp32)
@@ -50,8 +50,8 @@ int64_t rms_norm(const void* x, int64_t M, int64_t K, const void* w, float eps, 
 /* A decode step of a Llama-form model runs its layers here, two calls per layer, instead of HF's
  * modules (about 300 Python-level calls a layer). Every operation is the one invariant mode runs
  * through the modules, with the same rounding: the norms and linears, attend, and torch's own
- * elementwise arithmetic written out (a product or a sum rounded to fp32, then to bf16 for bf16
- * tensors). Only the activation stays with the model's module, between the two calls: its exp is
+ * elementwise arithmetic written out (a product or a sum rounded to fp32, then to bf16 or fp16 for
+ * such tensors). Only the activation stays with the model's module, between the two calls: its exp is
  * torch's. The structs are steps.c_layers' _Shape, _Layer, _Step and _Keys. */
 
 typedef struct { /* sizes, the same for every layer */

@@ -26,8 +26,7 @@ of the same shape whose parts are the same codes, the fp16 scales and the zero p
 form "sub_mul_f16", offset 0.0.
 
 A turned weight in fp16 (transformers' dtype "auto" loads most published GPTQ checkpoints so) is
-read the same way: the C linears take fp16 calls, though the C layers do not (a float16 model's
-steps run the C linears and attention, the rest in torch).
+read the same way: the C kernels take fp16 calls.
 
 Not seen as a linear (the module's own forward runs): a module not run yet, one with act-order
 (`desc_act`: its inputs permuted), an adapter, or other than 4 bits.

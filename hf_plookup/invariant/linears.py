@@ -59,8 +59,7 @@ from ..cpu.packed_weight import dense
 
 # Where invariant="auto" turns the mode on, by (device type, dtype). On CPU the mode runs decode
 # and verify steps through cpu.kernels, which are faster than torch's kernels for every row
-# count of such a step (float16 too: its linears run there, the rest of its step in torch), so it is
-# on for float32, bfloat16 and float16 wherever those kernels were built
+# count of such a step, so it is on for float32, bfloat16 and float16 wherever those kernels were built
 # (INVARIANT_AUTO_NEEDS_KERNELS); bfloat16 and float16 without them stay on too (slower, but
 # without the mode their prompt lookup can part from plain greedy). CUDA: not measured, off. Also
 # off where it was not measured: compiled steps, the Triton backend, accelerate-dispatched and

@@ -171,9 +171,9 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
                       if linear_module(m) and not gptq.is_gptq_linear(m)}
     params = list(model.parameters())
     dtypes = {linear_weights.get(id(p), p).dtype for p in params}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in cpu_kernels.LAYER_DTYPES or any(
+    if len(dtypes) != 1 or next(iter(dtypes)) not in cpu_kernels.DTYPES or any(
             not cpu_kernels._plain(p) for p in params if id(p) not in linear_weights):
-        return "its weights are not all plain (or quantized as the C linears read) float32 or all bfloat16 CPU tensors"
+        return "its weights are not all plain (or quantized as the C linears read) CPU tensors of one dtype, float32, bfloat16 or float16"
     config = model.config
     shape0 = None  # layer 0's (heads, KV heads, head size): the C path takes one for every layer
     for i, layer in enumerate(parts[1]):
@@ -254,7 +254,7 @@ class CpuLayers:
         attn0, mlp0 = self.layers[0].self_attn, self.layers[0].mlp
         h, h_kv, d = layer_shape(config, attn0, 0)  # every layer's (llama_form checks)
         self.shape = _Shape(hidden=config.hidden_size, H=h, H_kv=h_kv, D=d,
-                            inter=mlp0.gate_proj.out_features, bf16=int(self.dtype == torch.bfloat16))
+                            inter=mlp0.gate_proj.out_features, bf16=cpu_kernels.dtype_code(self.dtype))
         self.norms = [layer_norms(la) for la in self.layers]  # (ln1, ln2, ln_attn_out, ln_mlp_out) each
         self.forms = [tuple(forms[n] if n is not None else None for n in norms)
                       + (forms[la.self_attn.q_norm] if hasattr(la.self_attn, "q_norm") else None,)

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from hf_plookup.cpu import kernels as ck
 from tests.conftest import dense_attention
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-KERNEL_DTYPES = {**DTYPES, "fp16": torch.float16}  # (the linears and attention take fp16 too, the norms not)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (tests/test_imports.py fails where the package was installed without them)
 pytestmark = pytest.mark.skipif(not ck.available(), reason="the C kernels were not built")
 
@@ -39,12 +38,12 @@ def test_linear_literal():
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 64), k=st.integers(1, 300), n=st.integers(1, 160), dtype=st.sampled_from(sorted(KERNEL_DTYPES)),
+@given(m=st.integers(1, 64), k=st.integers(1, 300), n=st.integers(1, 160), dtype=st.sampled_from(sorted(DTYPES)),
        bias=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
 def test_linear_rows_are_invariant(m, k, n, dtype, bias, threads, seed):
     """Every row of an M-row call equals that row alone, at another place of another call and
     under another thread count; values match a float64 reference."""
-    dt = KERNEL_DTYPES[dtype]
+    dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(dt)
     w = torch.randn(n, k, generator=g).to(dt)
@@ -63,12 +62,12 @@ def test_linear_rows_are_invariant(m, k, n, dtype, bias, threads, seed):
         torch.testing.assert_close(full.double(), ref, rtol=ulp, atol=1e-4 * k**0.5)
 
 
-@pytest.mark.parametrize("dtype", sorted(KERNEL_DTYPES))
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_linear_simd_levels_agree_bitwise(dtype):
     """The portable C loop and the AVX2 tiles (up to 9 rows in one pass, 1-9 rows x 1-4 panels; more
     rows in passes of up to 9 over each panel) run one arithmetic per output: every level this CPU
     has gives the same bits (level 2 runs level 1's linears)."""
-    dt = KERNEL_DTYPES[dtype]
+    dt = DTYPES[dtype]
     g = torch.Generator().manual_seed(3)
     top = ck.simd_level()
     try:
@@ -164,7 +163,7 @@ def test_rms_norm_literal():
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.one_of(st.integers(1, 40), st.integers(120, 300)), k=st.integers(1, 700), dtype=st.sampled_from(["fp32", "bf16"]),
+@given(m=st.one_of(st.integers(1, 40), st.integers(120, 300)), k=st.integers(1, 700), dtype=st.sampled_from(sorted(DTYPES)),
        form=st.sampled_from(sorted(ck.RMS_FORMS)), eps=st.sampled_from([1e-6, 1e-5, 0.1]), seed=st.integers(0, 2**16))
 def test_rms_norm_rows_are_invariant(m, k, dtype, form, eps, seed):
     """Each row of an M-row call (from 128 rows, split over the threads) equals that row alone
@@ -186,7 +185,7 @@ def test_rms_norm_rows_are_invariant(m, k, dtype, form, eps, seed):
     torch.testing.assert_close(full.double(), ref, rtol=rtol, atol=atol * float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("form", sorted(ck.RMS_FORMS))
 def test_rms_norm_simd_levels_agree_bitwise(dtype, form):
     """The norms' loops are one C source compiled per level (vectorized for AVX2): every level this
@@ -281,13 +280,13 @@ def test_bf16_scores_follow_the_dot_product_order():
 
 
 @settings(max_examples=25, deadline=None)
-@given(dtype=st.sampled_from(sorted(KERNEL_DTYPES)), window=st.sampled_from([None, 9, 40]), softcap=st.sampled_from([None, 5.0]),
+@given(dtype=st.sampled_from(sorted(DTYPES)), window=st.sampled_from([None, 9, 40]), softcap=st.sampled_from([None, 5.0]),
        tree=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16), dv=st.sampled_from([40, 24]))
 def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, tree, threads, seed, dv):
     """Chains or trees over paged keys (GQA 6/2, D=40, values of 40 or, as in multi-head latent
     attention, 24; sliding window, soft-capping): each query equals a float64 reference, and
     bitwise itself when computed alone or under another thread count."""
-    dt = KERNEL_DTYPES[dtype]
+    dt = DTYPES[dtype]
     g, kc, vc, kv_slots = _paged(seed, dt, dv=dv)
     arrays = _chains_or_trees(g, [(start, 1 + int(torch.randint(5, (1,), generator=g))) for start in (60, 33, 5)],
                               tree, window)
@@ -303,7 +302,7 @@ def test_attend_matches_reference_and_each_query_alone(dtype, window, softcap, t
 
 
 @settings(max_examples=12, deadline=None)
-@given(dtype=st.sampled_from(sorted(KERNEL_DTYPES)), d=st.sampled_from([13, 64]), dv=st.sampled_from([None, 7]),
+@given(dtype=st.sampled_from(sorted(DTYPES)), d=st.sampled_from([13, 64]), dv=st.sampled_from([None, 7]),
        window=st.sampled_from([None, 20]), softcap=st.sampled_from([None, 5.0]), tree=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_attend_tiles_equal_head_groups_bitwise(dtype, d, dv, window, softcap, tree, seed):
@@ -313,7 +312,7 @@ def test_attend_tiles_equal_head_groups_bitwise(dtype, d, dv, window, softcap, t
     ways).
     Every query gets the same bits both ways, and the float64 reference's values, at each SIMD level
     this CPU has (level 1 has the tiles; level 2 reads bf16 pages by its dot products instead)."""
-    dt = KERNEL_DTYPES[dtype]
+    dt = DTYPES[dtype]
     g, kc, vc, kv_slots = _paged(seed, dt, num_seqs=1, h=8, h_kv=2, d=d, ctx=110, dv=dv)
     arrays = _chains_or_trees(g, [(70, 16)], tree, window)
     q = torch.randn(16, 8, d, generator=g).to(dt)
@@ -365,13 +364,13 @@ def _attend_alone(q, kc, vc, kv_slots, arrays, i, scale, softcap):
 
 
 @settings(max_examples=10, deadline=None)
-@given(dtype=st.sampled_from(sorted(KERNEL_DTYPES)), window=st.sampled_from([None, 30]), seed=st.integers(0, 2**16))
+@given(dtype=st.sampled_from(sorted(DTYPES)), window=st.sampled_from([None, 30]), seed=st.integers(0, 2**16))
 def test_attend_partitions_and_levels_agree_bitwise(dtype, window, seed):
     """Five sequences feeding up to 20 chain tokens (more than the 16 that share one pass over the
     keys) under 1, 2 and 3 threads, which cut the work by sequence, by KV head or by token: every
     query is bitwise itself computed alone, at each SIMD level this CPU has (the portable level's
     exp is libm's, so its bits are its own)."""
-    dt = KERNEL_DTYPES[dtype]
+    dt = DTYPES[dtype]
     g, kc, vc, kv_slots = _paged(seed, dt, num_seqs=5, ctx=130)
     seq, lo, hi = [], [], []
     for b in range(5):
@@ -396,7 +395,7 @@ def test_attend_partitions_and_levels_agree_bitwise(dtype, window, seed):
         ck.set_simd_level(top)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_c_layers_match_the_modules_at_every_level(arch, dtype):
     """The decoder layers' C calls (steps.c_layers: layer_attention, layer_mlp) write RoPE, the residual

@@ -40,12 +40,19 @@ def test_llama_form_names_what_it_does_not_take():
     assert "qkv_proj" in llama_form(tiny_model("phi3"))
     assert "post_feedforward_layernorm" in llama_form(tiny_model("olmo2"))
     assert llama_form(tiny_model("gpt_neox")).startswith("not a decoder of model.model")
-    assert llama_form(tiny_model("llama").to(torch.float16)) == (
-        "its weights are not all plain (or quantized as the C linears read) float32 or all bfloat16 CPU tensors")
+    mixed = tiny_model("llama")
+    mixed.lm_head.half()
+    assert llama_form(mixed) == ("its weights are not all plain (or quantized as the C linears read) CPU tensors "
+                                 "of one dtype, float32, bfloat16 or float16")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", TAKEN)
+# every architecture the C layers take in fp32 and bf16; fp16 (the same kernels, its own roundings) on
+# a Llama, a Qwen3 (q/k norms) and a Gemma 3 (four norms a layer, "one_plus" norms, local layers)
+DTYPE_CASES = ([(a, torch.float32) for a in TAKEN] + [(a, torch.bfloat16) for a in TAKEN]
+               + [(a, torch.float16) for a in ("llama", "qwen3", "gemma3_text")])
+
+
+@pytest.mark.parametrize("arch, dtype", DTYPE_CASES, ids=[f"{a}-{str(d)[6:]}" for a, d in DTYPE_CASES])
 @pytest.mark.parametrize("gen", [{}, {"prompt_lookup_num_tokens": 4},
                                  {"prompt_lookup_num_tokens": 4, "prompt_lookup_tree_nodes": 8}],
                          ids=["greedy", "chain", "tree"])

@@ -7,14 +7,14 @@
 
 AVX2 void rms_rows_avx2(const void* x, int64_t m_lo, int64_t m_hi, int64_t K, const void* w, float eps, int64_t form,
                         void* out, int b16) {
-    BOTH_DTYPES(rms_rows_n(x, m_lo, m_hi, K, w, eps, form, out, B));
+    EACH_DTYPE(rms_rows_n(x, m_lo, m_hi, K, w, eps, form, out, B));
 }
-AVX2 void add_into_avx2(void* x, const void* y, int64_t n, int b16) { BOTH_DTYPES(binary_n(x, x, y, n, 0, B)); }
+AVX2 void add_into_avx2(void* x, const void* y, int64_t n, int b16) { EACH_DTYPE(binary_n(x, x, y, n, 0, B)); }
 AVX2 void mul_to_avx2(void* out, const void* a, const void* b, int64_t n, int b16) {
-    BOTH_DTYPES(binary_n(out, a, b, n, 1, B));
+    EACH_DTYPE(binary_n(out, a, b, n, 1, B));
 }
 AVX2 void rope_avx2(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const void* sin, int b16) {
-    BOTH_DTYPES(rope_n(x, T, nh, D, cos, sin, B));
+    EACH_DTYPE(rope_n(x, T, nh, D, cos, sin, B));
 }
 
 #endif
