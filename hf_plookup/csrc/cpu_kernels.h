@@ -57,8 +57,8 @@
 
 /* ------------------------------------------------------------------ 16-bit floats (portable)
  *
- * A call's dtype, `dt` (named `bf16` where only fp32 and bf16 arrive: the norms, attention, layers):
- * DT_F32, DT_BF16 or DT_F16 (the linears alone take fp16, cpu.kernels.LINEAR_DTYPES). 16-bit values
+ * A call's dtype, `dt` (its parameter is named `bf16` or `b16` in the attention, norms and layers):
+ * DT_F32, DT_BF16 or DT_F16 (cpu.kernels.DTYPES). 16-bit values
  * are widened exactly to fp32 for arithmetic and each result rounded back to nearest even, as torch
  * computes ops of bf16 and fp16 CPU tensors. */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };

@@ -16,7 +16,7 @@ engine forward and restored after):
   through the op `hf_plookup::invariant_linear`, which computes each decode row exactly as it
   would be alone. How is decided once per weight shape, dtype, device and thread count by a
   check on this machine (`row_strategy`: rows of 2..PROBE_ROWS-row calls bitwise equal to 1-row
-  calls on random inputs), the first that passes of: `"cpu"` (cpu.kernels, fp32/bf16 on
+  calls on random inputs), the first that passes of: `"cpu"` (cpu.kernels, fp32/bf16/fp16 on
   CPU: row-invariant by construction and faster than torch's call at every decode row count),
   `"plain"` (torch's batched call, in pieces of at most `PROBE_ROWS` rows), `"numba"`
   (invariant.row_linear, fp32 on CPU where the C kernels were not built), `"triton"`

@@ -3,7 +3,7 @@
 forward has turned them into torch's int4 form: the codes and scales read are the ones the module's
 own kernel uses, a linear is bitwise the float linear of those values and each row as alone, and
 `F.linear` of the view is the module's forward; the same for a linear first run in float32, which
-dequantizes on every call (the "sub_mul_f16" form).
+dequantizes on every call (the "sub_mul_f16" form); and the turned form in fp16.
 Needs gptqmodel and optimum (docs/measurements/cpu-avx2-2026-11-29-gptq/NOTES.md: they do not
 install from PyPI alone); skipped without them."""
 
@@ -149,39 +149,19 @@ def test_an_fp32_gptq_model_decodes_in_the_c_layers_as_hf_greedy(fp32_model):
         hf_plookup.unwrap(w)
 
 
-def test_a_gptq_model_decodes_in_the_c_layers_losslessly():
-    """Wrapped in bf16, its decode steps run in the C layers (where every GPTQ linear is read: whole
-    int4pack blocks of columns on this CPU), and greedy with drafts at batch 1 and 2 equals its own
-    greedy."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_gptq_model_decodes_in_the_c_layers_losslessly(dtype):
+    """Wrapped in bf16 or fp16 (transformers' dtype "auto" loads most published GPTQ checkpoints in
+    fp16), its linears turned into torch's int4 form, its decode steps run in the C layers (where
+    every GPTQ linear is read: whole int4pack blocks of columns on this CPU), and greedy with drafts
+    at batch 1 and 2 equals its own greedy."""
     import hf_plookup
     from tests.conftest import left_padded
 
-    model = _model(torch.bfloat16)
-    read = all(cpu_kernels.q4_parts(linear_weight(m)) is not None
-               for m in model.modules() if gptq.is_gptq_linear(m))
-    w = hf_plookup.wrap(model, max_cache_tokens=512, tree_min_score=0.0)
-    layers = w._engine.c_layers
-    assert (layers is not None) == read
-    for batch in (1, 2):
-        ids, mask = left_padded(batch, seed=5)
-        kw = dict(attention_mask=mask, max_new_tokens=16)
-        greedy = w.generate(ids, **kw)
-        assert torch.equal(w.generate(ids, prompt_lookup_num_tokens=4, **kw), greedy)
-    if read:
-        assert layers.on  # the first decode step ran both ways and the C path gave the modules' bits
-
-
-def test_an_fp16_gptq_model_decodes_in_the_c_layers_losslessly():
-    """Loaded in fp16 (transformers' dtype "auto" for most published GPTQ checkpoints), its linears
-    turn into torch's int4 form as in bf16 and are read so; its decode steps run in the C layers, and
-    greedy with drafts at batch 1 and 2 equals its own greedy."""
-    import hf_plookup
-    from tests.conftest import left_padded
-
-    model = _model(torch.float16)
+    model = _model(dtype)
     gptqs = [m for m in model.modules() if gptq.is_gptq_linear(m)]
     read = all(cpu_kernels.q4_parts(linear_weight(m)) is not None for m in gptqs)
-    assert gptqs and linear_weight(gptqs[0]).dtype == torch.float16
+    assert gptqs and linear_weight(gptqs[0]).dtype == dtype
     w = hf_plookup.wrap(model, max_cache_tokens=512, tree_min_score=0.0)
     layers = w._engine.c_layers
     assert (layers is not None) == read
