@@ -14,6 +14,14 @@
 #include "cpu_kernels.h"
 
 #define ELEMENTWISE static inline __attribute__((always_inline))
+/* a value's load, store and rounding in the loops: cpu_kernels.h's, unless the including file gives
+ * its own with the same results (arch/x86/elementwise_avx2.c: fp16 through the compiler's _Float16,
+ * which it vectorizes with F16C's conversions) */
+#ifndef EW_LOAD
+#define EW_LOAD(P, I, B) load1(P, I, B)
+#define EW_STORE(P, I, V, B) store1(P, I, V, B)
+#define EW_RND(V, B) rnd(V, B)
+#endif
 #define EACH_DTYPE(CALL)             \
     do {                             \
         if (b16 == DT_BF16) {        \
@@ -36,27 +44,27 @@ ELEMENTWISE void rms_rows_n(const void* x, int64_t m_lo, int64_t m_hi, int64_t K
         int64_t k = 0;
         for (; k + 8 <= K; k += 8)
             for (int j = 0; j < 8; j++) {
-                float v = load1(x, m * K + k + j, B);
+                float v = EW_LOAD(x, m * K + k + j, B);
                 acc[j] += v * v;
             }
         for (; k < K; k++) {
-            float v = load1(x, m * K + k, B);
+            float v = EW_LOAD(x, m * K + k, B);
             acc[k & 7] += v * v;
         }
         float sum = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
         float r = 1.0f / sqrtf(sum / (float)K + eps);
         if (form == 0)
-            for (k = 0; k < K; k++) store1(out, m * K + k, load1(w, k, B) * rnd(load1(x, m * K + k, B) * r, B), B);
+            for (k = 0; k < K; k++) EW_STORE(out, m * K + k, EW_LOAD(w, k, B) * EW_RND(EW_LOAD(x, m * K + k, B) * r, B), B);
         else
-            for (k = 0; k < K; k++) store1(out, m * K + k, load1(x, m * K + k, B) * r * (1.0f + load1(w, k, B)), B);
+            for (k = 0; k < K; k++) EW_STORE(out, m * K + k, EW_LOAD(x, m * K + k, B) * r * (1.0f + EW_LOAD(w, k, B)), B);
     }
 }
 
 /* out[i] = a[i] op b[i] (op: + or *) for n values: torch's add or mul (bf16, fp16: the fp32 result rounded) */
 ELEMENTWISE void binary_n(void* out, const void* a, const void* b, int64_t n, int mul, const int B) {
     for (int64_t i = 0; i < n; i++) {
-        float va = load1(a, i, B), vb = load1(b, i, B);
-        store1(out, i, mul ? va * vb : va + vb, B);
+        float va = EW_LOAD(a, i, B), vb = EW_LOAD(b, i, B);
+        EW_STORE(out, i, mul ? va * vb : va + vb, B);
     }
 }
 
@@ -68,13 +76,13 @@ ELEMENTWISE void rope_n(void* x, int64_t T, int64_t nh, int64_t D, const void* c
         for (int64_t h = 0; h < nh; h++) {
             int64_t o = (t * nh + h) * D;
             for (int64_t d = 0; d < half; d++) {
-                float x1 = load1(x, o + d, B), x2 = load1(x, o + d + half, B);
-                float a1 = rnd(x1 * load1(cos, t * D + d, B), B);
-                float b1 = rnd(-x2 * load1(sin, t * D + d, B), B);
-                float a2 = rnd(x2 * load1(cos, t * D + d + half, B), B);
-                float b2 = rnd(x1 * load1(sin, t * D + d + half, B), B);
-                store1(x, o + d, a1 + b1, B);
-                store1(x, o + d + half, a2 + b2, B);
+                float x1 = EW_LOAD(x, o + d, B), x2 = EW_LOAD(x, o + d + half, B);
+                float a1 = EW_RND(x1 * EW_LOAD(cos, t * D + d, B), B);
+                float b1 = EW_RND(-x2 * EW_LOAD(sin, t * D + d, B), B);
+                float a2 = EW_RND(x2 * EW_LOAD(cos, t * D + d + half, B), B);
+                float b2 = EW_RND(x1 * EW_LOAD(sin, t * D + d + half, B), B);
+                EW_STORE(x, o + d, a1 + b1, B);
+                EW_STORE(x, o + d + half, a2 + b2, B);
             }
         }
 }

@@ -1,5 +1,18 @@
 /* The decoder layers' elementwise loops (elementwise.h) compiled for AVX2 (level 1 and up): the
  * compiler vectorizes the same IEEE operations eight lanes at a time. */
+#include "../../cpu_kernels.h"
+
+/* fp16 values through _Float16 (gcc 12, clang 15), whose conversions the compiler vectorizes with
+ * F16C (exact widening; narrowing to nearest even, as f32_to_f16); the portable loads elsewhere */
+#if defined(__FLT16_MAX__) && HAVE_X86_KERNELS
+#define EW_LOAD(P, I, B) ((B) == DT_F16 ? (float)((const _Float16*)(P))[I] : load1(P, I, B))
+#define EW_STORE(P, I, V, B)                                  \
+    do {                                                      \
+        if ((B) == DT_F16) ((_Float16*)(P))[I] = (_Float16)(V); \
+        else store1(P, I, V, B);                              \
+    } while (0)
+#define EW_RND(V, B) ((B) == DT_F16 ? (float)(_Float16)(V) : rnd(V, B))
+#endif
 #include "../../elementwise.h"
 #include "simd.h"
 
