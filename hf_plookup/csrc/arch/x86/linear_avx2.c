@@ -194,46 +194,35 @@ AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scal
 /* fp16 calls (DEQ_SUB_MUL_F16 and DEQ_FMA as fp32's: a value rounded to fp16 stays so) */
 #define DEQ_MUL_SUB_F16(F, S, Z) RND_F16(_mm256_sub_ps(RND_F16(_mm256_mul_ps(F, S)), Z))
 #define DEQ_LUT_F16(F, S, Z) ((void)(Z), RND_F16(_mm256_mul_ps(F, S)))
-AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, int dt,
-                            float* d) {
-    const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
-    const int64_t G = m->group;
-    Q4_CONSTANTS(m);
-    for (int j = 0; j < np; j++) {
-        const uint8_t* src = (const uint8_t*)wp + (p + j) * (K / 2) * 8;
-        float* dj = d + j * kn * 8 - k0 * 8;
-        for (int64_t k = k0; k < k0 + kn;) {
-            int64_t end = (k / G + 1) * G < k0 + kn ? (k / G + 1) * G : k0 + kn;
-            const float* sz = q4_scales(wp, P, K, p + j, k / G);
-            __m256 sc = _mm256_loadu_ps(sz), sh = _mm256_loadu_ps(sz + 8);
-            for (; k < end; k += 2) {
-                if (!(k & 15)) _mm_prefetch((const char*)(src + k * 4) + PACK_AHEAD_Q4, _MM_HINT_T1);
-                __m256 f[2];
-                if (m->form == Q4_LUT) {
-                    Q4_LUT_CODES(src + k * 4, f0, f1);
-                    f[0] = dt == DT_BF16 ? DEQ_LUT_BF16(f0, sc, sh) : dt == DT_F16 ? DEQ_LUT_F16(f0, sc, sh) : DEQ_LUT(f0, sc, sh);
-                    f[1] = dt == DT_BF16 ? DEQ_LUT_BF16(f1, sc, sh) : dt == DT_F16 ? DEQ_LUT_F16(f1, sc, sh) : DEQ_LUT(f1, sc, sh);
-                } else if (m->form == Q4_SUB_MUL_F16) {
-                    Q4_AFFINE(src + k * 4, f0, f1);
-                    f[0] = dt == DT_BF16 ? DEQ_SUB_MUL_F16_BF16(f0, sc, sh) : DEQ_SUB_MUL_F16(f0, sc, sh);
-                    f[1] = dt == DT_BF16 ? DEQ_SUB_MUL_F16_BF16(f1, sc, sh) : DEQ_SUB_MUL_F16(f1, sc, sh);
-                } else {
-                    Q4_AFFINE(src + k * 4, f0, f1);
-                    f[0] = m->form == Q4_FMA ? DEQ_FMA(f0, sc, sh) : dt == DT_BF16 ? DEQ_MUL_SUB_BF16(f0, sc, sh)
-                         : dt == DT_F16 ? DEQ_MUL_SUB_F16(f0, sc, sh) : DEQ_MUL_SUB(f0, sc, sh);
-                    f[1] = m->form == Q4_FMA ? DEQ_FMA(f1, sc, sh) : dt == DT_BF16 ? DEQ_MUL_SUB_BF16(f1, sc, sh)
-                         : dt == DT_F16 ? DEQ_MUL_SUB_F16(f1, sc, sh) : DEQ_MUL_SUB(f1, sc, sh);
-                }
-                _mm256_storeu_ps(dj + k * 8, f[0]);
-                _mm256_storeu_ps(dj + (k + 1) * 8, f[1]);
-            }
-        }
+/* NAME_dequant: the dequantization above for one form and dtype (CODES and DEQ; the tables below
+ * pick it, as they pick the tiles) */
+#define Q4_DEQUANT(NAME, CODES, DEQ)                                                                    \
+    AVX2 static void NAME##_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, \
+                                    float* d) {                                                         \
+        const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));                        \
+        const int64_t G = m->group;                                                                     \
+        Q4_CONSTANTS(m);                                                                                \
+        for (int j = 0; j < np; j++) {                                                                  \
+            const uint8_t* src = (const uint8_t*)wp + (p + j) * (K / 2) * 8;                            \
+            float* dj = d + j * kn * 8 - k0 * 8;                                                        \
+            for (int64_t k = k0; k < k0 + kn;) {                                                        \
+                int64_t end = (k / G + 1) * G < k0 + kn ? (k / G + 1) * G : k0 + kn;                    \
+                const float* sz = q4_scales(wp, P, K, p + j, k / G);                                    \
+                __m256 sc = _mm256_loadu_ps(sz), sh = _mm256_loadu_ps(sz + 8);                          \
+                for (; k < end; k += 2) {                                                               \
+                    if (!(k & 15)) _mm_prefetch((const char*)(src + k * 4) + PACK_AHEAD_Q4, _MM_HINT_T1); \
+                    CODES(src + k * 4, f0, f1);                                                         \
+                    _mm256_storeu_ps(dj + k * 8, DEQ(f0, sc, sh));                                      \
+                    _mm256_storeu_ps(dj + (k + 1) * 8, DEQ(f1, sc, sh));                                \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
     }
-}
+typedef void (*q4deq_fn)(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, float* d);
 
 /* a W_Q4 tile of up to 9 rows (no K blocks): the panels' codes dequantized in registers, pair by
  * pair, each value then one FMA per row into the same chains as the fp32 tile's; CODES and DEQ say
- * the form (the same arithmetic as q4_dequant's) */
+ * the form (the same arithmetic as NAME_dequant's) */
 #define PTILE_Q4(NAME, CODES, DEQ, MB, NP)                                                              \
     AVX2 static void NAME##_##MB##x##NP(const float* xt, int64_t ldx, const uint8_t* wp, int64_t K, const float* sz, \
                                         int64_t szld, const q4_meta* m, float* o) {                     \
@@ -271,6 +260,7 @@ AVX2 static void q4_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int
 typedef void (*q4tile_fn)(const float* xt, int64_t ldx, const uint8_t* wp, int64_t K, const float* sz, int64_t szld,
                           const q4_meta* m, float* o);
 #define Q4_TILES(NAME, CODES, DEQ)                                                                      \
+    Q4_DEQUANT(NAME, CODES, DEQ)                                                                        \
     PTILE_Q4(NAME, CODES, DEQ, 1, 1) PTILE_Q4(NAME, CODES, DEQ, 2, 1) PTILE_Q4(NAME, CODES, DEQ, 3, 1)   \
     PTILE_Q4(NAME, CODES, DEQ, 4, 1) PTILE_Q4(NAME, CODES, DEQ, 5, 1) PTILE_Q4(NAME, CODES, DEQ, 6, 1)   \
     PTILE_Q4(NAME, CODES, DEQ, 7, 1) PTILE_Q4(NAME, CODES, DEQ, 8, 1) PTILE_Q4(NAME, CODES, DEQ, 9, 1)   \
@@ -290,7 +280,7 @@ Q4_TILES(pq4smhb, Q4_AFFINE, DEQ_SUB_MUL_F16_BF16)
 Q4_TILES(pq4msh, Q4_AFFINE, DEQ_MUL_SUB_F16)
 Q4_TILES(pq4luth, Q4_LUT_CODES, DEQ_LUT_F16)
 /* by form (Q4_MUL_SUB, Q4_FMA, Q4_LUT, Q4_SUB_MUL_F16) and dtype (DT_F32, DT_BF16, DT_F16): the tiles
- * of up to 9 rows, as pf32_wide and pf32_one */
+ * of up to 9 rows, as pf32_wide and pf32_one, and the dequantization of more rows' K blocks */
 static const q4tile_fn* const q4_wide[4][3] = {{pq4ms_wide, pq4msb_wide, pq4msh_wide},
                                                {pq4fma_wide, pq4fma_wide, pq4fma_wide},
                                                {pq4lut_wide, pq4lutb_wide, pq4luth_wide},
@@ -299,6 +289,10 @@ static const q4tile_fn* const q4_one[4][3] = {{pq4ms_one, pq4msb_one, pq4msh_one
                                               {pq4fma_one, pq4fma_one, pq4fma_one},
                                               {pq4lut_one, pq4lutb_one, pq4luth_one},
                                               {pq4smh_one, pq4smhb_one, pq4smh_one}};
+static const q4deq_fn q4_deq[4][3] = {{pq4ms_dequant, pq4msb_dequant, pq4msh_dequant},
+                                      {pq4fma_dequant, pq4fma_dequant, pq4fma_dequant},
+                                      {pq4lut_dequant, pq4lutb_dequant, pq4luth_dequant},
+                                      {pq4smh_dequant, pq4smhb_dequant, pq4smh_dequant}};
 
 /* linear_range_avx2 for a W_Q4 weight: up to 9 rows by the W_Q4 tiles; more by the fp32 tiles over
  * its values dequantized Q4_KBLOCK values of k at a time (once for every MANY_BLOCK_ROWS rows), each tile's
@@ -307,8 +301,8 @@ static const q4tile_fn* const q4_one[4][3] = {{pq4ms_one, pq4msb_one, pq4msh_one
 AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int64_t K, const void* bias, int64_t p_lo,
                                  int64_t p_hi, void* out, int64_t N, int64_t dt) {
     int64_t P = (N + 7) / 8;
+    const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
     if (M <= 9) {
-        const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
         const q4tile_fn *wide = q4_wide[m->form][dt], *one = q4_one[m->form][dt];
         float o[9 * 32];
         int np = pf32_np[M];
@@ -330,7 +324,7 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
             int64_t b1 = b0 + MANY_BLOCK_ROWS / B < blocks ? b0 + MANY_BLOCK_ROWS / B : blocks;
             for (int64_t k0 = 0; k0 < K; k0 += Q4_KBLOCK) {
                 int64_t kn = K - k0 < Q4_KBLOCK ? K - k0 : Q4_KBLOCK;
-                q4_dequant(wp, P, K, p, n, k0, kn, (int)dt, d);
+                q4_deq[m->form][dt](wp, P, K, p, n, k0, kn, d);
                 for (int64_t b = b0; b < b1; b++) {
                     int64_t mb, at = x_at(M, B, K, b * B, &mb), m0 = b * B;
                     (n == MANY_PANELS ? pf32_many : pf32_one)[mb](xt + at + k0 * mb, mb, d, kn, kn,
