@@ -55,7 +55,7 @@ int64_t rms_norm(const void* x, int64_t M, int64_t K, const void* w, float eps, 
  * torch's. The structs are steps.c_layers' _Shape, _Layer, _Step and _Keys. */
 
 typedef struct { /* sizes, the same for every layer */
-    int64_t hidden, H, H_kv, D, inter, bf16;
+    int64_t hidden, H, H_kv, D, inter, dt; /* dt: the dtype code (cpu_kernels.h) */
 } dec_shape;
 
 typedef struct { /* one layer's tensors (NULL: absent) */
@@ -114,7 +114,7 @@ int64_t layer_phases(int64_t on, int64_t* out) {
  * (normed first where the layer has ln_attn_out); x = norm2(h); g, u = gate and up projections of x.
  * The caller then computes y = act(g). */
 EXPORT int64_t layer_attention(const dec_shape* S, const dec_layer* L, const dec_step* P, const dec_keys* K) {
-    int64_t T = P->T, hid = S->hidden, D = S->D, qn = S->H * D, kn = S->H_kv * D, b16 = S->bf16;
+    int64_t T = P->T, hid = S->hidden, D = S->D, qn = S->H * D, kn = S->H_kv * D, b16 = S->dt;
     int64_t esz = b16 ? 2 : 4, phase_t = phase_on ? now_ns() : 0;
     rms_norm(P->h, T, hid, L->ln1, L->eps1, L->form1, P->x, b16, P->threads);
     PHASE(0);
@@ -156,14 +156,14 @@ EXPORT int64_t layer_attention(const dec_shape* S, const dec_layer* L, const dec
  * (normed first where the layer has ln_mlp_out). */
 EXPORT int64_t layer_mlp(const dec_shape* S, const dec_layer* L, const dec_step* P, const void* y) {
     int64_t T = P->T, n = T * S->inter;
-    int b16 = (int)S->bf16;
+    int b16 = (int)S->dt;
     int64_t phase_t = phase_on ? now_ns() : 0;
     ops.mul_to(P->g, y, P->u, n, b16);
     PHASE(0);
-    if (linear(P->g, T, L->wd, L->wkind[6], S->inter, L->bd, S->hidden, P->x, S->bf16, P->threads)) return -1;
+    if (linear(P->g, T, L->wd, L->wkind[6], S->inter, L->bd, S->hidden, P->x, S->dt, P->threads)) return -1;
     PHASE(5);
     if (L->ln_mlp_out)
-        rms_norm(P->x, T, S->hidden, L->ln_mlp_out, L->eps_mlp_out, L->form_mlp_out, P->x, S->bf16, P->threads);
+        rms_norm(P->x, T, S->hidden, L->ln_mlp_out, L->eps_mlp_out, L->form_mlp_out, P->x, S->dt, P->threads);
     ops.add_into(P->h, P->x, T * S->hidden, b16);
     PHASE(0);
     return 0;

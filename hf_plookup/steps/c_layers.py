@@ -49,7 +49,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Shape(ctypes.Structure):
-    _fields_ = [(n, _I) for n in ("hidden", "H", "H_kv", "D", "inter", "bf16")]
+    _fields_ = [(n, _I) for n in ("hidden", "H", "H_kv", "D", "inter", "dt")]
 
 
 class _Layer(ctypes.Structure):
@@ -254,7 +254,7 @@ class CpuLayers:
         attn0, mlp0 = self.layers[0].self_attn, self.layers[0].mlp
         h, h_kv, d = layer_shape(config, attn0, 0)  # every layer's (llama_form checks)
         self.shape = _Shape(hidden=config.hidden_size, H=h, H_kv=h_kv, D=d,
-                            inter=mlp0.gate_proj.out_features, bf16=cpu_kernels.dtype_code(self.dtype))
+                            inter=mlp0.gate_proj.out_features, dt=cpu_kernels.dtype_code(self.dtype))
         self.norms = [layer_norms(la) for la in self.layers]  # (ln1, ln2, ln_attn_out, ln_mlp_out) each
         self.forms = [tuple(forms[n] if n is not None else None for n in norms)
                       + (forms[la.self_attn.q_norm] if hasattr(la.self_attn, "q_norm") else None,)
