@@ -43,6 +43,10 @@ SHAPES = {
     "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=96, max_position_embeddings=1024,
                                  bos_token_id=2, eos_token_id=1, initializer_range=0.3)),
+    # the same at twice the width: every linear a multiple of 64 outputs, as gptqmodel's AWQ quantizer needs
+    "tiny-llama-128": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=96, max_position_embeddings=1024,
+                                     bos_token_id=2, eos_token_id=1, initializer_range=0.3)),
     "tiny-qwen3": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=1024,
                                  tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, initializer_range=0.3)),

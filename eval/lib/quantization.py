@@ -24,6 +24,10 @@ A missing library is reported before any work starts (`problem`, which `check_op
 the parser's error), naming the package to install; an unknown name is the parser's error
 listing the names (`choices`), or a ValueError from `quantization_config`.
 
+One name is made otherwise: transformers loads AWQ checkpoints but cannot make one at load, so
+`awq-4bit` has gptqmodel's own AWQ quantizer make the checkpoint in a temporary directory (removed
+once loaded), which `from_pretrained` then loads as a user loads a published AWQ checkpoint.
+
 One name that does not run everywhere: `torchao-int4` quantizes through mslk's CUDA kernels, so
 without mslk (on CPU) it is refused up front with that reason (HF's own load would fail inside a
 conversion report). (`quanto-int4`'s weights fail under `torch.inference_mode`; wrap then runs
@@ -51,6 +55,10 @@ class Quantization:
     build: Callable[[torch.dtype, str | None], object]  # (dtype, the checkpoint's path) -> the config
     # other modules the quantizer needs at load, with the package and why (checked with `module`)
     needs: tuple[tuple[str, str, str], ...] = ()
+    # where transformers loads such checkpoints but cannot make one at load (AWQ): the library's own
+    # quantizer, (the float checkpoint's path, the directory to save the quantized one in, the
+    # dtype) -> None; `build` is then unused, transformers reading the config saved with the checkpoint
+    make: Callable[[str, str, torch.dtype], None] | None = None
 
 
 def _torchao(config: str) -> Callable[[torch.dtype, str | None], object]:
@@ -89,32 +97,79 @@ def _quanto(weights: str) -> Callable[[torch.dtype, str | None], object]:
     return build
 
 
-# GPTQ calibrates on these many of the builtin documents (eval/data/builtin.jsonl, shipped here):
-# the quantization runs on every load, about 6 minutes for SmolLM2 on 2 cores
+# GPTQ and AWQ calibrate on these many of the builtin documents (eval/data/builtin.jsonl, shipped
+# here): the quantization runs on every load, minutes for SmolLM2 on 2 cores
 GPTQ_DOCUMENTS = 8
 
 
-def _gptq(dtype, path):
-    """GPTQ 4-bit, groups of 64 (SmolLM2's 576 columns hold no group of 128), calibrated on builtin
-    documents with the checkpoint's own tokenizer. Random weights have none: their documents are
-    SmolLM2's tokens, taken modulo the model's vocabulary (tiny shapes have a small one), given to
-    the quantizer already tokenized."""
+def _calibration(path):
+    """(dataset, tokenizer) to calibrate a quantizer on: builtin documents as text with the
+    checkpoint's own tokenizer. Random weights have none: their documents are SmolLM2's tokens,
+    taken modulo the model's vocabulary (tiny shapes have a small one), given already tokenized."""
     from pathlib import Path
 
-    from transformers import AutoConfig, AutoTokenizer, GPTQConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     from .documents import BUILTIN_PATH, load_jsonl
 
     texts = [d["document"] for d in load_jsonl(BUILTIN_PATH)[:GPTQ_DOCUMENTS]]
     if path is not None and (Path(path) / "tokenizer_config.json").exists():
-        return GPTQConfig(bits=4, group_size=64, dataset=texts, tokenizer=path, desc_act=False)
+        return texts, path
     from hf_plookup import embedded
 
     tok = AutoTokenizer.from_pretrained(embedded.embedded_checkpoint("smollm2-135m"))
     vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size if path is not None else tok.vocab_size
     rows = [torch.tensor(tok(t).input_ids) % vocab for t in texts]
-    data = [{"input_ids": r[None], "attention_mask": torch.ones_like(r)[None]} for r in rows]
+    return [{"input_ids": r[None], "attention_mask": torch.ones_like(r)[None]} for r in rows], tok
+
+
+def _gptq(dtype, path):
+    """GPTQ 4-bit, groups of 64 (SmolLM2's 576 columns hold no group of 128), calibrated on builtin
+    documents (`_calibration`)."""
+    from transformers import GPTQConfig
+
+    data, tok = _calibration(path)
     return GPTQConfig(bits=4, group_size=64, dataset=data, tokenizer=tok, desc_act=False)
+
+
+def _awq_checkpoint(path: str, out: str, dtype: torch.dtype) -> None:
+    """An AWQ 4-bit checkpoint of `path` in `out`, made as a user makes one: gptqmodel's AWQ
+    quantizer (asymmetric, with zero points, as AutoAWQ's default; groups of 64 as GPTQ's),
+    calibrated on builtin documents (`_calibration`), saved, for transformers to load. The model is
+    loaded for it in `dtype` where that is fp16 or bf16, else in fp16, as published AWQ
+    checkpoints are (gptqmodel's AWQ takes no other): the weights it keeps unquantized, the
+    embeddings among them, are saved so."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path).get_text_config()
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    outs = {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "query heads x head_dim": c.num_attention_heads * head,
+            "key/value heads x head_dim": getattr(c, "num_key_value_heads", c.num_attention_heads) * head}
+    odd = {k: v for k, v in outs.items() if v % 64}
+    if odd:
+        raise ValueError(f"gptqmodel's AWQ quantizer takes linears of a multiple of 64 outputs; this model has {odd}")
+    # gptqmodel's default CPU pool takes half the cores, and refuses to start on 2 cores (its loader
+    # asks for 2 workers of that pool)
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, os.cpu_count() or 1)))
+    from gptqmodel import GPTQModel
+    from gptqmodel.quantization.config import AWQConfig
+
+    data, tok = _calibration(path)
+    with tempfile.TemporaryDirectory(prefix="hf_plookup-awq-source-") as source:
+        if not isinstance(tok, str):  # gptqmodel loads a tokenizer from the model's directory: lend it one
+            for f in Path(path).iterdir():
+                (Path(source) / f.name).symlink_to(f.resolve())
+            tok.save_pretrained(source)
+            path = source
+        dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+        model = GPTQModel.load(path, AWQConfig(bits=4, group_size=64, sym=False), device="cpu", dtype=dtype)
+        model.quantize(data, batch_size=1)
+        model.save(out)
 
 
 QUANTIZATIONS: dict[str, Quantization] = {
@@ -142,6 +197,12 @@ QUANTIZATIONS: dict[str, Quantization] = {
                               "desc_act=False)", _gptq,
                               needs=(("optimum.gptq", "optimum", "transformers' GPTQ quantizer calibrates through "
                                       "optimum's GPTQQuantizer"),)),
+    # made by gptqmodel's AWQ quantizer (transformers loads AWQ checkpoints, through gptqmodel, but
+    # does not make them), then loaded by transformers
+    "awq-4bit": Quantization("gptqmodel", "gptqmodel",
+                             f"AwqConfig of a checkpoint made by gptqmodel's AWQConfig(bits=4, group_size=64, "
+                             f"sym=False) on <{GPTQ_DOCUMENTS} builtin documents>", lambda dtype, path: None,
+                             make=_awq_checkpoint),
 }
 NAMES = tuple(QUANTIZATIONS)
 
@@ -218,16 +279,26 @@ def from_pretrained(path, dtype: torch.dtype, device, name: str, **kwargs):
     """`AutoModelForCausalLM.from_pretrained(path, ...)` quantized by `name` (HF's quantizer at
     load), on `device`, in eval mode. A failed load is a RuntimeError that names the quantization
     and the device, HF's own error chained to it."""
+    import tempfile
+
     from transformers import AutoModelForCausalLM
 
     config = quantization_config(name, dtype, str(path))
     device = torch.device(device)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=config,
-                                                     device_map=str(device), **kwargs)
-    except Exception as e:
-        raise RuntimeError(f"transformers could not load {path} with --quantization {describe(name)} on {device}: "
-                           f"{type(e).__name__}: {e}") from e
+    make = _spec(name).make
+    if make is not None and "gguf_file" in kwargs:
+        raise ValueError(f"--quantization {name} quantizes a checkpoint directory, not a .gguf file")
+    with tempfile.TemporaryDirectory(prefix="hf_plookup-quantized-") as made:
+        try:
+            if make is not None:  # the library makes the checkpoint; transformers reads its saved config
+                make(str(path), made, dtype)
+                path = made
+            else:
+                kwargs["quantization_config"] = config
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=str(device), **kwargs)
+        except Exception as e:
+            raise RuntimeError(f"transformers could not load {path} with --quantization {describe(name)} on "
+                               f"{device}: {type(e).__name__}: {e}") from e
     return model.eval()
 
 

@@ -266,15 +266,16 @@ class Q4Parts:
 
 # (hf_plookup's own: a quantized module seen as a linear's weight, invariant.module_weight)
 _Q4_TYPES = {"WeightQBitsTensor": "optimum.quanto", "TinyGemmWeightQBitsTensor": "optimum.quanto",
-             "Bnb4bitWeight": "hf_plookup", "GptqWeight": "hf_plookup", "GptqDequantWeight": "hf_plookup"}
+             "Bnb4bitWeight": "hf_plookup", "GptqWeight": "hf_plookup", "GptqDequantWeight": "hf_plookup",
+             "AwqDequantWeight": "hf_plookup"}
 _Q4_PARTS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, its q4_parts), as _INT8_PARTS
 
 
 def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
     """The `Q4Parts` of a CPU weight quantized to 4 bits by optimum-quanto (qint4 on axis 0, frozen), by
-    bitsandbytes (nf4 or fp4, seen as `invariant.bnb4bit.Bnb4bitWeight`) or by GPTQ (gptqmodel's,
-    seen as `invariant.gptq.GptqWeight` or `GptqDequantWeight`), else None. quanto holds
-    such a weight in one of two forms:
+    bitsandbytes (nf4 or fp4, seen as `invariant.bnb4bit.Bnb4bitWeight`) or by GPTQ or AWQ
+    (gptqmodel's, seen as `invariant.gptq.GptqWeight`, `GptqDequantWeight` or `AwqDequantWeight`),
+    else None. quanto holds such a weight in one of two forms:
 
     - `WeightQBitsTensor` (float32 models, and bfloat16 ones whose groups are not 128 values): its
       dequantization is `scale * code - shift`, each op in the weight's dtype ("mul_sub", offset 0);
@@ -285,8 +286,9 @@ def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
 
     bitsandbytes' value is `codebook[code] * absmax` in float32, rounded to the compute dtype ("lut":
     the scales are the blocks' absmax, the shifts zeros, the group the block). A GPTQ linear of
-    gptqmodel, once turned into torch's int4pack form, is read as the tinygemm form; one that
-    dequantizes on every call (float32) as "sub_mul_f16": fp16(scale * (code - zero)) (invariant.gptq).
+    gptqmodel (or an AWQ one), once turned into torch's int4pack form, is read as the tinygemm form;
+    one that dequantizes on every call (float32) as "sub_mul_f16": fp16(scale * (code - zero))
+    (invariant.gptq).
 
     Example: a [64, 256] float32 linear quantized by `quantize(m, weights=qint4); freeze(m)` gives
     codes [64, 256], scales and shifts [64, 2] (groups of 128), "mul_sub", offset 0.0. K and the group
@@ -365,6 +367,20 @@ def words_codes(words: torch.Tensor) -> torch.Tensor:
     Example: the word 0x76543210 gives the codes 0, 1, ..., 7."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32).view(1, 8, 1)
     return ((words.unsqueeze(1) >> shifts) & 15).reshape(words.shape[0] * 8, words.shape[1]).to(torch.uint8)
+
+
+# AWQ packs 8 columns a word out of order: column j of a word's 8 is in its nibble AWQ_NIBBLE[j]
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def awq_codes(words: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of int32 `words` [R, C] packed by AWQ along the columns, as [R, C * 8] uint8:
+    code 8c + j of row r is bits 4i .. 4i + 3 of words[r, c] with i = AWQ_NIBBLE[j] (AWQ's
+    `qweight` [K, N / 8] and `qzeros` [K / group, N / 8] hold codes so).
+
+    Example: the word 0x76543210 gives the codes 0, 4, 1, 5, 2, 6, 3, 7."""
+    shifts = torch.tensor(AWQ_NIBBLE, dtype=torch.int32) * 4
+    return ((words.unsqueeze(2) >> shifts) & 15).reshape(words.shape[0], words.shape[1] * 8).to(torch.uint8)
 
 
 def _codes_tensor(t) -> bool:

@@ -13,13 +13,14 @@ sees the library's tensor, rebuilt from the bytes for that op:
   the values themselves;
 - optimum-quanto's 4-bit codes (`WeightQBitsTensor._data._data`): quanto's own packing of them
   (`pack_weights`, two codes a byte along the first dimension);
-- torch's CPU int4pack layout (quanto's tinygemm weights, gptqmodel's turned GPTQ linears'
-  `qweight`): blocks of columns, two codes a byte (`cpu.kernels.int4pack_codes` and its inverse);
+- torch's CPU int4pack layout (quanto's tinygemm weights, gptqmodel's turned GPTQ and AWQ
+  linears' `qweight`): blocks of columns, two codes a byte (`cpu.kernels.int4pack_codes` and its
+  inverse);
 - bitsandbytes' flat codes (a `Params4bit`, two codes a byte, the first in the high nibble).
 
-A GPTQ linear that dequantizes on every call (float32: invariant.gptq) keeps both copies: its
-`qweight` goes into a function gptqmodel compiles with torch.compile, which a tensor of this kind
-would trace into.
+A GPTQ or AWQ linear that dequantizes on every call (float32: invariant.gptq) keeps both copies:
+GPTQ's `qweight` goes into a function gptqmodel compiles with torch.compile, which a tensor of this
+kind would trace into; AWQ's is left as it is too.
 
 Each layout's round trip is checked before a tensor is replaced (the library's bytes rebuilt from
 the packed ones must equal them) on the first weight of each library class and shape in a model (a

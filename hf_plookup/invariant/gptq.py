@@ -1,5 +1,6 @@
-"""gptqmodel's GPTQ linears on CPU (`TorchAtenLinear`: transformers' `GPTQConfig`) seen as plain
-linears, in the two forms such a module takes at its first forward.
+"""gptqmodel's 4-bit linears on CPU seen as plain linears, in the two forms such a module takes at
+its first forward: GPTQ's (`TorchAtenLinear`: transformers' `GPTQConfig`) and AWQ's
+(`TorchAtenAwqLinear`: an AWQ checkpoint, which transformers loads through gptqmodel).
 
 A GPTQ 4-bit linear keeps int32 `qweight` [K / 8, N] (eight codes a word, code k of a column in
 bits 4 (k % 8) of word k / 8), `qzeros` [K / G, N / 8] (the groups' zero points, packed the same
@@ -28,8 +29,14 @@ form "sub_mul_f16", offset 0.0.
 A turned weight in fp16 (transformers' dtype "auto" loads most published GPTQ checkpoints so) is
 read the same way: the C kernels take fp16 calls.
 
+An AWQ linear takes the same two forms with the same arithmetic: turned, the same int4 kernel over
+codes it repacks the same way (a `GptqWeight`); dequantizing, `fp16(scale * (code - zero))` widened
+and `torch.matmul`, from AWQ's own layout, `qweight` [K, N / 8] and `qzeros` [K / G, N / 8] packed
+along N out of order (`cpu.kernels.awq_codes`), fp16 `scales` [K / G, N]: an `AwqDequantWeight`.
+
 Not seen as a linear (the module's own forward runs): a module not run yet, one with act-order
-(`desc_act`: its inputs permuted), an adapter, or other than 4 bits.
+(`desc_act`: its inputs permuted), an adapter, other than 4 bits, or an AWQ linear of another of
+gptqmodel's kernels.
 """
 
 from __future__ import annotations
@@ -41,8 +48,8 @@ from .module_weight import ModuleWeight, Views
 
 
 def is_gptq_linear(module: torch.nn.Module) -> bool:
-    """A gptqmodel GPTQ linear in one of the two forms of the module text (turned or dequantizing),
-    4 bits, its inputs in order, no adapter, no forward set on the instance."""
+    """A gptqmodel GPTQ or AWQ linear in one of the two forms of the module text (turned or
+    dequantizing), 4 bits, its inputs in order, no adapter, no forward set on the instance."""
     return _turned(module) or _dequantizing(module)
 
 
@@ -52,29 +59,41 @@ def _gptq(module: torch.nn.Module) -> bool:
             and not module.training)
 
 
+def _awq(module: torch.nn.Module) -> bool:
+    """Of gptqmodel's AWQ class of the module text (an AWQ checkpoint loaded on CPU); by its class
+    alone, as `linear_weight` asks it of a module whose forward invariant mode has set."""
+    return getattr(type(module), "QUANT_TYPE", None) == "awq_torch_aten_kernel"
+
+
 def _turned(module: torch.nn.Module) -> bool:
-    """Turned into torch's CPU int4 form."""
+    """Turned into torch's CPU int4 form. (AWQ has no act-order, and adds its bias after the kernel.)"""
     return (_gptq(module) and getattr(module, "_cpu_transformed", False)
             and getattr(module, "linear_mode", None) == "inference"
             and isinstance(getattr(module, "scales_and_zeros", None), torch.Tensor)
-            and not getattr(module, "_fused_op_handles_bias", True) and module._ret_idx_is_identity())
+            and (_awq(module) or (not getattr(module, "_fused_op_handles_bias", True)
+                                  and module._ret_idx_is_identity())))
 
 
 def _dequantizing(module: torch.nn.Module) -> bool:
-    """Dequantizing on every call, GPTQ's own layout: int32 words, fp16 scales, groups in order."""
+    """Dequantizing on every call, in its own layout: int32 words, fp16 scales, groups in order
+    (GPTQ's codes packed along K, AWQ's along N)."""
     if not (_gptq(module) and not getattr(module, "_cpu_transformed", False)
             and getattr(module, "linear_mode", None) == "train" and not getattr(module, "planar", False)):
         return False
-    qweight, qzeros, scales, g_idx = (getattr(module, a, None) for a in ("qweight", "qzeros", "scales", "g_idx"))
-    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in (qweight, qzeros, scales, g_idx)):
+    awq = _awq(module)
+    names = ("qweight", "qzeros", "scales") + (() if awq else ("g_idx",))
+    tensors = [getattr(module, a, None) for a in names]
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors):
         return False
+    qweight, qzeros, scales = tensors[:3]
     n, k, group = module.out_features, module.in_features, int(getattr(module, "group_size", 0) or 0)
     if group <= 0 or k % 8 or n % 8 or k % group:
         return False
-    return (qweight.dtype == torch.int32 and tuple(qweight.shape) == (k // 8, n) and qweight.is_contiguous()
-            and qzeros.dtype == torch.int32 and tuple(qzeros.shape) == (k // group, n // 8)
-            and scales.dtype == torch.float16 and tuple(scales.shape) == (k // group, n)
-            and g_idx.numel() == k and torch.equal(g_idx.long(), torch.arange(k) // group))
+    if not (qweight.dtype == torch.int32 and tuple(qweight.shape) == ((k, n // 8) if awq else (k // 8, n))
+            and qweight.is_contiguous() and qzeros.dtype == torch.int32 and tuple(qzeros.shape) == (k // group, n // 8)
+            and scales.dtype == torch.float16 and tuple(scales.shape) == (k // group, n)):
+        return False
+    return awq or (tensors[3].numel() == k and torch.equal(tensors[3].long(), torch.arange(k) // group))
 
 
 class GptqWeight(ModuleWeight):
@@ -134,14 +153,19 @@ class GptqDequantWeight(ModuleWeight):
     def codes_of(module: torch.nn.Module) -> torch.Tensor:
         return module.qweight
 
+    @staticmethod
+    def unpack(qweight: torch.Tensor) -> torch.Tensor:
+        """The codes [K, N] (uint8) of `qweight`: GPTQ's eight a word along K."""
+        return kernels.words_codes(qweight)
+
     def zeros(self) -> torch.Tensor:
-        """The groups' zero points [K / group, N] (int8, 0..15)."""
+        """The groups' zero points [K / group, N] (int8, 0..15): GPTQ's eight a word along N."""
         return kernels.words_codes(self.qzeros.t().contiguous()).t().to(torch.int8)
 
     def dequantized(self) -> torch.Tensor:
-        """[K, N] fp16: scale * (code - zero), as the module computes it (an int8 difference times
-        the fp16 scale, rounded to fp16)."""
-        codes = kernels.words_codes(self.param).to(torch.int8)  # [K, N]
+        """[K, N] fp16: scale * (code - zero), as the module computes it (an integer difference
+        times the fp16 scale, rounded to fp16)."""
+        codes = self.unpack(self.param).to(torch.int8)  # [K, N]
         rows = torch.arange(codes.shape[0]) // self.group
         return self.scales[rows] * (codes - self.zeros()[rows])
 
@@ -155,19 +179,33 @@ class GptqDequantWeight(ModuleWeight):
     def q4_fields(self):
         """The `cpu.kernels.Q4Parts` of this weight in the "sub_mul_f16" form: codes [N, K], the fp16
         scales and the zero points [N, K / group] (both as float32, exactly), offset 0."""
-        param = self.param
-        return kernels.Q4Parts(lambda: kernels.words_codes(param).t().contiguous(), self.scales.t().float(),
+        param, unpack = self.param, self.unpack
+        return kernels.Q4Parts(lambda: unpack(param).t().contiguous(), self.scales.t().float(),
                                self.zeros().t().float(), self.group, "sub_mul_f16", 0.0, param)
 
 
+class AwqDequantWeight(GptqDequantWeight):
+    """A dequantizing AWQ linear's weight: `GptqDequantWeight`'s arithmetic over AWQ's layout, codes
+    and zero points packed along N (`cpu.kernels.awq_codes`)."""
+
+    @staticmethod
+    def unpack(qweight: torch.Tensor) -> torch.Tensor:
+        """The codes [K, N] (uint8) of AWQ's `qweight` [K, N / 8]."""
+        return kernels.awq_codes(qweight)
+
+    def zeros(self) -> torch.Tensor:
+        """The groups' zero points [K / group, N] (int8, 0..15)."""
+        return kernels.awq_codes(self.qzeros).to(torch.int8)
+
+
 _VIEWS = Views(GptqWeight)
-_DEQUANT_VIEWS = Views(GptqDequantWeight)
+_DEQUANT_VIEWS = {False: Views(GptqDequantWeight), True: Views(AwqDequantWeight)}  # by AWQ or not
 
 
-def linear_weight(module: torch.nn.Module) -> GptqWeight | GptqDequantWeight:
+def linear_weight(module: torch.nn.Module) -> GptqWeight | GptqDequantWeight | AwqDequantWeight:
     """The view of `module` (an `is_gptq_linear` one) in its form, made once and kept while the
     module lives and holds the same codes and scales. (Asked during steps too, when invariant mode
-    has set a forward on the instance, so the form is told by the module's state alone.)"""
+    has set a forward on the instance, so the form is told by the module's state and class alone.)"""
     if getattr(module, "_cpu_transformed", False):
         return _VIEWS.get(module, module.qweight, (id(module.scales_and_zeros),))
-    return _DEQUANT_VIEWS.get(module, module.qweight, (id(module.scales), id(module.qzeros)))
+    return _DEQUANT_VIEWS[_awq(module)].get(module, module.qweight, (id(module.scales), id(module.qzeros)))

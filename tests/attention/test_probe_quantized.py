@@ -257,3 +257,62 @@ def test_gptq_from_pretrained(dtype):
     model, _ = load_model("random:tiny-llama", dtype, "cpu", seed=3, quantization="gptq-4bit")
     assert probe._quantizer(model) == "gptq"
     _check_runs(model, "gptq")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_awq_checkpoint(dtype):
+    """An AWQ 4-bit checkpoint made on this machine (gptqmodel's AWQ quantizer), loaded by
+    transformers, wraps and runs as GPTQ's does."""
+    pytest.importorskip("gptqmodel")
+    from eval.lib.models import load_model
+
+    model, _ = load_model("random:tiny-llama-128", dtype, "cpu", seed=3, quantization="awq-4bit")
+    assert probe._quantizer(model) == "awq"
+    _check_runs(model, "awq")
+
+
+def _fp8_checkpoint(path, block: int = 32) -> dict:
+    """The tests' tiny Llama saved as a block-wise FP8 checkpoint in `path`, as DeepSeek's and Qwen's
+    FP8 checkpoints are (transformers' `FineGrainedFP8Config` format): each linear of the decoder
+    layers float8_e4m3fn, with one fp32 `weight_scale_inv` per block of block x block weights.
+    Returns each such weight's value, `fp8 * scale` in float32."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("llama").save_pretrained(path)
+    state, values = load_file(path / "model.safetensors"), {}
+    for name in [n for n in state if n.endswith("_proj.weight")]:
+        w = state[name].float()
+        n, k = w.shape
+        blocks = w.reshape(n // block, block, k // block, block)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        fp8 = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        values[name] = (fp8.float() * scale[:, None, :, None]).reshape(n, k)
+        state[name], state[name + "_scale_inv"] = fp8.reshape(n, k), scale
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (path / "config.json").write_text(json.dumps(config))
+    return values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_checkpoint_on_cpu(tmp_path, dtype):
+    """An FP8 checkpoint on a machine without FP8 kernels (a CPU): transformers dequantizes its
+    weights at load to the model's dtype, each `fp8 * scale` of its block, and the model is then a
+    plain one: it wraps without a note and in fp32 gives HF's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    values = _fp8_checkpoint(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+    weights = dict(model.named_parameters())
+    for name, value in values.items():
+        assert type(weights[name]) is torch.nn.Parameter and torch.equal(weights[name], value.to(dtype)), name
+    assert probe._quantizer(model) is None  # (the quantizer is gone with the dequantized weights)
+    _check_runs(model, "fp8")
+    wrapped = wrap_copy(model, max_cache_tokens=512)
+    ids, mask = left_padded(1, seed=5)
+    _greedy(wrapped, ids, mask, prompt_lookup_num_tokens=K)
+    assert not wrapped.last_stats.exactness_note

@@ -1,6 +1,7 @@
 """The C linears' "sub_mul_f16" form: GPTQ's weights as gptqmodel dequantizes them for float32 calls,
 fp16(scale * (code - zero)), read from GPTQ's own layout (int32 words of eight codes, fp16 scales,
-zero points packed along N) by `invariant.gptq.GptqDequantWeight`. gptqmodel does not install in CI,
+zero points packed along N) by `invariant.gptq.GptqDequantWeight`, and AWQ's (codes and zero points
+packed along N, out of order) by `AwqDequantWeight`. gptqmodel does not install in CI,
 so the layout is made here by hand from known codes; tests/cpu/test_gptq_linear.py checks the view
 against gptqmodel's own modules where it is installed. A W_Q4 linear is bitwise the float linear of
 its dequantized weight, each row as alone, and every SIMD level gives the portable C's bits (fp16's
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_plookup.cpu import kernels as cpu_kernels
-from hf_plookup.invariant.gptq import GptqDequantWeight
+from hf_plookup.invariant.gptq import AwqDequantWeight, GptqDequantWeight
 from tests.conftest import at_every_simd_level, rows_alone_and_float_linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
@@ -28,24 +29,40 @@ def _words(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-class HandMade(torch.nn.Module):
-    """A GPTQ linear's tensors, as gptqmodel keeps them (the view reads only these)."""
+# AWQ's packing (gptqmodel's `AWQ_REVERSE_ORDER`): column j of a word's eight in nibble AWQ_NIBBLE[j]
+AWQ_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]
 
-    def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int):
+
+def _awq_words(codes: torch.Tensor) -> torch.Tensor:
+    """int32 words [R, C / 8] of codes [R, C] (0..15), packed along C as AWQ packs them."""
+    c = codes.long().view(codes.shape[0], codes.shape[1] // 8, 8)
+    words = sum(c[:, :, j] << (4 * AWQ_NIBBLE[j]) for j in range(8))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+class HandMade(torch.nn.Module):
+    """A GPTQ linear's tensors, as gptqmodel keeps them (the view reads only these); with `awq`,
+    an AWQ linear's."""
+
+    def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int, awq: bool = False):
         super().__init__()
         n, k = codes.shape
         self.out_features, self.in_features, self.group_size = n, k, group
-        self.qweight = _words(codes.t().contiguous())  # [K / 8, N]
-        self.qzeros = _words(zeros.contiguous()).t().contiguous()  # [K / G, N / 8]: packed along N
+        if awq:  # both packed along N: [K, N / 8] and [K / G, N / 8]
+            self.qweight, self.qzeros = _awq_words(codes.t().contiguous()), _awq_words(zeros.t().contiguous())
+        else:
+            self.qweight = _words(codes.t().contiguous())  # [K / 8, N]
+            self.qzeros = _words(zeros.contiguous()).t().contiguous()  # [K / G, N / 8]: packed along N
         self.scales = scales.t().contiguous().to(torch.float16)  # [K / G, N]
 
 
-def _layer(n: int, k: int, group: int, scale: float = 0.01, seed: int = 0) -> tuple[HandMade, torch.Tensor]:
+def _layer(n: int, k: int, group: int, scale: float = 0.01, seed: int = 0,
+           awq: bool = False) -> tuple[HandMade, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g)
     zeros = torch.randint(0, 16, (n, k // group), generator=g)
     scales = (torch.rand(n, k // group, generator=g) + 0.5) * scale
-    return HandMade(codes, zeros, scales, group), codes
+    return HandMade(codes, zeros, scales, group, awq), codes
 
 
 def test_words_codes_literal():
@@ -54,9 +71,17 @@ def test_words_codes_literal():
     assert cpu_kernels.words_codes(top).flatten().tolist() == [9, 10, 11, 12, 13, 14, 15, 15]
 
 
-def test_view_reads_the_codes_zeros_and_scales_it_was_made_of():
-    module, codes = _layer(16, 128, 32)
-    w = GptqDequantWeight(module)
+def test_awq_codes_literal():
+    assert cpu_kernels.awq_codes(torch.tensor([[0x76543210]], dtype=torch.int32)).flatten().tolist() == [
+        0, 4, 1, 5, 2, 6, 3, 7]
+    two = torch.tensor([[0x76543210, -0x10000000 + 0x0FEDCBA9]], dtype=torch.int32)  # the second: 0xFFEDCBA9
+    assert cpu_kernels.awq_codes(two).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 9, 13, 10, 14, 11, 15, 12, 15]
+
+
+@pytest.mark.parametrize("view", [GptqDequantWeight, AwqDequantWeight], ids=["gptq", "awq"])
+def test_view_reads_the_codes_zeros_and_scales_it_was_made_of(view):
+    module, codes = _layer(16, 128, 32, awq=view is AwqDequantWeight)
+    w = view(module)
     assert tuple(w.shape) == (16, 128) and w.dtype == torch.float32
     parts = cpu_kernels.q4_parts(w)
     assert (parts.form, parts.offset, parts.group) == ("sub_mul_f16", 0.0, 32)

@@ -1,11 +1,13 @@
-"""The C linears over GPTQ weights (gptqmodel's `TorchAtenLinear`, made here by transformers'
-`GPTQConfig` at load on a tiny random Llama), which invariant.gptq shows as plain linears once a bf16
-forward has turned them into torch's int4 form: the codes and scales read are the ones the module's
-own kernel uses, a linear is bitwise the float linear of those values and each row as alone, and
-`F.linear` of the view is the module's forward; the same for a linear first run in float32, which
-dequantizes on every call (the "sub_mul_f16" form); and the turned form in fp16.
-Needs gptqmodel and optimum (docs/measurements/cpu-avx2-2026-11-29-gptq/NOTES.md: they do not
-install from PyPI alone); skipped without them."""
+"""The C linears over gptqmodel's 4-bit weights: GPTQ's (`TorchAtenLinear`, made here by
+transformers' `GPTQConfig` at load on a tiny random Llama) and AWQ's (`TorchAtenAwqLinear`: a
+checkpoint made by gptqmodel's AWQ quantizer, loaded by transformers), which invariant.gptq shows
+as plain linears once a bf16 forward has turned them into torch's int4 form: the codes and scales
+read are the ones the module's own kernel uses, a linear is bitwise the float linear of those
+values and each row as alone, and `F.linear` of the view is the module's forward; the same for a
+linear first run in float32, which dequantizes on every call (the "sub_mul_f16" form, from GPTQ's
+layout or AWQ's); and the turned form in fp16.
+Needs gptqmodel (and optimum for GPTQ; docs/measurements/cpu-avx2-2026-11-29-gptq/NOTES.md: they
+do not install from PyPI alone); skipped without them."""
 
 from __future__ import annotations
 
@@ -19,27 +21,36 @@ from hf_plookup.invariant.linears import linear_module, linear_weight
 from tests.conftest import at_every_simd_level, rows_alone_and_float_linear
 
 pytest.importorskip("gptqmodel")
-pytest.importorskip("optimum.gptq")
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
 
 ROWS = (1, 2, 5, 9, 13, 40)
+# quantization of eval/lib/quantization.py -> the random model it quantizes (AWQ's quantizer takes
+# linears of a multiple of 64 outputs, which the tiny Llama's keys and values are not)
+MODELS = {"gptq-4bit": "random:tiny-llama", "awq-4bit": "random:tiny-llama-128"}
+DEQUANT_VIEWS = {"gptq-4bit": gptq.GptqDequantWeight, "awq-4bit": gptq.AwqDequantWeight}
 
 
-def _model(dtype: torch.dtype):
+def _model(quantization: str, dtype: torch.dtype):
     from eval.lib.models import load_model
 
-    model, _ = load_model("random:tiny-llama", dtype, "cpu", seed=3, quantization="gptq-4bit")
+    if quantization == "gptq-4bit":
+        pytest.importorskip("optimum.gptq")  # transformers' GPTQ quantizer calibrates through optimum
+    model, _ = load_model(MODELS[quantization], dtype, "cpu", seed=3, quantization=quantization)
     with torch.no_grad():
         model(input_ids=torch.tensor([[5, 7, 9, 11]]))  # a first forward: bf16 turns the linears
     return model
 
 
-@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def turned_linears(request):
-    """The GPTQ linears of a model turned by a first forward in bf16 or fp16 (transformers' default
-    dtype "auto" loads most published GPTQ checkpoints in fp16)."""
-    model = _model(request.param)
+def _linears(model) -> list:
     return [m for layer in model.model.layers for m in layer.modules() if type(m).__module__.startswith("gptqmodel.")]
+
+
+@pytest.fixture(scope="module", params=[(q, d) for q in MODELS for d in (torch.bfloat16, torch.float16)],
+                ids=lambda p: f"{p[0]}-{str(p[1])[6:]}")
+def turned_linears(request):
+    """The GPTQ or AWQ linears of a model turned by a first forward in bf16 or fp16 (transformers'
+    default dtype "auto" loads most published GPTQ and AWQ checkpoints in fp16)."""
+    return _linears(_model(*request.param))
 
 
 def test_turned_linears_are_linears_whose_f_linear_is_the_modules(turned_linears):
@@ -76,28 +87,29 @@ def test_values_are_the_modules_int4_kernels(turned_linears):
 
 
 def test_linear_is_the_float_linear_of_its_values_row_by_row(turned_linears):
-    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(40, max(m.in_features for m in turned_linears), generator=torch.Generator().manual_seed(3))
     for m in turned_linears:
         w = linear_weight(m)
-        x = x.to(w.dtype)
         parts = cpu_kernels.q4_parts(w)
-        if parts is None or m.in_features != 64:
+        if parts is None:
             continue
         n, k = w.shape
+        xs = x[:, :k].to(w.dtype)
         codes = parts.codes().view(n, k // parts.group, parts.group).double()
         values = ((codes - 8) * parts.scales[..., None].double() + parts.shifts[..., None].double()).view(n, k).float()
-        rows = torch.cat([cpu_kernels.linear(x[i : i + 1], w, None) for i in range(x.shape[0])])
+        rows = torch.cat([cpu_kernels.linear(xs[i : i + 1], w, None) for i in range(xs.shape[0])])
         for r in ROWS:
-            got = cpu_kernels.linear(x[:r], w, None)
+            got = cpu_kernels.linear(xs[:r], w, None)
             assert torch.equal(got, rows[:r])
-            assert torch.equal(got, cpu_kernels.linear(x[:r].float(), values, None).to(w.dtype))
-        outs = at_every_simd_level(lambda: [cpu_kernels.linear(x[:r], w, None) for r in ROWS])
+            assert torch.equal(got, cpu_kernels.linear(xs[:r].float(), values, None).to(w.dtype))
+        outs = at_every_simd_level(lambda: [cpu_kernels.linear(xs[:r], w, None) for r in ROWS])
         assert all(torch.equal(a, b) for got in outs.values() for a, b in zip(got, outs[0]))
 
 
-@pytest.fixture(scope="module")
-def fp32_model():
-    return _model(torch.float32)  # (its first forward, in float32: the linears dequantize from then on)
+@pytest.fixture(scope="module", params=list(MODELS))
+def fp32_model(request):
+    """(quantization, the model): its first forward in float32, so the linears dequantize from then on."""
+    return request.param, _model(request.param, torch.float32)
 
 
 def test_fp32_linears_dequantize_and_are_read_as_gptq_dequantizes(fp32_model):
@@ -105,14 +117,14 @@ def test_fp32_linears_dequantize_and_are_read_as_gptq_dequantizes(fp32_model):
     dequantized weight (the module's output for each unit vector), `F.linear` of the view is the
     module's forward, and the C linear is the float linear of those values, each row as alone, at
     every SIMD level."""
-    linears = [m for layer in fp32_model.model.layers for m in layer.modules()
-               if type(m).__module__.startswith("gptqmodel.")]
+    quantization, model = fp32_model
+    linears = _linears(model)
     assert linears
     x = torch.randn(40, max(m.in_features for m in linears), generator=torch.Generator().manual_seed(4))
     for m in linears:
         assert gptq.is_gptq_linear(m) and linear_module(m) and not m._cpu_transformed
         w = linear_weight(m)
-        assert type(w) is gptq.GptqDequantWeight and w.dtype == torch.float32 and linear_weight(m) is w
+        assert type(w) is DEQUANT_VIEWS[quantization] and w.dtype == torch.float32 and linear_weight(m) is w
         parts = cpu_kernels.q4_parts(w)
         assert (parts.form, parts.offset, parts.group) == ("sub_mul_f16", 0.0, 64)
         n, k = w.shape
@@ -128,10 +140,12 @@ def test_fp32_linears_dequantize_and_are_read_as_gptq_dequantizes(fp32_model):
 
 
 def test_an_fp32_gptq_model_decodes_in_the_c_layers_as_hf_greedy(fp32_model):
-    """Wrapped in float32, its decode steps run in the C layers over GPTQ's own layout, and greedy
-    with drafts at batch 1 and 2 equals HF's greedy of the same model."""
+    """Wrapped in float32, its decode steps run in the C layers over GPTQ's (or AWQ's) own layout,
+    and greedy with drafts at batch 1 and 2 equals HF's greedy of the same model."""
     import hf_plookup
     from tests.conftest import left_padded
+
+    fp32_model = fp32_model[1]
 
     refs = {}
     for batch in (1, 2):
@@ -142,7 +156,8 @@ def test_an_fp32_gptq_model_decodes_in_the_c_layers_as_hf_greedy(fp32_model):
         assert w._engine.c_layers is not None
         for ids, mask, ref in refs.values():
             for k in (None, 4):
-                out = w.generate(ids, attention_mask=mask, max_new_tokens=16, prompt_lookup_num_tokens=k)
+                out = w.generate(ids, attention_mask=mask, max_new_tokens=16, prompt_lookup_num_tokens=k,
+                                 do_sample=False)  # (gptqmodel saves AWQ checkpoints with do_sample=True)
                 assert torch.equal(out, ref), (k, ids.shape[0])
         assert w._engine.c_layers.on  # the first decode step ran both ways and the C path gave HF's bits
     finally:
@@ -150,15 +165,16 @@ def test_an_fp32_gptq_model_decodes_in_the_c_layers_as_hf_greedy(fp32_model):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_a_gptq_model_decodes_in_the_c_layers_losslessly(dtype):
-    """Wrapped in bf16 or fp16 (transformers' dtype "auto" loads most published GPTQ checkpoints in
-    fp16), its linears turned into torch's int4 form, its decode steps run in the C layers (where
-    every GPTQ linear is read: whole int4pack blocks of columns on this CPU), and greedy with drafts
-    at batch 1 and 2 equals its own greedy."""
+@pytest.mark.parametrize("quantization", list(MODELS))
+def test_a_gptq_model_decodes_in_the_c_layers_losslessly(quantization, dtype):
+    """Wrapped in bf16 or fp16 (transformers' dtype "auto" loads most published GPTQ and AWQ
+    checkpoints in fp16), its linears turned into torch's int4 form, its decode steps run in the C
+    layers (where every linear is read: whole int4pack blocks of columns on this CPU), and greedy
+    with drafts at batch 1 and 2 equals its own greedy."""
     import hf_plookup
     from tests.conftest import left_padded
 
-    model = _model(dtype)
+    model = _model(quantization, dtype)
     gptqs = [m for m in model.modules() if gptq.is_gptq_linear(m)]
     read = all(cpu_kernels.q4_parts(linear_weight(m)) is not None for m in gptqs)
     assert gptqs and linear_weight(gptqs[0]).dtype == dtype
@@ -167,7 +183,7 @@ def test_a_gptq_model_decodes_in_the_c_layers_losslessly(dtype):
     assert (layers is not None) == read
     for batch in (1, 2):
         ids, mask = left_padded(batch, seed=5)
-        kw = dict(attention_mask=mask, max_new_tokens=16)
+        kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False)  # (AWQ's saved config samples)
         greedy = w.generate(ids, **kw)
         assert torch.equal(w.generate(ids, prompt_lookup_num_tokens=4, **kw), greedy)
         assert w.last_stats.invariant

@@ -101,7 +101,7 @@ def _expect(name: str):
                 assert isinstance(linear, bnb.nn.Linear4bit) and linear.weight.dtype == torch.uint8
                 assert linear.weight.quant_state.quant_type == name.split("-")[1]
         return "bitsandbytes", check
-    if name.startswith("gptq"):
+    if name.startswith(("gptq", "awq")):
         def check(linear):
             assert type(linear).__module__.startswith("gptqmodel.") and linear.bits == 4
             assert linear.qweight.dtype == torch.int32 and linear.scales.dtype == torch.float16
@@ -131,14 +131,25 @@ def _bitsandbytes_problem() -> str | None:
     return None
 
 
+# AWQ's quantizer takes linears of a multiple of 64 outputs, which the tiny Llama's keys and values are not
+TINY_FOR = {"awq-4bit": "random:tiny-llama-128"}
+
+
+def test_awq_of_a_model_it_cannot_quantize_says_why():
+    pytest.importorskip("gptqmodel")
+    with pytest.raises(RuntimeError, match=r"multiple of 64 outputs; this model has .*'key/value heads x head_dim': 32"):
+        load_model(TINY, torch.float32, "cpu", quantization="awq-4bit")
+
+
 @pytest.mark.parametrize("name", [n for n in quantization.NAMES if n != "torchao-int4"])
 def test_load_model_quantizes_the_linears_for_real(name):
     library, check = _expect(name)
     pytest.importorskip(library)
     if library == "bitsandbytes" and (problem := _bitsandbytes_problem()) is not None:
         pytest.skip(f"bitsandbytes does not run here: {problem}")
-    plain, _ = load_model(TINY, torch.float32, "cpu", seed=3)
-    model, tok = load_model(TINY, torch.float32, "cpu", seed=3, quantization=name)
+    tiny = TINY_FOR.get(name, TINY)
+    plain, _ = load_model(tiny, torch.float32, "cpu", seed=3)
+    model, tok = load_model(tiny, torch.float32, "cpu", seed=3, quantization=name)
     ids = torch.tensor([[5, 7, 9, 11]])
     with torch.no_grad():  # (optimum-quanto's int4 weights fail under inference_mode: see the module text)
         got, want = model(input_ids=ids).logits, plain(input_ids=ids).logits
@@ -148,7 +159,9 @@ def test_load_model_quantizes_the_linears_for_real(name):
     # HF's quantizer leaves the LM head out, and the model is the same random model, quantized
     assert type(model.lm_head) is torch.nn.Linear and type(model.lm_head.weight) is torch.nn.Parameter
     assert quantization.quantized_linears(model) == 7 * len(model.model.layers) and quantization.quantized_linears(plain) == 0
-    assert torch.equal(model.model.embed_tokens.weight, plain.model.embed_tokens.weight)
+    # (AWQ's quantizer keeps the unquantized weights in fp16: eval.lib.quantization._awq_checkpoint)
+    saved = torch.float16 if name == "awq-4bit" else torch.float32
+    assert torch.equal(model.model.embed_tokens.weight, plain.model.embed_tokens.weight.to(saved).float())
     assert torch.isfinite(got).all() and not torch.equal(got, want)
     # near the plain model's logits (4-bit the farthest), far from unrelated weights' (cosine about 0)
     assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.8
