@@ -316,3 +316,47 @@ def test_fp8_checkpoint_on_cpu(tmp_path, dtype):
     ids, mask = left_padded(1, seed=5)
     _greedy(wrapped, ids, mask, prompt_lookup_num_tokens=K)
     assert not wrapped.last_stats.exactness_note
+
+
+def _compressed_tensors_checkpoint(path, preset: str) -> None:
+    """The tests' tiny Llama saved as a compressed-tensors checkpoint in `path`, as llm-compressor
+    saves one: `preset`'s weight-only scheme (W4A16: symmetric int4 in groups, here of 32, packed
+    eight a word; W8A16: int8 per output channel) on every linear but the head, each scale from
+    its group's or channel's range (what a min-max observer gives), compressed and saved."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = tiny_model("llama")
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if scheme.weights.group_size:
+        scheme.weights.group_size = 32
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for m in model.modules():
+        if hasattr(m, "weight_scale"):
+            w, args = m.weight.detach(), m.quantization_scheme.weights
+            w = w.reshape(w.shape[0], -1, args.group_size) if args.group_size else w.unsqueeze(1)
+            scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
+            m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape))
+            m.weight_zero_point.data.copy_(zero.reshape(m.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(path)
+    compressor.update_config(path)
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "W8A16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressed_tensors_checkpoint(tmp_path, preset, dtype):
+    """A compressed-tensors checkpoint (llm-compressor's format) loads on CPU with its linears
+    compressed, each decompressing its weight on every call (compressed-tensors' forward, set on
+    the instance): it wraps and runs, in fp32 with HF's greedy tokens."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    _compressed_tensors_checkpoint(tmp_path, preset)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+    proj = model.model.layers[0].self_attn.q_proj
+    assert "weight" not in dict(proj.named_parameters()) and "forward" in vars(proj)  # held compressed
+    assert probe._quantizer(model) == "compressed-tensors"
+    _check_runs(model, "compressed-tensors")
