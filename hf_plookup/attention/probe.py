@@ -141,15 +141,6 @@ def fails_in_inference_mode(error: BaseException) -> bool:
     return isinstance(cause, RuntimeError) and "inference tensor" in str(cause)
 
 
-def fails_in_inference_mode_later(model: torch.nn.Module) -> bool:
-    """Whether the model's forwards fail under `torch.inference_mode` only after a first one, so that
-    a probe in inference mode cannot tell: compressed-tensors' checkpoints decompress their weights
-    at the first forward into offload caches that the later forwards read, and those fail there
-    ("Inference tensors do not track version counter"). They run under `torch.no_grad`, as HF's
-    `generate` runs them."""
-    return _quantizer(model) == "compressed-tensors"
-
-
 def probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3, notes: list[str] | None = None,
                       grad_mode=torch.inference_mode) -> list[KeyLayout | None]:
     """`_probe_key_layouts` under `grad_mode` (torch.inference_mode, or torch.no_grad where the

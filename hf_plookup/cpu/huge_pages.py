@@ -72,14 +72,26 @@ def _within(p: torch.Tensor, mapping: tuple[int, int]) -> bool:
     return lo <= p.untyped_storage().data_ptr() < hi
 
 
+def held_elsewhere(model: torch.nn.Module) -> set[int]:
+    """The ids of `model`'s parameters that another library holds: those in a module whose
+    `_parameters` is a container of that library's, not torch's dict (compressed-tensors' offload
+    caches, filled at a checkpoint's first forward, which its forward reads the weights from).
+    Neither packing (cpu.packed_weight) nor moving them here touches them: the library's
+    container would refuse the write or its forward break on the tensor it finds."""
+    return {id(p) for m in model.modules() if type(m._parameters) is not dict
+            for p in m._parameters.values() if p is not None}
+
+
 def to_huge_pages(model: torch.nn.Module) -> bool:
-    """Move `model`'s CPU parameters onto 2 MB pages (see the module docstring); returns whether
-    it moved any."""
+    """Move `model`'s CPU parameters onto 2 MB pages (see the module docstring), but those another
+    library holds (`held_elsewhere`); returns whether it moved any."""
     if not available() or _moved(model):
         return False
     storages: dict[int, list[torch.nn.Parameter]] = {}  # storage address -> the parameters on it
+    elsewhere = held_elsewhere(model)
     for p in model.parameters():
-        if type(p) is torch.nn.Parameter and p.device.type == "cpu" and p.untyped_storage().nbytes():
+        if (type(p) is torch.nn.Parameter and p.device.type == "cpu" and p.untyped_storage().nbytes()
+                and id(p) not in elsewhere):
             storages.setdefault(p.untyped_storage().data_ptr(), []).append(p)
     if not storages:
         return False

@@ -43,6 +43,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import kernels as cpu_kernels
+from .huge_pages import held_elsewhere
 
 log = logging.getLogger("hf_plookup")
 aten = torch.ops.aten
@@ -189,13 +190,10 @@ def _owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str
 
 def _to_pack(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The weights `pack_linears` packs: of plain `nn.Linear` layers, plain parameters the C kernels
-    take, each once. A layer whose parameters another library holds is left as it is: one with a
-    forward set on the instance or a container of its own for `_parameters` (compressed-tensors'
-    offload caches, which its forward reads the weights from)."""
-    weights, seen = [], set()
+    take, each once; not those another library holds (cpu.huge_pages.held_elsewhere)."""
+    weights, seen = [], held_elsewhere(model)
     for m in model.modules():
-        plain = type(m) is torch.nn.Linear and type(m._parameters) is dict and "forward" not in vars(m)
-        w = m._parameters.get("weight") if plain else None
+        w = m._parameters.get("weight") if type(m) is torch.nn.Linear else None
         if w is not None and type(w) is torch.nn.Parameter and cpu_kernels.supported(w) and id(w) not in seen:
             seen.add(id(w))
             weights.append(w)

@@ -18,7 +18,7 @@ from ..cpu.packed_weight import packing_bytes
 from ..invariant.linears import CAPTURED_INVARIANT_BACKENDS, resolve_invariant
 from ..mixers.recurrent import RecurrentMixers
 from .distributed import tensor_parallel
-from ..attention.probe import fails_in_inference_mode, fails_in_inference_mode_later
+from ..attention.probe import fails_in_inference_mode
 from .kv_cache import check_cpu_memory, layer_specs
 
 if TYPE_CHECKING:
@@ -168,11 +168,11 @@ class EnginePlan:
         """The plan for `model` under `options`; a ValueError where an option asked for cannot run.
         `timings`: ("probe", time) is appended once the layers are probed (wrap's parts)."""
         notes: list[str] = []
-        no_grad = fails_in_inference_mode_later(model)
+        no_grad = False
         try:
-            specs = layer_specs(model, notes, grad_mode=torch.no_grad if no_grad else torch.inference_mode)
+            specs = layer_specs(model, notes)
         except ValueError as e:
-            if no_grad or not fails_in_inference_mode(e):
+            if not fails_in_inference_mode(e):
                 raise
             no_grad, notes = True, []
             specs = layer_specs(model, notes, grad_mode=torch.no_grad)

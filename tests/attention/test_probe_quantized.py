@@ -349,8 +349,9 @@ def _compressed_tensors_checkpoint(path, preset: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compressed_tensors_checkpoint(tmp_path, preset, dtype):
     """A compressed-tensors checkpoint (llm-compressor's format) loads on CPU with its linears
-    compressed, each decompressing its weight on every call (compressed-tensors' forward, set on
-    the instance): it wraps and runs, in fp32 with HF's greedy tokens."""
+    compressed, compressed-tensors' forward set on each (it decompresses the weights at the first
+    forward into caches of its own, which wrap leaves alone): it wraps and runs, in fp32 with HF's
+    greedy tokens."""
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
