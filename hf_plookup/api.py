@@ -14,6 +14,7 @@ import torch
 from .attention.registry import register
 from .cpu.packed_codes import unpack_quantized
 from .cpu.packed_weight import unpack_linears
+from .invariant import compressed_tensors
 from .invariant.linears import linear_of
 from .engine.engine import Engine, EngineOptions
 from .generation import GENERATE_ARGS, OWN_ARGS, resolve
@@ -185,14 +186,26 @@ def _signature(model: torch.nn.Module) -> tuple:
 
 
 def _build(model: torch.nn.Module, options: EngineOptions) -> Engine:
-    """A new engine for `model`: registers the attention, warms the proposer, runs the probe."""
+    """A new engine for `model`: registers the attention, warms the proposer, runs the probe.
+    compressed-tensors' linears are held compressed first (before the probe's forward would
+    decompress them: invariant.compressed_tensors), and let go again where the engine does not
+    run them through invariant mode's linears, or fails to build."""
     threads = torch.get_num_threads()
+    held_before = compressed_tensors.held(model)
+    held = options.invariant is not False and compressed_tensors.hold_compressed(model) > 0
     try:
         register()
         NgramProposer(1)  # compile (or load from numba's disk cache) before the first generate
-        return Engine(model, options)
+        engine = Engine(model, options)
+    except BaseException:
+        if held and not held_before:
+            compressed_tensors.release(model)
+        raise
     finally:
         torch.set_num_threads(threads)  # numba's threading layer start-up resets OpenMP's count
+    if held and not engine.plan.invariant:
+        compressed_tensors.release(model)
+    return engine
 
 
 def _current_engine(model: torch.nn.Module, state: _State) -> Engine:
@@ -274,8 +287,9 @@ def _warm_up(model, state: _State, before: _State | None) -> None:
 def unwrap(model):
     """The plain HF model again (same object, its own class, plain parameters where `wrap` packed its
     CPU linear weights: cpu.packed_weight, and the libraries' plain code tensors where it packed
-    quantized ones: cpu.packed_codes); hf_plookup's state is dropped. A model that is not
-    wrapped is returned as is."""
+    quantized ones: cpu.packed_codes; compressed-tensors' own forwards and hook where it held their
+    linears compressed: invariant.compressed_tensors); hf_plookup's state is dropped. A model that
+    is not wrapped is returned as is."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(model, PlookupModel):
@@ -287,4 +301,5 @@ def unwrap(model):
         model.__dict__.pop(_STATE, None)
         unpack_linears(model)
         unpack_quantized(model, linear_of)
+        compressed_tensors.release(model)
     return model

@@ -24,9 +24,10 @@ A missing library is reported before any work starts (`problem`, which `check_op
 the parser's error), naming the package to install; an unknown name is the parser's error
 listing the names (`choices`), or a ValueError from `quantization_config`.
 
-One name is made otherwise: transformers loads AWQ checkpoints but cannot make one at load, so
-`awq-4bit` has gptqmodel's own AWQ quantizer make the checkpoint in a temporary directory (removed
-once loaded), which `from_pretrained` then loads as a user loads a published AWQ checkpoint.
+Two names are made otherwise: transformers loads AWQ and compressed-tensors checkpoints but cannot
+make one at load, so `awq-4bit` has gptqmodel's own AWQ quantizer, and `ct-w4a16` compressed-tensors'
+own compressor (`compressed_checkpoint`), make the checkpoint in a temporary directory (removed once
+loaded), which `from_pretrained` then loads as a user loads a published one.
 
 One name that does not run everywhere: `torchao-int4` quantizes through mslk's CUDA kernels, so
 without mslk (on CPU) it is refused up front with that reason (HF's own load would fail inside a
@@ -132,6 +133,17 @@ def _gptq(dtype, path):
     return GPTQConfig(bits=4, group_size=64, dataset=data, tokenizer=tok, desc_act=False)
 
 
+def _linear_widths(path: str) -> dict[str, int]:
+    """The widths of a decoder's linears (their inputs and outputs), from its config."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path).get_text_config()
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "query heads x head_dim": c.num_attention_heads * head,
+            "key/value heads x head_dim": getattr(c, "num_key_value_heads", c.num_attention_heads) * head}
+
+
 def _awq_checkpoint(path: str, out: str, dtype: torch.dtype) -> None:
     """An AWQ 4-bit checkpoint of `path` in `out`, made as a user makes one: gptqmodel's AWQ
     quantizer (asymmetric, with zero points, as AutoAWQ's default; groups of 64 as GPTQ's),
@@ -143,14 +155,7 @@ def _awq_checkpoint(path: str, out: str, dtype: torch.dtype) -> None:
     import tempfile
     from pathlib import Path
 
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(path).get_text_config()
-    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    outs = {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-            "query heads x head_dim": c.num_attention_heads * head,
-            "key/value heads x head_dim": getattr(c, "num_key_value_heads", c.num_attention_heads) * head}
-    odd = {k: v for k, v in outs.items() if v % 64}
+    odd = {k: v for k, v in _linear_widths(path).items() if v % 64}
     if odd:
         raise ValueError(f"gptqmodel's AWQ quantizer takes linears of a multiple of 64 outputs; this model has {odd}")
     # gptqmodel's default CPU pool takes half the cores, and refuses to start on 2 cores (its loader
@@ -170,6 +175,55 @@ def _awq_checkpoint(path: str, out: str, dtype: torch.dtype) -> None:
         model = GPTQModel.load(path, AWQConfig(bits=4, group_size=64, sym=False), device="cpu", dtype=dtype)
         model.quantize(data, batch_size=1)
         model.save(out)
+
+
+def compress(model: torch.nn.Module, preset: str = "W4A16", group: int | None = 64) -> None:
+    """Quantize and compress `model` (float) in place as llm-compressor does: compressed-tensors'
+    `preset` scheme (W4A16: symmetric int4 in groups of `group`, or one scale a row where `group` is
+    None, packed eight a word; W4A16_ASYM: the same with zero points; W8A16: int8, one scale a row)
+    on every linear but the LM head, each scale (and zero point) from its group's or row's range (a
+    min-max observer's: llm-compressor's round-to-nearest), then compressed by compressed-tensors'
+    own compressor, which leaves its decompressing hook on the model."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if scheme.weights.group_size:
+        scheme.weights.strategy, scheme.weights.group_size = ("group", group) if group else ("channel", None)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "weight_scale"):
+                w, args = m.weight.detach(), m.quantization_scheme.weights
+                w = w.reshape(w.shape[0], -1, args.group_size) if args.group_size else w.unsqueeze(1)
+                scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
+                m.weight_scale.copy_(scale.reshape(m.weight_scale.shape))
+                m.weight_zero_point.copy_(zero.reshape(m.weight_zero_point.shape))
+    ModelCompressor.from_pretrained_model(model).compress_model(model)
+
+
+def save_compressed(model: torch.nn.Module, out: str, preset: str = "W4A16", group: int | None = 64) -> None:
+    """`model` (float) compressed in place (`compress`) and saved in `out` with its
+    compressed-tensors config: an llm-compressor checkpoint."""
+    from compressed_tensors.compressors import ModelCompressor
+
+    compress(model, preset, group)
+    model.save_pretrained(out)
+    ModelCompressor.from_pretrained_model(model).update_config(out)
+
+
+def _ct_checkpoint(path: str, out: str, dtype: torch.dtype) -> None:
+    """A W4A16 compressed-tensors checkpoint of `path` (groups of 64, as GPTQ's) in `out`, its
+    unquantized weights in `dtype` (`save_compressed`). A model whose linears' inputs are not
+    multiples of 64 is refused before any work."""
+    from transformers import AutoModelForCausalLM
+
+    inputs = ("hidden_size", "intermediate_size", "query heads x head_dim")
+    odd = {k: v for k, v in _linear_widths(path).items() if k in inputs and v % 64}
+    if odd:
+        raise ValueError(f"ct-w4a16's groups of 64 values need linears of a multiple of 64 inputs; this model has {odd}")
+    save_compressed(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), out)
 
 
 QUANTIZATIONS: dict[str, Quantization] = {
@@ -203,6 +257,10 @@ QUANTIZATIONS: dict[str, Quantization] = {
                              f"AwqConfig of a checkpoint made by gptqmodel's AWQConfig(bits=4, group_size=64, "
                              f"sym=False) on <{GPTQ_DOCUMENTS} builtin documents>", lambda dtype, path: None,
                              make=_awq_checkpoint),
+    # made by compressed-tensors' own compressor, as llm-compressor saves one, then loaded by transformers
+    "ct-w4a16": Quantization("compressed_tensors", "compressed-tensors",
+                             "a compressed-tensors checkpoint of scheme W4A16 (groups of 64, min-max scales), "
+                             "made by its compressor", lambda dtype, path: None, make=_ct_checkpoint),
 }
 NAMES = tuple(QUANTIZATIONS)
 
@@ -351,7 +409,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def quantized_linears(model: torch.nn.Module) -> int:
     """How many of `model`'s linears hold quantized weights: a quantizer's own linear class
-    (bitsandbytes' Linear8bitLt/Linear4bit, optimum-quanto's QLinear, gptqmodel's GPTQ linears) or
+    (bitsandbytes' Linear8bitLt/Linear4bit, optimum-quanto's QLinear, gptqmodel's GPTQ linears), a
+    compressed-tensors linear (an `nn.Linear` with a quantization scheme) or
     a quantized tensor subclass in a plain `nn.Linear` (torchao). 0 for a plain model: a load whose
     quantizer did nothing shows here."""
     count = 0
@@ -359,6 +418,9 @@ def quantized_linears(model: torch.nn.Module) -> int:
         if _buffer_linear(m):
             count += 1
         if not isinstance(m, torch.nn.Linear):
+            continue
+        if getattr(m, "quantization_scheme", None) is not None:  # compressed-tensors' (compressed: no weight)
+            count += 1
             continue
         root = type(m.weight).__module__.split(".")[0]
         if type(m) is not torch.nn.Linear or root in ("torchao", "optimum", "bitsandbytes"):

@@ -45,6 +45,7 @@ import contextlib
 import ctypes
 import functools
 import inspect
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -184,8 +185,8 @@ VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q4: (torch.uint8, torch.int32)}
 # how a W_Q4 code q becomes its weight, f being q - offset (cpu_kernels.h, q4_value): "mul_sub",
 # round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32; "lut",
 # round(codebook[q] * scale) from float32; "sub_mul_f16", round(fp16((f - shift) * scale)) from
-# float32 (shift: a zero point)
-Q4_FORMS = {"mul_sub": 0, "fma": 1, "lut": 2, "sub_mul_f16": 3}
+# float32; "sub_mul", round((f - shift) * scale) from float32 (shift: a zero point)
+Q4_FORMS = {"mul_sub": 0, "fma": 1, "lut": 2, "sub_mul_f16": 3, "sub_mul": 4}
 Q4_META_BYTES = 128  # a W_Q4 weight's header (cpu_kernels.h, q4_meta)
 
 
@@ -267,15 +268,16 @@ class Q4Parts:
 # (hf_plookup's own: a quantized module seen as a linear's weight, invariant.module_weight)
 _Q4_TYPES = {"WeightQBitsTensor": "optimum.quanto", "TinyGemmWeightQBitsTensor": "optimum.quanto",
              "Bnb4bitWeight": "hf_plookup", "GptqWeight": "hf_plookup", "GptqDequantWeight": "hf_plookup",
-             "AwqDequantWeight": "hf_plookup"}
+             "AwqDequantWeight": "hf_plookup", "CompressedTensorsWeight": "hf_plookup"}
 _Q4_PARTS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, its q4_parts), as _INT8_PARTS
 
 
 def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
     """The `Q4Parts` of a CPU weight quantized to 4 bits by optimum-quanto (qint4 on axis 0, frozen), by
-    bitsandbytes (nf4 or fp4, seen as `invariant.bnb4bit.Bnb4bitWeight`) or by GPTQ or AWQ
-    (gptqmodel's, seen as `invariant.gptq.GptqWeight`, `GptqDequantWeight` or `AwqDequantWeight`),
-    else None. quanto holds such a weight in one of two forms:
+    bitsandbytes (nf4 or fp4, seen as `invariant.bnb4bit.Bnb4bitWeight`), by GPTQ or AWQ
+    (gptqmodel's, seen as `invariant.gptq.GptqWeight`, `GptqDequantWeight` or `AwqDequantWeight`) or
+    by compressed-tensors (held compressed: `invariant.compressed_tensors.CompressedTensorsWeight`,
+    "sub_mul": rnd((code - 8 - zero) * scale)), else None. quanto holds such a weight in one of two forms:
 
     - `WeightQBitsTensor` (float32 models, and bfloat16 ones whose groups are not 128 values): its
       dequantization is `scale * code - shift`, each op in the weight's dtype ("mul_sub", offset 0);
@@ -367,6 +369,29 @@ def words_codes(words: torch.Tensor) -> torch.Tensor:
     Example: the word 0x76543210 gives the codes 0, 1, ..., 7."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32).view(1, 8, 1)
     return ((words.unsqueeze(1) >> shifts) & 15).reshape(words.shape[0] * 8, words.shape[1]).to(torch.uint8)
+
+
+def row_words_codes(words: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of int32 `words` [R, C] packed along the rows, eight a word from its low bits
+    up, as [R, C * 8] uint8: code 8c + j of row r is bits 4j .. 4j + 3 of words[r, c]
+    (compressed-tensors' `weight_packed` holds codes so along K). On a little-endian machine byte i
+    of a row's bytes then holds codes 2i (low nibble) and 2i + 1: split bytes, not words.
+
+    Example: the row [0x76543210] gives the codes 0, 1, ..., 7."""
+    if sys.byteorder != "little":
+        return words_codes(words.t()).t().contiguous()
+    b = words.contiguous().view(torch.uint8)
+    return torch.stack((b & 15, b >> 4), dim=-1).view(words.shape[0], -1)
+
+
+def row_words(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of `row_words_codes`: int32 words [R, C / 8] of 4-bit codes [R, C]."""
+    if sys.byteorder != "little":
+        c = codes.long().view(codes.shape[0], -1, 8)
+        words = sum(c[:, :, j] << (4 * j) for j in range(8))
+        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    c = codes.to(torch.uint8).view(codes.shape[0], -1, 2)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).contiguous().view(torch.int32)
 
 
 # AWQ packs 8 columns a word out of order: column j of a word's 8 is in its nibble AWQ_NIBBLE[j]

@@ -16,7 +16,9 @@ sees the library's tensor, rebuilt from the bytes for that op:
 - torch's CPU int4pack layout (quanto's tinygemm weights, gptqmodel's turned GPTQ and AWQ
   linears' `qweight`): blocks of columns, two codes a byte (`cpu.kernels.int4pack_codes` and its
   inverse);
-- bitsandbytes' flat codes (a `Params4bit`, two codes a byte, the first in the high nibble).
+- bitsandbytes' flat codes (a `Params4bit`, two codes a byte, the first in the high nibble);
+- compressed-tensors' `weight_packed` (a parameter: int32 words of eight codes along K,
+  `cpu.kernels.row_words_codes`), a `PackedParameter` in its place.
 
 A GPTQ or AWQ linear that dequantizes on every call (float32: invariant.gptq) keeps both copies:
 GPTQ's `qweight` goes into a function gptqmodel compiles with torch.compile, which a tensor of this
@@ -143,7 +145,7 @@ class PackedCodes(_Packed, torch.Tensor):
         self.codes_layout = layout
 
     def __deepcopy__(self, memo):
-        new = PackedCodes(self.packed.clone(), self.codes_layout)
+        new = type(self)(self.packed.clone(), self.codes_layout)
         memo[id(self)] = new
         return new
 
@@ -182,6 +184,15 @@ def _params4bit_class() -> type:
             return new
 
     return PackedParams4bit
+
+
+class PackedParameter(PackedCodes, torch.nn.Parameter):
+    """A library's code tensor that is a module's parameter (compressed-tensors' `weight_packed`),
+    its values in the packed bytes: a module's parameter must be an `nn.Parameter`."""
+
+    def restored(self) -> torch.Tensor:
+        """A plain parameter of the rebuilt codes."""
+        return torch.nn.Parameter(self.plain(), requires_grad=False)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -253,6 +264,9 @@ def _home(module: torch.nn.Module, weight: torch.Tensor) -> Home | None:
     if name == "Bnb4bitWeight":  # (the parameter is the codes: invariant.bnb4bit)
         return Home(module, "weight", *_bnb_layout(n, k, tuple(module.weight.shape)),
                     holder=lambda packed, layout, source: _params4bit_class()(packed, layout, source))
+    if name == "CompressedTensorsWeight":  # (a parameter of its own: invariant.compressed_tensors)
+        return Home(module, "weight_packed", cpu_kernels.row_words_codes, cpu_kernels.row_words,
+                    holder=lambda packed, layout, source: PackedParameter(packed, layout))
     got = None
     if name == "WeightQBitsTensor":
         got = _quanto_layout(n, k, weight._data)

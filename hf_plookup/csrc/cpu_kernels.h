@@ -165,8 +165,8 @@ static inline int64_t now_ns(void) {
  *
  * W_Q4: 4-bit codes q (0..15) with a scale s and a shift z per output column and group of G values
  * of k (optimum-quanto's qint4, in its plain and its tinygemm form; bitsandbytes' nf4 and fp4, whose
- * scale is the block's absmax and whose code picks a value of a 16-entry codebook; GPTQ's, whose
- * shift is the group's zero point). K and G even, G
+ * scale is the block's absmax and whose code picks a value of a 16-entry codebook; GPTQ's and
+ * compressed-tensors', whose shift is the group's zero point). K and G even, G
  * dividing K (K2 = K). Panels [P][K / 2][8] bytes: byte c of pair j holds column c's code at k = 2j
  * in its low nibble and at 2j + 1 in its high one. From byte q4_meta_at(P, K) a 128-byte q4_meta,
  * then [P][K / G][2][8] fp32: the panel's 8 scales of group g, then its 8 shifts (zeros past N).
@@ -187,8 +187,10 @@ static inline int64_t q8_scales_at(int64_t P, int64_t K2) { return (P * K2 * 8 +
  *               fp32 absmax, in fp32, rounded to the dtype; the shifts unused)
  *   Q4_SUB_MUL_F16: rnd(rnd_f16((f - z) * s))  (GPTQ as gptqmodel dequantizes it for fp32 calls:
  *               the code less the group's zero, times its fp16 scale, rounded to fp16, widened;
- *               offset 0) */
-enum { Q4_MUL_SUB = 0, Q4_FMA = 1, Q4_LUT = 2, Q4_SUB_MUL_F16 = 3 };
+ *               offset 0)
+ *   Q4_SUB_MUL: rnd((f - z) * s)     (compressed-tensors' int4: the signed code less the group's zero
+ *               point, times the scale, rounded once to the dtype; offset 8) */
+enum { Q4_MUL_SUB = 0, Q4_FMA = 1, Q4_LUT = 2, Q4_SUB_MUL_F16 = 3, Q4_SUB_MUL = 4 };
 typedef struct {
     int32_t group; /* G */
     int32_t form;
@@ -209,6 +211,7 @@ static inline float q4_value(int q, float s, float z, const q4_meta* m, int dt) 
     if (m->form == Q4_LUT) return rnd(m->lut[q] * s, dt);
     float f = (float)q - m->offset;
     if (m->form == Q4_SUB_MUL_F16) return rnd(rnd_f16((f - z) * s), dt);
+    if (m->form == Q4_SUB_MUL) return rnd((f - z) * s, dt);
     if (m->form == Q4_FMA) return fmaf(f, s, z);
     return rnd(rnd(f * s, dt) - z, dt);
 }

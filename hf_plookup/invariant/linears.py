@@ -50,7 +50,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from . import bnb4bit, gptq
+from . import bnb4bit, compressed_tensors, gptq
 from .attention import build_layout, current_layout, invariant_layout
 from ..cpu import kernels as cpu_kernels
 from . import row_linear
@@ -82,7 +82,8 @@ def linear_module(module: torch.nn.Module) -> bool:
     `QLinear` whose weights are frozen (quantized once) and whose activations are not quantized (its
     forward is then `F.linear` with its quantized weight; unfrozen, it quantizes the weight again on
     every call); bitsandbytes' 4-bit `Linear4bit` (invariant.bnb4bit); gptqmodel's GPTQ linear in
-    torch's CPU int4 form (invariant.gptq)."""
+    torch's CPU int4 form (invariant.gptq); a compressed-tensors linear `wrap` holds compressed
+    (invariant.compressed_tensors)."""
     if "forward" in vars(module):
         return False
     if type(module) is torch.nn.Linear:
@@ -90,15 +91,19 @@ def linear_module(module: torch.nn.Module) -> bool:
     cls = type(module)
     if cls.__name__ == "QLinear" and cls.__module__.startswith("optimum.quanto"):
         return getattr(module, "activation_qtype", True) is None and getattr(module, "frozen", False)
-    return bnb4bit.is_linear4bit(module) or gptq.is_gptq_linear(module)
+    return (bnb4bit.is_linear4bit(module) or gptq.is_gptq_linear(module)
+            or type(module) is compressed_tensors.CompressedLinear)  # (held, or decompressed since: a float weight)
 
 
 def module_view(module: torch.nn.Module):
     """The function that gives a quantized module's `ModuleWeight` (`bnb4bit.linear_weight` for a
-    bitsandbytes 4-bit module, `gptq.linear_weight` for a GPTQ one), else None: the module's weight
-    is its own. Asked of the module as it is (with no forward set on the instance)."""
+    bitsandbytes 4-bit module, `gptq.linear_weight` for a GPTQ one, `compressed_tensors.linear_weight`
+    for a held compressed-tensors one), else None: the module's weight is its own. Asked of the
+    module as it is (with no forward set on the instance)."""
     if bnb4bit.is_linear4bit(module):
         return bnb4bit.linear_weight
+    if compressed_tensors.is_held(module):
+        return compressed_tensors.linear_weight
     return gptq.linear_weight if gptq.is_gptq_linear(module) else None
 
 

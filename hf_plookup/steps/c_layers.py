@@ -39,7 +39,7 @@ import torch
 from torch.nn.modules import module as _hooks
 
 from ..invariant.attention import build_layout
-from ..invariant import gptq
+from ..invariant import compressed_tensors, gptq
 from ..invariant.linears import linear_module, linear_weight, module_view
 from ..attention.registry import record_attention
 from ..cpu import kernels as cpu_kernels
@@ -166,10 +166,12 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
     # every parameter of one dtype, plain, but the linears' weights, which may also be quantized weights
     # the C linears read (cpu_kernels.int8_parts, q4_parts; the check below)
     # (a linear's weight counts with the dtype its F.linear computes in: bitsandbytes' 4-bit one, its compute dtype)
-    # (a GPTQ linear keeps its codes in buffers, not parameters: its weight is no parameter's)
+    # (a GPTQ linear keeps its codes in buffers, not parameters: its weight is no parameter's; a held
+    # compressed-tensors linear keeps its codes and scales in parameters of its own, which its weight reads)
     linear_weights = {id(m.weight): linear_weight(m) for m in model.modules()
                       if linear_module(m) and not gptq.is_gptq_linear(m)}
-    params = list(model.parameters())
+    held = {id(p) for m in model.modules() if compressed_tensors.is_held(m) for p in m.parameters(recurse=False)}
+    params = [p for p in model.parameters() if id(p) not in held]
     dtypes = {linear_weights.get(id(p), p).dtype for p in params}
     if len(dtypes) != 1 or next(iter(dtypes)) not in cpu_kernels.DTYPES or any(
             not cpu_kernels._plain(p) for p in params if id(p) not in linear_weights):
@@ -233,10 +235,11 @@ def _weight_refs(layers: list[torch.nn.Module]) -> list[tuple[object, str]]:
     refs = []
     for m in (m for la in layers for m in la.modules()):
         view = module_view(m)
-        if view is not None:  # (its codes: a "weight" parameter for bitsandbytes, buffers for GPTQ)
+        if view is not None:  # (its codes and scales: a "weight" parameter for bitsandbytes, buffers for
+            # GPTQ, parameters of their own for compressed-tensors; all the view's parts, but the bias)
             refs.append((_ViewRef(m, view), "weight"))
         refs += [(m._parameters, n) for n, p in m._parameters.items()
-                 if p is not None and not (view is not None and n == "weight")]
+                 if p is not None and not (view is not None and n != "bias")]
     return refs
 
 
@@ -299,23 +302,24 @@ class CpuLayers:
                 and not (_hooks._global_forward_hooks or _hooks._global_forward_pre_hooks)
                 and not any(d["_forward_hooks"] or d["_forward_pre_hooks"] or "forward" in d for d in self._module_dicts))
 
-    def _tensors(self, cache) -> list[torch.Tensor]:
+    def _tensors(self, weights: list[torch.Tensor], cache) -> list[torch.Tensor]:
         """Every tensor the layer structs point into (of a quantized weight, the tensor that holds its
-        values: `cpu_kernels.values_of`), read from the modules and the cache now."""
-        return [cpu_kernels.values_of(d[n]) for d, n in self._refs] + [*cache.keys, *cache.values]
+        values: `cpu_kernels.values_of`), from the weights read now and the cache."""
+        return [cpu_kernels.values_of(w) for w in weights] + [*cache.keys, *cache.values]
 
     def _plan(self, cache) -> tuple[list[_Layer], list[int | None]] | None:
         """The layers as C structs, rebuilt whenever a weight or a page tensor has moved (a
         parameter replaced or its `.data` swapped since the last step); None (and the C path off
         from then on) where a weight is no longer a contiguous tensor of the model's dtype (a quantized
         weight's values: of `cpu_kernels.VALUES_DTYPES`) or a linear's weight one the C linears do not read."""
-        tensors = self._tensors(cache)
+        weights = [d[n] for d, n in self._refs]  # (read once: a quantized module's view is looked up)
+        tensors = self._tensors(weights, cache)
         # addresses, and the weights' version counters: an in-place change repacks a weight (cpu_kernels.packed)
-        key = [t.data_ptr() for t in tensors] + [cpu_kernels._version(d[n]) for d, n in self._refs]
+        key = [t.data_ptr() for t in tensors] + [cpu_kernels._version(w) for w in weights]
         if key == self._plan_key:
             return self._structs, self._windows
         # each tensor of the dtype it had when checked (a quantized weight's values: their own dtype)
-        want = [cpu_kernels.VALUES_DTYPES.get(cpu_kernels.weight_kind(d[n]), (self.dtype,)) for d, n in self._refs]
+        want = [cpu_kernels.VALUES_DTYPES.get(cpu_kernels.weight_kind(w), (self.dtype,)) for w in weights]
         want += [(self.dtype,)] * (len(tensors) - len(want))  # (the pages)
         if not all(t.dtype in w and t.is_contiguous() for t, w in zip(tensors, want)):
             self.on = False  # a weight swapped for another kind

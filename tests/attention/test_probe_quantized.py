@@ -320,44 +320,49 @@ def test_fp8_checkpoint_on_cpu(tmp_path, dtype):
 
 def _compressed_tensors_checkpoint(path, preset: str) -> None:
     """The tests' tiny Llama saved as a compressed-tensors checkpoint in `path`, as llm-compressor
-    saves one: `preset`'s weight-only scheme (W4A16: symmetric int4 in groups, here of 32, packed
-    eight a word; W8A16: int8 per output channel) on every linear but the head, each scale from
-    its group's or channel's range (what a min-max observer gives), compressed and saved."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
-    from compressed_tensors.quantization.utils import calculate_qparams
+    saves one (eval's `save_compressed`): `preset`'s weight-only scheme (W4A16: symmetric int4 in
+    groups, here of 32; W8A16: int8 per output channel) on every linear but the head."""
+    from eval.lib.quantization import save_compressed
 
-    model = tiny_model("llama")
-    scheme = preset_name_to_scheme(preset, ["Linear"])
-    if scheme.weights.group_size:
-        scheme.weights.group_size = 32
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
-    for m in model.modules():
-        if hasattr(m, "weight_scale"):
-            w, args = m.weight.detach(), m.quantization_scheme.weights
-            w = w.reshape(w.shape[0], -1, args.group_size) if args.group_size else w.unsqueeze(1)
-            scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
-            m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape))
-            m.weight_zero_point.data.copy_(zero.reshape(m.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(path)
-    compressor.update_config(path)
+    save_compressed(tiny_model("llama"), str(path), preset, group=32)
 
 
 @pytest.mark.parametrize("preset", ["W4A16", "W8A16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compressed_tensors_checkpoint(tmp_path, preset, dtype):
     """A compressed-tensors checkpoint (llm-compressor's format) loads on CPU with its linears
-    compressed, compressed-tensors' forward set on each (it decompresses the weights at the first
-    forward into caches of its own, which wrap leaves alone): it wraps and runs, in fp32 with HF's
-    greedy tokens."""
+    compressed and compressed-tensors' forward set on each, which decompresses the weights at the
+    model's first forward. W4A16's 4-bit linears are held compressed by `wrap` and run on the C
+    kernels and C layers (invariant.compressed_tensors); W8A16's are left to compressed-tensors (its
+    caches, which wrap leaves alone). Either way it runs, in fp32 with the greedy tokens of HF's own
+    decompressed model, and `unwrap` gives the model back as it was loaded."""
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
+    from hf_plookup.invariant import compressed_tensors as ct
+    from hf_plookup.invariant.linears import row_strategy
+
     _compressed_tensors_checkpoint(tmp_path, preset)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+    reference, model = (AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval() for _ in range(2))
     proj = model.model.layers[0].self_attn.q_proj
     assert "weight" not in dict(proj.named_parameters()) and "forward" in vars(proj)  # held compressed
     assert probe._quantizer(model) == "compressed-tensors"
-    _check_runs(model, "compressed-tensors")
+    wrapped = hf_plookup.wrap(model, max_cache_tokens=512, tree_min_score=0.0)
+    four = preset == "W4A16"
+    assert ct.held(model) == four and ct.is_held(proj) == four and not hasattr(model, "ct_decompress_hook")
+    if four:  # its codes kept, read by the C linears and layers; nothing decompressed
+        assert "weight_packed" in proj._parameters and row_strategy(proj.weight, None) == "cpu"
+        assert wrapped._engine.c_layers is not None
+    for batch in (1, 2):
+        ids, mask = left_padded(batch, seed=5)
+        ours = _greedy(wrapped, ids, mask, prompt_lookup_num_tokens=K)
+        assert not wrapped.last_stats.exactness_note
+        assert torch.equal(ours, _greedy(wrapped, ids, mask))  # lossless
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours, _greedy(reference, ids, mask), rtol=0, atol=0)
+    if four:  # the first decode step ran both ways and the C layers gave the model's own bits
+        assert "weight_packed" in proj._parameters and wrapped._engine.c_layers.on
+    hf_plookup.unwrap(model)
+    assert type(proj) is torch.nn.Linear and "forward" in vars(proj) and not ct.held(model)
+    ids, mask = left_padded(1, seed=6)
+    assert torch.equal(_greedy(model, ids, mask), _greedy(reference, ids, mask))

@@ -101,6 +101,12 @@ def _expect(name: str):
                 assert isinstance(linear, bnb.nn.Linear4bit) and linear.weight.dtype == torch.uint8
                 assert linear.weight.quant_state.quant_type == name.split("-")[1]
         return "bitsandbytes", check
+    if name == "ct-w4a16":
+        def check(linear):  # (decompressed by the model's first forward, as compressed-tensors does)
+            w = linear.quantization_scheme.weights
+            assert type(linear) is torch.nn.Linear and (w.num_bits, w.group_size, w.symmetric) == (4, 64, True)
+            assert str(linear.quantization_status.value) in ("compressed", "decompressed")
+        return "compressed_tensors", check
     if name.startswith(("gptq", "awq")):
         def check(linear):
             assert type(linear).__module__.startswith("gptqmodel.") and linear.bits == 4
@@ -141,6 +147,12 @@ def test_awq_of_a_model_it_cannot_quantize_says_why():
         load_model(TINY, torch.float32, "cpu", quantization="awq-4bit")
 
 
+def test_compressed_tensors_of_a_model_it_cannot_group_says_why(tiny_chat_ckpt):
+    pytest.importorskip("compressed_tensors")
+    with pytest.raises(RuntimeError, match=r"multiple of 64 inputs; this model has \{'hidden_size': 32"):
+        load_model(str(tiny_chat_ckpt), torch.float32, "cpu", quantization="ct-w4a16")
+
+
 @pytest.mark.parametrize("name", [n for n in quantization.NAMES if n != "torchao-int4"])
 def test_load_model_quantizes_the_linears_for_real(name):
     library, check = _expect(name)
@@ -150,6 +162,7 @@ def test_load_model_quantizes_the_linears_for_real(name):
     tiny = TINY_FOR.get(name, TINY)
     plain, _ = load_model(tiny, torch.float32, "cpu", seed=3)
     model, tok = load_model(tiny, torch.float32, "cpu", seed=3, quantization=name)
+    stored = quantization.weight_bytes(model)  # (as loaded: compressed-tensors decompresses at the first forward)
     ids = torch.tensor([[5, 7, 9, 11]])
     with torch.no_grad():  # (optimum-quanto's int4 weights fail under inference_mode: see the module text)
         got, want = model(input_ids=ids).logits, plain(input_ids=ids).logits
@@ -165,7 +178,7 @@ def test_load_model_quantizes_the_linears_for_real(name):
     assert torch.isfinite(got).all() and not torch.equal(got, want)
     # near the plain model's logits (4-bit the farthest), far from unrelated weights' (cosine about 0)
     assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.8
-    assert quantization.weight_bytes(model) < quantization.weight_bytes(plain)
+    assert stored < quantization.weight_bytes(plain)
 
 
 def test_copy_model_reloads_what_cannot_be_deep_copied():

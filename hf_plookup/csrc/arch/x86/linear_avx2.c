@@ -191,7 +191,11 @@ AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scal
 #define DEQ_LUT_BF16(F, S, Z) ((void)(Z), rnd8_number(_mm256_mul_ps(F, S)))
 #define DEQ_SUB_MUL_F16(F, S, Z) RND_F16(_mm256_mul_ps(_mm256_sub_ps(F, Z), S))
 #define DEQ_SUB_MUL_F16_BF16(F, S, Z) rnd8_number(DEQ_SUB_MUL_F16(F, S, Z))
-/* fp16 calls (DEQ_SUB_MUL_F16 and DEQ_FMA as fp32's: a value rounded to fp16 stays so) */
+#define DEQ_SUB_MUL(F, S, Z) _mm256_mul_ps(_mm256_sub_ps(F, Z), S)
+/* (finite scales times small integers are never NaN: cpu.kernels reads no such weight with another scale) */
+#define DEQ_SUB_MUL_BF16(F, S, Z) rnd8_number(DEQ_SUB_MUL(F, S, Z))
+/* fp16 calls (DEQ_SUB_MUL_F16 and DEQ_FMA as fp32's: a value rounded to fp16 stays so; Q4_SUB_MUL's
+ * fp16 form is DEQ_SUB_MUL_F16) */
 #define DEQ_MUL_SUB_F16(F, S, Z) RND_F16(_mm256_sub_ps(RND_F16(_mm256_mul_ps(F, S)), Z))
 #define DEQ_LUT_F16(F, S, Z) ((void)(Z), RND_F16(_mm256_mul_ps(F, S)))
 /* NAME_dequant: the dequantization above for one form and dtype (CODES and DEQ; the tables below
@@ -279,20 +283,25 @@ Q4_TILES(pq4smh, Q4_AFFINE, DEQ_SUB_MUL_F16)
 Q4_TILES(pq4smhb, Q4_AFFINE, DEQ_SUB_MUL_F16_BF16)
 Q4_TILES(pq4msh, Q4_AFFINE, DEQ_MUL_SUB_F16)
 Q4_TILES(pq4luth, Q4_LUT_CODES, DEQ_LUT_F16)
-/* by form (Q4_MUL_SUB, Q4_FMA, Q4_LUT, Q4_SUB_MUL_F16) and dtype (DT_F32, DT_BF16, DT_F16): the tiles
+Q4_TILES(pq4sm, Q4_AFFINE, DEQ_SUB_MUL)
+Q4_TILES(pq4smb, Q4_AFFINE, DEQ_SUB_MUL_BF16)
+/* by form (Q4_MUL_SUB, Q4_FMA, Q4_LUT, Q4_SUB_MUL_F16, Q4_SUB_MUL) and dtype (DT_F32, DT_BF16, DT_F16): the tiles
  * of up to 9 rows, as pf32_wide and pf32_one, and the dequantization of more rows' K blocks */
-static const q4tile_fn* const q4_wide[4][3] = {{pq4ms_wide, pq4msb_wide, pq4msh_wide},
+static const q4tile_fn* const q4_wide[5][3] = {{pq4ms_wide, pq4msb_wide, pq4msh_wide},
                                                {pq4fma_wide, pq4fma_wide, pq4fma_wide},
                                                {pq4lut_wide, pq4lutb_wide, pq4luth_wide},
-                                               {pq4smh_wide, pq4smhb_wide, pq4smh_wide}};
-static const q4tile_fn* const q4_one[4][3] = {{pq4ms_one, pq4msb_one, pq4msh_one},
+                                               {pq4smh_wide, pq4smhb_wide, pq4smh_wide},
+                                               {pq4sm_wide, pq4smb_wide, pq4smh_wide}};
+static const q4tile_fn* const q4_one[5][3] = {{pq4ms_one, pq4msb_one, pq4msh_one},
                                               {pq4fma_one, pq4fma_one, pq4fma_one},
                                               {pq4lut_one, pq4lutb_one, pq4luth_one},
-                                              {pq4smh_one, pq4smhb_one, pq4smh_one}};
-static const q4deq_fn q4_deq[4][3] = {{pq4ms_dequant, pq4msb_dequant, pq4msh_dequant},
+                                              {pq4smh_one, pq4smhb_one, pq4smh_one},
+                                              {pq4sm_one, pq4smb_one, pq4smh_one}};
+static const q4deq_fn q4_deq[5][3] = {{pq4ms_dequant, pq4msb_dequant, pq4msh_dequant},
                                       {pq4fma_dequant, pq4fma_dequant, pq4fma_dequant},
                                       {pq4lut_dequant, pq4lutb_dequant, pq4luth_dequant},
-                                      {pq4smh_dequant, pq4smhb_dequant, pq4smh_dequant}};
+                                      {pq4smh_dequant, pq4smhb_dequant, pq4smh_dequant},
+                                      {pq4sm_dequant, pq4smb_dequant, pq4smh_dequant}};
 
 /* linear_range_avx2 for a W_Q4 weight: up to 9 rows by the W_Q4 tiles; more by the fp32 tiles over
  * its values dequantized Q4_KBLOCK values of k at a time (once for every MANY_BLOCK_ROWS rows), each tile's
