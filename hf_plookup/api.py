@@ -191,19 +191,20 @@ def _build(model: torch.nn.Module, options: EngineOptions) -> Engine:
     decompress them: invariant.compressed_tensors), and let go again where the engine does not
     run them through invariant mode's linears, or fails to build."""
     threads = torch.get_num_threads()
-    held_before = compressed_tensors.held(model)
-    held = options.invariant is not False and compressed_tensors.hold_compressed(model) > 0
+    held_before = compressed_tensors.held(model)  # (by an engine of this model that stays on a failure)
+    if options.invariant is not False:
+        compressed_tensors.hold_compressed(model)
     try:
         register()
         NgramProposer(1)  # compile (or load from numba's disk cache) before the first generate
         engine = Engine(model, options)
     except BaseException:
-        if held and not held_before:
+        if not held_before:
             compressed_tensors.release(model)
         raise
     finally:
         torch.set_num_threads(threads)  # numba's threading layer start-up resets OpenMP's count
-    if held and not engine.plan.invariant:
+    if not engine.plan.invariant:
         compressed_tensors.release(model)
     return engine
 

@@ -362,6 +362,9 @@ def test_compressed_tensors_checkpoint(tmp_path, preset, dtype):
             torch.testing.assert_close(ours, _greedy(reference, ids, mask), rtol=0, atol=0)
     if four:  # the first decode step ran both ways and the C layers gave the model's own bits
         assert "weight_packed" in proj._parameters and wrapped._engine.c_layers.on
+    # wrapped again without invariant mode: let go (compressed-tensors decompresses it at its next forward)
+    hf_plookup.wrap(model, invariant=False)
+    assert not ct.held(model) and hasattr(model, "ct_decompress_hook") == four
     hf_plookup.unwrap(model)
     assert type(proj) is torch.nn.Linear and "forward" in vars(proj) and not ct.held(model)
     ids, mask = left_padded(1, seed=6)
