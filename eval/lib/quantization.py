@@ -26,7 +26,7 @@ listing the names (`choices`), or a ValueError from `quantization_config`.
 
 Two names are made otherwise: transformers loads AWQ and compressed-tensors checkpoints but cannot
 make one at load, so `awq-4bit` has gptqmodel's own AWQ quantizer, and `ct-w4a16` compressed-tensors'
-own compressor (`compressed_checkpoint`), make the checkpoint in a temporary directory (removed once
+own compressor (`save_compressed`), make the checkpoint in a temporary directory (removed once
 loaded), which `from_pretrained` then loads as a user loads a published one.
 
 One name that does not run everywhere: `torchao-int4` quantizes through mslk's CUDA kernels, so

@@ -21,8 +21,9 @@ its codes and scales), compressed-tensors' forward on the instance and its pre-h
 and nothing is decompressed. The view's `F.linear` is the decompressed linear's, bitwise: the same
 weight, made for the call, then `F.linear`; the C linears read its codes as the "sub_mul" form
 (`cpu.kernels.q4_parts`: offset 8, the zero points as shifts, zeros where symmetric), each weight
-the value compressed-tensors would have decompressed. `release(model)` (unwrap, or a wrap that
-fails) puts the instances' forwards and the hook back: the model is as it was loaded.
+the value compressed-tensors would have decompressed. `release(model)` (unwrap, a wrap that
+fails, or an engine that runs without invariant mode) puts the instances' forwards and the hook
+back: the model is as it was loaded.
 
 Held only when every quantized linear of the model is such a linear: 4 bits, integer, group or
 channel strategy, no activation quantization, no act-order, K a multiple of 8, on the CPU, not yet
