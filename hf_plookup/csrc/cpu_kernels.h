@@ -9,12 +9,14 @@
  * The files, as ggml-cpu keeps them: the portable C of each concern here (linear.c, attention.c,
  * layers.c for the norms and decoder layers, threads.c for the pool, module.c for the entry points
  * and the SIMD levels), and the vector code of each instruction set apart under arch/ (arch/x86:
- * AVX2 + FMA, and AVX-512 BF16 for bf16 attention scores), behind one abstraction (arch/x86/simd.h).
+ * AVX2 + FMA, and AVX-512 BF16 for bf16 attention scores and quantized linears), behind one
+ * abstraction (arch/x86/simd.h).
  * The kernels reach the vector code only through `ops`, the dispatch table below, which module.c
  * fills for the SIMD level once at load and again whenever set_simd_level picks another level.
  *
- * Levels (simd_level): 0 portable C; 1 AVX2 + FMA; 2 as 1, and bf16 attention scores by AVX-512
- * BF16 dot products (an order of their own). The linears, norms and the layers' elementwise
+ * Levels (simd_level): 0 portable C; 1 AVX2 + FMA; 2 as 1, with bf16 attention scores by AVX-512
+ * BF16 dot products (an order of their own) and 16-lane tiles for quantized linears (the same bits
+ * as level 1's). The linears, norms and the layers' elementwise
  * arithmetic give the same bits at every level; attention too, but for its softmax's exp (libm's at
  * level 0) and level 2's bf16 scores.
  */
@@ -367,6 +369,11 @@ void rope_c(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const vo
 void pack_x_avx2(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float* xt);
 void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                        int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);
+/* a tile's sums o [mb][np * 8] of panels p.. to out's rows m0.. (+ bias, rounded to dt) */
+void packed_store_avx2(const float* o, int mb, int np, int64_t m0, int64_t p, const void* bias, void* out, int64_t N,
+                       int dt);
+/* a W_Q8 tile's sums o [mb][np * 8] of panels p.. scaled in place by the panels' column scales */
+void q8_scale_avx2(float* o, int mb, int np, int64_t p, const float* scales, int dt);
 void pack_range_avx2(const void* w, void* packed, int64_t N, int64_t K, int64_t dt, int64_t unpack, int64_t p_lo,
                      int64_t p_hi);
 extern const scores_fn scores_avx2[MAX_NH + 1];
@@ -381,8 +388,10 @@ void mul_to_avx2(void* out, const void* a, const void* b, int64_t n, int b16);
 void rope_avx2(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const void* sin, int b16);
 #endif
 #if HAVE_AVX512BF16_KERNELS
-/* AVX-512 BF16 (level 2's bf16 scores; arch/x86/attention_avx512bf16.c) */
+/* AVX-512 BF16 (level 2's bf16 scores, arch/x86/attention_avx512bf16.c; its W_Q4 and W_Q8 tiles, arch/x86/linear_avx512.c) */
 extern const scores_bf16_fn scores_dpbf16[MAX_NH + 1];
+void linear_range_avx512(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
+                         int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);
 #endif
 
 /* ------------------------------------------------------------------ threads (threads.c) */

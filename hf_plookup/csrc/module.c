@@ -6,10 +6,11 @@
 
 #include "cpu_kernels.h"
 
-/* Levels: 0 portable C; 1 AVX2 + FMA; 2 as 1, and bf16 attention scores by AVX-512 BF16 dot products
- * (their own order). An AVX-512 CPU without BF16 runs level 1: the packed linears' AVX2 tiles beat the
- * 32-register AVX-512 ones they replaced (docs/results.md, "Packed linears: weights packed by output
- * column"). */
+/* Levels: 0 portable C; 1 AVX2 + FMA; 2 as 1, with bf16 attention scores by AVX-512 BF16 dot products
+ * (their own order) and AVX-512 tiles for quantized (W_Q4, W_Q8) linears of up to 9 rows (the same
+ * bits). An AVX-512 CPU without BF16 runs level 1: for float weights the packed linears' AVX2 tiles
+ * beat the 32-register AVX-512 ones they replaced (docs/results.md, "Packed linears: weights packed
+ * by output column"). */
 enum { LEVEL_PORTABLE, LEVEL_AVX2, LEVEL_AVX512BF16 };
 
 kernel_ops ops;
@@ -52,6 +53,7 @@ static void fill_ops(int level) {
     if (level >= LEVEL_AVX512BF16) {
         k.level = LEVEL_AVX512BF16;
         memcpy(k.scores_bf16, scores_dpbf16, sizeof k.scores_bf16);
+        k.linear_range = linear_range_avx512;
         /* bf16 pages' scores come from the dot products, so the span goes by head groups (the tiles
          * are for bf16 pages only) */
         k.tile_scores = NULL;

@@ -106,13 +106,14 @@ def test_mul_sub_values_are_quantos(dtype):
 
 def test_fma_values_are_torchs_int4pack():
     """The tinygemm form: a 1-row call of torch's int4pack kernel on each unit vector returns a
-    column of the weight rounded to bfloat16; the float32 values here round to the same."""
-    lin = _quanto_int4(256, 32, torch.bfloat16, bias=False)
+    column of the weight rounded to bfloat16; the float32 values here round to the same. (64
+    columns: whole blocks of torch's layout, 32 columns with AVX2 and 64 with AVX-512.)"""
+    lin = _quanto_int4(256, 64, torch.bfloat16, bias=False)
     w = lin.weight
     parts = cpu_kernels.q4_parts(w)
     eye = torch.eye(256, dtype=torch.bfloat16)
     theirs = torch._weight_int4pack_mm_for_cpu(eye, w._data._data, w._group_size, w._scale_shift).t()
-    assert torch.equal(_dequantized(parts, 32, 256, torch.bfloat16).to(torch.bfloat16), theirs)
+    assert torch.equal(_dequantized(parts, 64, 256, torch.bfloat16).to(torch.bfloat16), theirs)
 
 
 @pytest.mark.parametrize("dtype, k, n, group", [(torch.float32, 384, 37, 128), (torch.float32, 576, 64, 96),

@@ -473,3 +473,56 @@ def test_serial_torch_keeps_the_kernels_threads_and_restores():
             with ck.serial_torch():
                 raise KeyError("x")
         assert (torch.get_num_threads(), ck.threads()) == (2, 2)
+
+
+def _outputs_of_every_row_count(w: torch.Tensor, kind: int, n: int, x: torch.Tensor) -> list[torch.Tensor]:
+    """linear's outputs over the first 1, 2, ..., len(x) rows of x, on 2 threads."""
+    outs = []
+    for m in range(1, len(x) + 1):
+        out = torch.empty(m, n, dtype=x.dtype)
+        assert ck._LIB.linear(x.data_ptr(), m, w.data_ptr(), kind, x.shape[1], 0, n, out.data_ptr(),
+                              ck.dtype_code(x.dtype), 2) == 0
+        outs.append(out)
+    return outs
+
+
+def _agree_across_levels(fn) -> None:
+    from tests.conftest import at_every_simd_level
+
+    levels = at_every_simd_level(fn)
+    assert all(torch.isfinite(o).all() for o in levels[0])
+    for level, got in levels.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, levels[0])), f"level {level} differs from the portable C"
+
+
+# 101 columns on 2 threads: 13 panels, in units of 12 and 1, so level 2's pairs of panels, the one
+# left without a partner, and a part panel of 5 columns; 1 to 9 rows (one tile each) and 10 (past them)
+Q_COLUMNS, Q_ROWS = 101, 10
+
+
+@pytest.mark.parametrize("form", list(ck.Q4_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
+def test_q4_tiles_of_every_row_count_agree_across_levels(form, dtype):
+    """Every W_Q4 tile shape at every SIMD level gives the portable C's bits (Q_COLUMNS, Q_ROWS), groups
+    of 32 over K = 96, the weights' values from each form's arithmetic."""
+    g = torch.Generator().manual_seed(0)
+    n, k, group = Q_COLUMNS, 96, 32
+    codes = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
+    shifts = torch.randn(n, k // group, generator=g)
+    if form == "sub_mul_f16":  # (GPTQ: fp16 scales, integer zero points)
+        scales, shifts = scales.half().float(), shifts.round()
+    lut = torch.randn(16, generator=g) if form == "lut" else None
+    w = ck.pack_q4(codes, scales, shifts, group, form, 8.0 if form in ("fma", "sub_mul") else 0.0, dtype, lut)
+    x = torch.randn(Q_ROWS, k, generator=g).to(dtype)
+    _agree_across_levels(lambda: _outputs_of_every_row_count(w, ck.W_Q4, n, x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
+def test_q8_tiles_of_every_row_count_agree_across_levels(dtype):
+    """As the W_Q4 test, for W_Q8 weights (K = 75: odd, so bfloat16's panels hold a zero pair)."""
+    g = torch.Generator().manual_seed(1)
+    n, k = Q_COLUMNS, 75
+    w = ck.pack_q8(torch.randint(-128, 128, (n, k), generator=g).to(torch.int8), torch.rand(n, generator=g) * 0.01, dtype)
+    x = torch.randn(Q_ROWS, k, generator=g).to(dtype)
+    _agree_across_levels(lambda: _outputs_of_every_row_count(w, ck.W_Q8, n, x))

@@ -117,8 +117,8 @@ AVX2 static inline __m128i bf16x8(__m256 v) { /* f32_to_bf16 of each lane */
     /* values below 2^16: packus keeps them; its lanes come as [0-3, 0-3 | 4-7, 4-7], quadwords 0 and 2 wanted */
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
-AVX2 static void packed_store(const float* o, int mb, int np, int64_t m0, int64_t p, const void* bias, void* out,
-                              int64_t N, int dt) {
+AVX2 void packed_store_avx2(const float* o, int mb, int np, int64_t m0, int64_t p, const void* bias, void* out,
+                             int64_t N, int dt) {
     for (int j = 0; j < np; j++) {
         int64_t n0 = (p + j) * 8;
         if (n0 + 8 > N) { /* the last panel's columns within N, one at a time */
@@ -145,7 +145,7 @@ AVX2 static void packed_store(const float* o, int mb, int np, int64_t m0, int64_
 
 /* a W_Q8 tile's sums o [mb][np * 8] of panels p.. scaled in place as q8_scaled (linear.c) does each:
  * rnd(rnd(s) * scale), 8 columns a vector (the scales run on to a whole panel, zeros past N) */
-AVX2 static void q8_scale(float* o, int mb, int np, int64_t p, const float* scales, int dt) {
+AVX2 void q8_scale_avx2(float* o, int mb, int np, int64_t p, const float* scales, int dt) {
     for (int j = 0; j < np; j++) {
         __m256 sc = _mm256_loadu_ps(scales + (p + j) * 8);
         for (int i = 0; i < mb; i++) {
@@ -319,7 +319,7 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
             int n = p + np <= p_hi ? np : 1;
             (n == np ? wide : one)[M](xt, M, (const uint8_t*)wp + p * K * 4, K, q4_scales(wp, P, K, p, 0),
                                       K / m->group * 16, m, o);
-            packed_store(o, (int)M, n, 0, p, bias, out, N, (int)dt);
+            packed_store_avx2(o, (int)M, n, 0, p, bias, out, N, (int)dt);
             p += n;
         }
         return;
@@ -341,7 +341,7 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
                 }
             }
             int64_t r1 = b1 * B < M ? b1 * B : M;
-            packed_store(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)dt);
+            packed_store_avx2(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)dt);
         }
         p += n;
     }
@@ -366,8 +366,8 @@ void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind
         for (int64_t p = p_lo; p < p_hi;) {
             int n = p + np <= p_hi ? np : 1;
             (n == np ? wide : one)[M](xt, M, (const char*)wp + p * panel, K2, K2, o, 0);
-            if (q8) q8_scale(o, (int)M, n, p, scales, (int)dt);
-            packed_store(o, (int)M, n, 0, p, bias, out, N, (int)dt);
+            if (q8) q8_scale_avx2(o, (int)M, n, p, scales, (int)dt);
+            packed_store_avx2(o, (int)M, n, 0, p, bias, out, N, (int)dt);
             p += n;
         }
         return;
@@ -389,8 +389,8 @@ void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind
                         K2 - k0 < kb ? K2 - k0 : kb, acc + (m0 - b0 * B) * n * 8, k0 > 0);
                 }
             int64_t r1 = b1 * B < M ? b1 * B : M;
-            if (q8) q8_scale(acc, (int)(r1 - b0 * B), n, p, scales, (int)dt);
-            packed_store(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)dt);
+            if (q8) q8_scale_avx2(acc, (int)(r1 - b0 * B), n, p, scales, (int)dt);
+            packed_store_avx2(acc, (int)(r1 - b0 * B), n, b0 * B, p, bias, out, N, (int)dt);
         }
         p += n;
     }

@@ -2,8 +2,9 @@
  * fp16 into them, and the fixed tree of their horizontal sum. Every arch/x86 file builds on these.
  *
  * The package is built for the baseline x86-64 (one build for every CPU), so the vector functions
- * carry their instruction set as a target attribute (AVX2 below, AVX512BF16 in
- * attention_avx512bf16.c) and module.c puts them in the dispatch table only where the CPU has it. */
+ * carry their instruction set as a target attribute (AVX2 below; AVX512 for the 16-lane quantized
+ * linears of linear_avx512.c, and AVX512BF16 in attention_avx512bf16.c, both at level 2) and module.c
+ * puts them in the dispatch table only where the CPU has it. */
 #ifndef HF_PLOOKUP_ARCH_X86_SIMD_H
 #define HF_PLOOKUP_ARCH_X86_SIMD_H
 
@@ -14,6 +15,7 @@
 
 #define AVX2 __attribute__((target("avx2,fma,f16c"))) /* (F16C: every AVX2 CPU has it) */
 #define AVX2_INLINE AVX2 static inline __attribute__((always_inline))
+#define AVX512 __attribute__((target("avx2,fma,f16c,avx512f"))) /* (level 2: AVX-512 BF16 CPUs, which have F) */
 /* gcc 12 at -O3 kept a tile's sums in memory, a store per FMA, unless every loop over them unrolls */
 #define UNROLL _Pragma("GCC unroll 16")
 
