@@ -14,7 +14,7 @@ import torch
 from .attention.registry import register
 from .cpu.packed_codes import unpack_quantized
 from .cpu.packed_weight import unpack_linears
-from .invariant import compressed_tensors
+from .invariant import bnb4bit, compressed_tensors
 from .invariant.linears import linear_of
 from .engine.engine import Engine, EngineOptions
 from .generation import GENERATE_ARGS, OWN_ARGS, resolve
@@ -185,27 +185,36 @@ def _signature(model: torch.nn.Module) -> tuple:
     return tuple((p.device, p.dtype) for p in model.parameters())
 
 
+# Libraries whose linears `wrap` holds in a form the C linears read, before the probe's first forward
+# would change it (compressed-tensors decompresses, bitsandbytes repacks on AVX-512 BF16 CPUs): each
+# one's (held, hold, release), invariant.compressed_tensors and invariant.bnb4bit
+_HOLDS = ((compressed_tensors.held, compressed_tensors.hold_compressed, compressed_tensors.release),
+          (bnb4bit.held, bnb4bit.hold_flat, bnb4bit.release))
+
+
 def _build(model: torch.nn.Module, options: EngineOptions) -> Engine:
     """A new engine for `model`: registers the attention, warms the proposer, runs the probe.
-    compressed-tensors' linears are held compressed first (before the probe's forward would
-    decompress them: invariant.compressed_tensors), and let go again where the engine does not
-    run them through invariant mode's linears, or fails to build."""
+    Quantized linears that the probe's forward would change are held first (`_HOLDS`), and let go
+    again where the engine does not run them through invariant mode's linears, or fails to build."""
     threads = torch.get_num_threads()
-    held_before = compressed_tensors.held(model)  # (by an engine of this model that stays on a failure)
+    held_before = [held(model) for held, _, _ in _HOLDS]  # (by an engine of this model that stays on a failure)
     if options.invariant is not False:
-        compressed_tensors.hold_compressed(model)
+        for _, hold, _ in _HOLDS:
+            hold(model)
     try:
         register()
         NgramProposer(1)  # compile (or load from numba's disk cache) before the first generate
         engine = Engine(model, options)
     except BaseException:
-        if not held_before:
-            compressed_tensors.release(model)
+        for (_, _, release), before in zip(_HOLDS, held_before):
+            if not before:
+                release(model)
         raise
     finally:
         torch.set_num_threads(threads)  # numba's threading layer start-up resets OpenMP's count
     if not engine.plan.invariant:
-        compressed_tensors.release(model)
+        for _, _, release in _HOLDS:
+            release(model)
     return engine
 
 
@@ -289,8 +298,8 @@ def unwrap(model):
     """The plain HF model again (same object, its own class, plain parameters where `wrap` packed its
     CPU linear weights: cpu.packed_weight, and the libraries' plain code tensors where it packed
     quantized ones: cpu.packed_codes; compressed-tensors' own forwards and hook where it held their
-    linears compressed: invariant.compressed_tensors); hf_plookup's state is dropped. A model that
-    is not wrapped is returned as is."""
+    linears compressed: invariant.compressed_tensors; bitsandbytes' repacking where it held it off:
+    invariant.bnb4bit); hf_plookup's state is dropped. A model that is not wrapped is returned as is."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(model, PlookupModel):
@@ -302,5 +311,6 @@ def unwrap(model):
         model.__dict__.pop(_STATE, None)
         unpack_linears(model)
         unpack_quantized(model, linear_of)
-        compressed_tensors.release(model)
+        for _, _, release in _HOLDS:
+            release(model)
     return model

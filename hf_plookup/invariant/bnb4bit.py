@@ -20,10 +20,18 @@ Example: a `Linear4bit(576, 1536)` quantized in nf4 with blocks of 64, compute d
 `linear_weight(module)` of shape [1536, 576], float32; its `q4_parts` has codes [1536, 576],
 scales (the absmax) [1536, 9], group 64, form "lut".
 
+On a CPU with AVX-512 BF16, bitsandbytes repacks a module's codes into a layout of its own at the
+module's first forward without gradients (`_convert_weight_packed_for_cpu`: the absmax rounded to
+bfloat16), and from then on computes in bfloat16 with its own kernel, whatever the compute dtype,
+rounding a row differently with another row count. `wrap` keeps the flat layout instead
+(`hold_flat`, before the probe's first forward): each module's `support_avx512bf16_for_cpu`, the flag
+bitsandbytes reads, is turned off, so its forward is the dequantize-then-`F.linear` above on every
+CPU, and the C linears read its codes. `unwrap` turns the flag back on (`release`).
+
 Not read (the module's own kernel runs, and the wrap-time probe says what that means): weights whose
 K is not a multiple of the block (a block would span two rows), codes stored in another dtype than
-uint8 (`bnb_4bit_quant_storage`), an absmax that is not a finite number, and weights bitsandbytes has repacked into its own CPU layout (on
-CPUs with AVX-512 BF16 it does so at a module's first forward, and computes in bfloat16 from then on).
+uint8 (`bnb_4bit_quant_storage`), an absmax that is not a finite number, and weights bitsandbytes had
+already repacked before `wrap` (a forward of the model before it was wrapped).
 """
 
 from __future__ import annotations
@@ -113,3 +121,34 @@ _VIEWS = Views(Bnb4bitWeight)
 def _repacked(state) -> bool:
     """Whether bitsandbytes has repacked the codes of this quant state into its own CPU layout."""
     return bool(getattr(state, "packing_format_for_cpu", False))
+
+
+_REPACKS = "_hf_plookup_repacks"  # (on a module whose repacking `hold_flat` turned off)
+
+
+def hold_flat(model: torch.nn.Module) -> int:
+    """Keep `model`'s `Linear4bit`s on the CPU in the flat layout (see the module text): those that
+    bitsandbytes would repack at their next forward, and has not yet, get its flag turned off.
+    Idempotent; returns how many are held."""
+    count = 0
+    for m in model.modules():
+        if m.__dict__.get(_REPACKS):
+            count += 1
+        elif (is_linear4bit(m) and getattr(m, "support_avx512bf16_for_cpu", False) and m.weight.device.type == "cpu"
+              and not _repacked(_state(m))):
+            m.support_avx512bf16_for_cpu = False
+            m.__dict__[_REPACKS] = True
+            count += 1
+    return count
+
+
+def held(model: torch.nn.Module) -> bool:
+    """Whether `hold_flat` holds any of `model`'s linears."""
+    return any(m.__dict__.get(_REPACKS) for m in model.modules())
+
+
+def release(model: torch.nn.Module) -> None:
+    """Undo `hold_flat`: bitsandbytes repacks the modules at their next forward again."""
+    for m in model.modules():
+        if m.__dict__.pop(_REPACKS, None):
+            m.support_avx512bf16_for_cpu = True

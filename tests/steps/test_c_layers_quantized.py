@@ -117,3 +117,30 @@ def test_quanto_int4_tinygemm_form():
     for kw in ({"prompt_lookup_num_tokens": 4}, {"prompt_lookup_num_tokens": 4, "prompt_lookup_tree_nodes": 8}):
         assert torch.equal(bf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, **kw), own)
     assert _state(bf).engine.c_layers.on and not _state(bf).engine.plan.no_grad
+
+
+def test_wrap_keeps_bitsandbytes_flat_layout():
+    """On a CPU with AVX-512 BF16 bitsandbytes sets each `Linear4bit`'s `support_avx512bf16_for_cpu` at
+    load, and repacks the module's codes at its first forward (its own bfloat16 kernel from then on);
+    `wrap` turns that off before its probe's forward (invariant.bnb4bit.hold_flat), so the C linears
+    read the flat codes and greedy with drafts is HF's greedy of the flat model; `unwrap` turns it on
+    again. The flag is set here as such a CPU sets it, so that
+    every machine checks the hold (none runs the repacked layout)."""
+    import hf_plookup
+    from hf_plookup.invariant import bnb4bit
+
+    hf = _quantized("llama", torch.float32, "bnb-nf4")  # (the flat layout: the flags off)
+    ids, mask = left_pad(repeat_prompts(3))
+    want = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    modules = [m for m in hf.modules() if bnb4bit.is_linear4bit(m)]
+    for m in modules:
+        m.support_avx512bf16_for_cpu = True
+    model = hf_plookup.wrap(hf)
+    assert bnb4bit.held(model) and not any(m.support_avx512bf16_for_cpu for m in modules)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4)
+    assert torch.equal(got, want)
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in modules)
+    assert all(cpu_kernels.weight_kind(linear_weight(m)) == cpu_kernels.W_Q4 for m in modules)
+    assert _state(model).engine.c_layers.on
+    hf_plookup.unwrap(model)
+    assert not bnb4bit.held(hf) and all(m.support_avx512bf16_for_cpu for m in modules)
