@@ -82,6 +82,30 @@ def test_row_count_dependent_linears_run_with_one_warning_and_the_note(caplog):
     assert stats.as_dict()["exactness_note"] == stats.exactness_note
 
 
+def test_the_rounding_floor_is_the_largest_of_four_one_ulp_moves():
+    """The floor's rounding part: the embeddings' outputs moved one ulp, odd elements or even ones,
+    up or down, each a draw of the model's spread; `_arithmetic_floor` takes the largest of the four,
+    computed here one by one (a bf16 model, whose one-ulp moves are large)."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    ids = ((torch.arange(probe.PROBE_TOKENS) * 7 + 3) % 96)[None]
+    pos = {"position_ids": torch.arange(probe.PROBE_TOKENS)[None]}
+    emb = model.get_input_embeddings()
+    draws = []
+    with torch.inference_mode():
+        reference = model(input_ids=ids, use_cache=False, **pos).logits.float()
+        for parity in (1, 0):
+            for toward in (float("inf"), float("-inf")):
+                def move(module, args, out, parity=parity, toward=toward):
+                    picked = (torch.arange(out.numel()) % 2 == parity).view(out.shape)
+                    return torch.where(picked, torch.nextafter(out, torch.full_like(out, toward)), out)
+                handle = emb.register_forward_hook(move)
+                draws.append(float((model(input_ids=ids, use_cache=False, **pos).logits.float() - reference).abs().max()))
+                handle.remove()
+        value, cause = probe._arithmetic_floor(model, ids, pos, reference)
+    assert len(set(draws)) > 1  # (distinct draws: the largest is a choice)
+    assert value >= max(draws) and (cause == "rows" or value == max(draws))
+
+
 def test_plain_models_get_no_note(llama):
     wrapped = wrap_copy(llama, max_cache_tokens=256)
     ids, mask = left_padded(1)
