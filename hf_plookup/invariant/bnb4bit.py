@@ -61,13 +61,17 @@ class Bnb4bitWeight(ModuleWeight):
     """A `Linear4bit`'s weight as the [N, K] weight of its compute dtype (see the module text). Its
     only op is `F.linear`, which runs the module's own `bnb.matmul_4bit`; it holds no values."""
 
-    @staticmethod
-    def __new__(cls, module: torch.nn.Module):
-        return ModuleWeight.__new__(cls, module, tuple(_state(module).shape), compute_dtype(module))
-
     def __init__(self, module: torch.nn.Module):
-        super().__init__(module, tuple(_state(module).shape), compute_dtype(module))
+        super().__init__(module)
         self.quant_state = _state(module)
+
+    @staticmethod
+    def shape_of(module: torch.nn.Module) -> tuple[int, int]:
+        return tuple(_state(module).shape)
+
+    @staticmethod
+    def dtype_of(module: torch.nn.Module) -> torch.dtype:
+        return compute_dtype(module)
 
     @staticmethod
     def codes_of(module: torch.nn.Module) -> torch.Tensor:

@@ -161,14 +161,14 @@ class CompressedTensorsWeight(ModuleWeight):
     """A held linear's weight (see the module text) as the [N, K] weight of its scale's dtype. Its
     `F.linear` is the decompressed linear's; it holds no values."""
 
-    @staticmethod
-    def __new__(cls, module: torch.nn.Module):
-        return ModuleWeight.__new__(cls, module, (module.out_features, module.in_features), module.weight_scale.dtype)
-
     def __init__(self, module: torch.nn.Module):
-        super().__init__(module, (module.out_features, module.in_features), module.weight_scale.dtype)
+        super().__init__(module)
         self.scales, self.group = module.weight_scale, _group(module)
         self.zero_words = module._parameters.get("weight_zero_point")
+
+    @staticmethod
+    def dtype_of(module: torch.nn.Module) -> torch.dtype:
+        return module.weight_scale.dtype
 
     @staticmethod
     def codes_of(module: torch.nn.Module) -> torch.Tensor:

@@ -100,15 +100,14 @@ class GptqWeight(ModuleWeight):
     """A turned GPTQ linear's weight as the [N, K] weight of its activation dtype (see the module
     text). `F.linear` runs the module's own int4 kernel; it holds no values."""
 
-    @staticmethod
-    def __new__(cls, module: torch.nn.Module):
-        return ModuleWeight.__new__(cls, module, (module.out_features, module.in_features),
-                                    module.scales_and_zeros.dtype)
-
     def __init__(self, module: torch.nn.Module):
-        super().__init__(module, (module.out_features, module.in_features), module.scales_and_zeros.dtype)
+        super().__init__(module)
         self.scales_and_zeros = module.scales_and_zeros
         self.group = int(module.group_size)
+
+    @staticmethod
+    def dtype_of(module: torch.nn.Module) -> torch.dtype:
+        return module.scales_and_zeros.dtype
 
     @staticmethod
     def codes_of(module: torch.nn.Module) -> torch.Tensor:
@@ -141,13 +140,13 @@ class GptqDequantWeight(ModuleWeight):
     `F.linear` is the module's forward: the fp16 weight dequantized, widened to the input's dtype,
     `torch.matmul`, plus the bias. It holds no values."""
 
-    @staticmethod
-    def __new__(cls, module: torch.nn.Module):
-        return ModuleWeight.__new__(cls, module, (module.out_features, module.in_features), torch.float32)
-
     def __init__(self, module: torch.nn.Module):
-        super().__init__(module, (module.out_features, module.in_features), torch.float32)
+        super().__init__(module)
         self.scales, self.qzeros, self.group = module.scales, module.qzeros, int(module.group_size)
+
+    @staticmethod
+    def dtype_of(module: torch.nn.Module) -> torch.dtype:
+        return torch.float32
 
     @staticmethod
     def codes_of(module: torch.nn.Module) -> torch.Tensor:

@@ -24,21 +24,31 @@ import torch.nn.functional as F
 
 class ModuleWeight(torch.Tensor):
     """The base of a module's weight seen as a linear's. A subclass sets `codes_of(module)` (the
-    tensor of its packed codes, aliased here) and `linear(x, bias)`, and keeps what `linear` needs
-    in `__init__` (never the module)."""
+    tensor of its packed codes, aliased here), `dtype_of(module)` (and `shape_of` where the module has
+    no `out_features` and `in_features`) and `linear(x, bias)`, and keeps what `linear` needs in
+    `__init__` (never the module)."""
 
     @staticmethod
-    def __new__(cls, module: torch.nn.Module, shape: tuple[int, int], dtype: torch.dtype):
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=cls.codes_of(module).device,
-                                                   requires_grad=False)
+    def __new__(cls, module: torch.nn.Module):
+        return torch.Tensor._make_wrapper_subclass(cls, cls.shape_of(module), dtype=cls.dtype_of(module),
+                                                   device=cls.codes_of(module).device, requires_grad=False)
 
-    def __init__(self, module: torch.nn.Module, shape: tuple[int, int], dtype: torch.dtype):
+    def __init__(self, module: torch.nn.Module):
         with torch._C.DisableTorchFunctionSubclass():  # (a plain alias: the code tensor may hold its module)
             self.param = torch.Tensor.detach(self.codes_of(module))
 
     @staticmethod
     def codes_of(module: torch.nn.Module) -> torch.Tensor:
         raise NotImplementedError
+
+    @staticmethod
+    def dtype_of(module: torch.nn.Module) -> torch.dtype:
+        raise NotImplementedError
+
+    @staticmethod
+    def shape_of(module: torch.nn.Module) -> tuple[int, int]:
+        """The logical [N, K] of the linear."""
+        return module.out_features, module.in_features
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
