@@ -21,7 +21,7 @@ from hf_plookup.cpu.packed_codes import PackedCodes, _bnb_layout, _int4pack_layo
     unpack_quantized
 from hf_plookup.invariant.linears import linear_of, linear_weight
 from tests.conftest import tiny_model
-from tests.steps.test_c_layers_quantized import QUANTIZERS
+from tests.steps.test_c_layers_quantized import QUANTIZERS, flat_bnb
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
 
@@ -209,9 +209,7 @@ def test_save_pretrained_of_a_wrapped_4bit_model_reloads_the_same_model(tmp_path
     assert all(isinstance(t, _Packed) for t in _code_tensors(wrapped))
     back = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu").eval()
     assert type(back.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
-    for m in back.modules():  # (bitsandbytes' flat layout, as the model compared against: _bnb_nf4)
-        if hasattr(m, "support_avx512bf16_for_cpu"):
-            m.support_avx512bf16_for_cpu = False
+    flat_bnb(back)  # (bitsandbytes' flat layout, as the model compared against)
     with torch.no_grad():
         assert torch.equal(back(ids).logits, want)
 

@@ -46,6 +46,12 @@ def _bnb_nf4(model):
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         model = AutoModelForCausalLM.from_pretrained(d, quantization_config=config, device_map="cpu", dtype=dtype).eval()
+    return flat_bnb(model)
+
+
+def flat_bnb(model):
+    """`model` with its bitsandbytes 4-bit modules kept in the flat layout on every CPU (their
+    repacking on AVX-512 BF16 CPUs turned off, as `wrap` turns it off: invariant.bnb4bit)."""
     for m in model.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
