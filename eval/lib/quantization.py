@@ -25,8 +25,8 @@ the parser's error), naming the package to install; an unknown name is the parse
 listing the names (`choices`), or a ValueError from `quantization_config`.
 
 Two names are made otherwise: transformers loads AWQ and compressed-tensors checkpoints but cannot
-make one at load, so `awq-4bit` has gptqmodel's own AWQ quantizer, and `ct-w4a16` compressed-tensors'
-own compressor (`save_compressed`), make the checkpoint in a temporary directory (removed once
+make one at load, so `awq-4bit` has gptqmodel's own AWQ quantizer, and `ct-w4a16` and `ct-w8a16`
+compressed-tensors' own compressor (`save_compressed`), make the checkpoint in a temporary directory (removed once
 loaded), which `from_pretrained` then loads as a user loads a published one.
 
 One name that does not run everywhere: `torchao-int4` quantizes through mslk's CUDA kernels, so
@@ -177,13 +177,14 @@ def _awq_checkpoint(path: str, out: str, dtype: torch.dtype) -> None:
         model.save(out)
 
 
-def compress(model: torch.nn.Module, preset: str = "W4A16", group: int | None = 64) -> None:
+def compress(model: torch.nn.Module, preset: str = "W4A16", group: int | None = 64,
+             symmetric: bool | None = None) -> None:
     """Quantize and compress `model` (float) in place as llm-compressor does: compressed-tensors'
     `preset` scheme (W4A16: symmetric int4 in groups of `group`, or one scale a row where `group` is
-    None, packed eight a word; W4A16_ASYM: the same with zero points; W8A16: int8, one scale a row)
-    on every linear but the LM head, each scale (and zero point) from its group's or row's range (a
-    min-max observer's: llm-compressor's round-to-nearest), then compressed by compressed-tensors'
-    own compressor, which leaves its decompressing hook on the model."""
+    None, packed eight a word; W4A16_ASYM: the same with zero points; W8A16: int8 so, four a word;
+    `symmetric` overrides the preset's) on every linear but the LM head, each scale (and zero point)
+    from its group's or row's range (a min-max observer's: llm-compressor's round-to-nearest), then
+    compressed by compressed-tensors' own compressor, which leaves its decompressing hook on the model."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -191,6 +192,8 @@ def compress(model: torch.nn.Module, preset: str = "W4A16", group: int | None = 
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if scheme.weights.group_size:
         scheme.weights.strategy, scheme.weights.group_size = ("group", group) if group else ("channel", None)
+    if symmetric is not None:
+        scheme.weights.symmetric = symmetric
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
     with torch.no_grad():
         for m in model.modules():
@@ -213,17 +216,21 @@ def save_compressed(model: torch.nn.Module, out: str, preset: str = "W4A16", gro
     ModelCompressor.from_pretrained_model(model).update_config(out)
 
 
-def _ct_checkpoint(path: str, out: str, dtype: torch.dtype) -> None:
-    """A W4A16 compressed-tensors checkpoint of `path` (groups of 64, as GPTQ's) in `out`, its
-    unquantized weights in `dtype` (`save_compressed`). A model whose linears' inputs are not
-    multiples of 64 is refused before any work."""
-    from transformers import AutoModelForCausalLM
+def _ct_checkpoint(preset: str):
+    """What makes a compressed-tensors checkpoint of scheme `preset` (W4A16 or W8A16, groups of 64,
+    as GPTQ's) of `path` in `out`, its unquantized weights in `dtype` (`save_compressed`). A model
+    whose linears' inputs are not multiples of 64 is refused before any work."""
+    def make(path: str, out: str, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
 
-    inputs = ("hidden_size", "intermediate_size", "query heads x head_dim")
-    odd = {k: v for k, v in _linear_widths(path).items() if k in inputs and v % 64}
-    if odd:
-        raise ValueError(f"ct-w4a16's groups of 64 values need linears of a multiple of 64 inputs; this model has {odd}")
-    save_compressed(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), out)
+        inputs = ("hidden_size", "intermediate_size", "query heads x head_dim")
+        odd = {k: v for k, v in _linear_widths(path).items() if k in inputs and v % 64}
+        if odd:
+            raise ValueError(f"ct-{preset.lower()}'s groups of 64 values need linears of a multiple of 64 inputs; "
+                             f"this model has {odd}")
+        save_compressed(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), out, preset)
+
+    return make
 
 
 QUANTIZATIONS: dict[str, Quantization] = {
@@ -260,7 +267,10 @@ QUANTIZATIONS: dict[str, Quantization] = {
     # made by compressed-tensors' own compressor, as llm-compressor saves one, then loaded by transformers
     "ct-w4a16": Quantization("compressed_tensors", "compressed-tensors",
                              "a compressed-tensors checkpoint of scheme W4A16 (groups of 64, min-max scales), "
-                             "made by its compressor", lambda dtype, path: None, make=_ct_checkpoint),
+                             "made by its compressor", lambda dtype, path: None, make=_ct_checkpoint("W4A16")),
+    "ct-w8a16": Quantization("compressed_tensors", "compressed-tensors",
+                             "a compressed-tensors checkpoint of scheme W8A16 (int8, groups of 64, min-max scales), "
+                             "made by its compressor", lambda dtype, path: None, make=_ct_checkpoint("W8A16")),
 }
 NAMES = tuple(QUANTIZATIONS)
 

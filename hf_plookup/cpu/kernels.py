@@ -176,12 +176,13 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 # the kinds of weight the C linears read (csrc/cpu_kernels.h): a float weight of the call's dtype,
-# int8 values with one scale per output column (`int8_parts`), or 4-bit codes with a scale and a
-# shift per column and group of values (`q4_parts`)
-W_FLOAT, W_Q8, W_Q4 = 0, 1, 2
-# the dtypes of the tensor that holds a quantized kind's values (`values_of`; GPTQ keeps its 4-bit
-# codes in int32 words)
-VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q4: (torch.uint8, torch.int32)}
+# int8 values with one scale per output column (`int8_parts`), 4-bit codes with a scale and a
+# shift per column and group of values (`q4_parts`), or 8-bit codes so (`q4_parts` with bits 8:
+# every weight dequantized before its product, where W_Q8 scales a column's sum)
+W_FLOAT, W_Q8, W_Q4, W_Q8G = 0, 1, 2, 3
+# the dtypes of the tensor that holds a quantized kind's values (`values_of`; GPTQ and
+# compressed-tensors keep their codes in int32 words)
+VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q4: (torch.uint8, torch.int32), W_Q8G: (torch.uint8, torch.int32)}
 # how a W_Q4 code q becomes its weight, f being q - offset (cpu_kernels.h, q4_value): "mul_sub",
 # round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32; "lut",
 # round(codebook[q] * scale) from float32; "sub_mul_f16", round(fp16((f - shift) * scale)) from
@@ -263,6 +264,7 @@ class Q4Parts:
     offset: float
     source: torch.Tensor
     lut: torch.Tensor | None = None  # the "lut" form's codebook, 16 float32 values
+    bits: int = 4  # 8: codes 0..255 (weight kind W_Q8G, the "sub_mul" form only)
 
 
 # (hf_plookup's own: a quantized module seen as a linear's weight, invariant.module_weight)
@@ -277,7 +279,8 @@ def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
     bitsandbytes (nf4 or fp4, seen as `invariant.bnb4bit.Bnb4bitWeight`), by GPTQ or AWQ
     (gptqmodel's, seen as `invariant.gptq.GptqWeight`, `GptqDequantWeight` or `AwqDequantWeight`) or
     by compressed-tensors (held compressed: `invariant.compressed_tensors.CompressedTensorsWeight`,
-    "sub_mul": rnd((code - 8 - zero) * scale)), else None. quanto holds such a weight in one of two forms:
+    "sub_mul": rnd((code - 8 - zero) * scale); its 8-bit codes too, offset 128 and `bits` 8: the
+    weight kind W_Q8G), else None. quanto holds such a weight in one of two forms:
 
     - `WeightQBitsTensor` (float32 models, and bfloat16 ones whose groups are not 128 values): its
       dequantization is `scale * code - shift`, each op in the weight's dtype ("mul_sub", offset 0);
@@ -361,35 +364,44 @@ def nibble_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.stack([b >> 4, b & 15], 1).reshape(n, k)
 
 
-def words_codes(words: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes of int32 `words` [R, C], eight a word from its low bits up, as [R * 8, C]
-    uint8: code 8r + j of column c is bits 4j .. 4j + 3 of words[r, c] (GPTQ's `qweight` holds codes
-    so along K; its `qzeros`, transposed, along N).
+def words_codes(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """The codes of `bits` bits (4 or 8) of int32 `words` [R, C], 32 / bits a word from its low bits
+    up, as [R * 32 / bits, C] uint8: with 4 bits, code 8r + j of column c is bits 4j .. 4j + 3 of
+    words[r, c] (GPTQ's `qweight` holds codes so along K; its `qzeros`, transposed, along N, and
+    compressed-tensors' zero points along N).
 
-    Example: the word 0x76543210 gives the codes 0, 1, ..., 7."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32).view(1, 8, 1)
-    return ((words.unsqueeze(1) >> shifts) & 15).reshape(words.shape[0] * 8, words.shape[1]).to(torch.uint8)
+    Example: the word 0x76543210 gives the codes 0, 1, ..., 7 (with 8 bits: 0x10, 0x32, 0x54, 0x76)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32).view(1, per, 1)
+    codes = (words.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(words.shape[0] * per, words.shape[1]).to(torch.uint8)
 
 
-def row_words_codes(words: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes of int32 `words` [R, C] packed along the rows, eight a word from its low bits
-    up, as [R, C * 8] uint8: code 8c + j of row r is bits 4j .. 4j + 3 of words[r, c]
-    (compressed-tensors' `weight_packed` holds codes so along K). On a little-endian machine byte i
-    of a row's bytes then holds codes 2i (low nibble) and 2i + 1: split bytes, not words.
+def row_words_codes(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """The codes of `bits` bits (4 or 8) of int32 `words` [R, C] packed along the rows, 32 / bits a
+    word from its low bits up, as [R, C * 32 / bits] uint8: with 4 bits, code 8c + j of row r is bits
+    4j .. 4j + 3 of words[r, c] (compressed-tensors' `weight_packed` holds codes so along K). On a
+    little-endian machine byte i of a row's bytes then holds codes 2i (low nibble) and 2i + 1, or,
+    with 8 bits, code i: split bytes, not words.
 
-    Example: the row [0x76543210] gives the codes 0, 1, ..., 7."""
+    Example: the row [0x76543210] gives the codes 0, 1, ..., 7 (with 8 bits: 0x10, 0x32, 0x54, 0x76)."""
     if sys.byteorder != "little":
-        return words_codes(words.t()).t().contiguous()
+        return words_codes(words.t(), bits).t().contiguous()
     b = words.contiguous().view(torch.uint8)
+    if bits == 8:
+        return b.view(words.shape[0], -1)
     return torch.stack((b & 15, b >> 4), dim=-1).view(words.shape[0], -1)
 
 
-def row_words(codes: torch.Tensor) -> torch.Tensor:
-    """The inverse of `row_words_codes`: int32 words [R, C / 8] of 4-bit codes [R, C]."""
+def row_words(codes: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """The inverse of `row_words_codes`: int32 words [R, C * bits / 32] of codes [R, C]."""
+    per = 32 // bits
     if sys.byteorder != "little":
-        c = codes.long().view(codes.shape[0], -1, 8)
-        words = sum(c[:, :, j] << (4 * j) for j in range(8))
+        c = codes.long().view(codes.shape[0], -1, per)
+        words = sum(c[:, :, j] << (bits * j) for j in range(per))
         return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    if bits == 8:
+        return codes.to(torch.uint8).contiguous().view(torch.int32)
     c = codes.to(torch.uint8).view(codes.shape[0], -1, 2)
     return (c[:, :, 0] | (c[:, :, 1] << 4)).contiguous().view(torch.int32)
 
@@ -423,11 +435,17 @@ def _quantized(weight: torch.Tensor) -> tuple[int, object]:
     if parts is not None:
         return W_Q8, parts
     q4 = q4_parts(weight)
-    return (W_FLOAT, None) if q4 is None else (W_Q4, q4)
+    return (W_FLOAT, None) if q4 is None else (W_Q8G if q4.bits == 8 else W_Q4, q4)
+
+
+def code_bits(kind: int) -> int:
+    """The bits of a W_Q4 (4) or W_Q8G (8) weight's codes."""
+    return 8 if kind == W_Q8G else 4
 
 
 def weight_kind(weight: torch.Tensor) -> int:
-    """W_Q8 for a weight `int8_parts` reads, W_Q4 for one `q4_parts` reads, else W_FLOAT."""
+    """W_Q8 for a weight `int8_parts` reads, W_Q4 (W_Q8G) for one `q4_parts` reads with 4-bit (8-bit)
+    codes, else W_FLOAT."""
     return _quantized(weight)[0]
 
 
@@ -489,7 +507,7 @@ def q8_values(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch
 
 
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, group: int, form: str, offset: float,
-            dtype: torch.dtype, lut: torch.Tensor | None = None) -> torch.Tensor:
+            dtype: torch.dtype, lut: torch.Tensor | None = None, bits: int = 4) -> torch.Tensor:
     """4-bit `codes` [N, K] (uint8, 0..15) with `scales` and `shifts` [N, K / group] in the W_Q4 layout
     `linear` reads for calls in `dtype` (bytes): panels of 8 output columns [P, K / 2, 8], byte c of
     pair j holding column c's code at k = 2j in its low nibble and at 2j + 1 in its high one (zeros
@@ -500,20 +518,26 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
     values in the weight's dtype); the "lut" form's scales are bitsandbytes' float32 absmax and the
     "sub_mul_f16" form's GPTQ's fp16 scales and integer zeros, kept so.
 
+    `bits=8` (weight kind W_Q8G): 8-bit codes (0..255) in panels [P, K, 8], byte c of k column c's code;
+    the rest as above; the "sub_mul" form only.
+
     Example: codes [[1, 2], [3, 4]], group 2, scales [[0.5], [2]], shifts [[0], [1]] give the panel
     bytes [0x21, 0x43, 0, 0, 0, 0, 0, 0], then from byte 64 the header [2, form, offset, 0, ...], then
-    from byte 192 the floats [0.5, 2, 0, ..., 0, 0, 1, 0, ..., 0]."""
+    from byte 192 the floats [0.5, 2, 0, ..., 0, 0, 1, 0, ..., 0]. With bits=8 the panel bytes are
+    [1, 3, 0, 0, 0, 0, 0, 0, 2, 4, 0, 0, 0, 0, 0, 0], and the rest the same."""
     n, k = codes.shape
     if k % 2 or group % 2 or k % group or scales.shape != (n, k // group) or shifts.shape != scales.shape:
         raise ValueError(f"pack_q4: codes {tuple(codes.shape)}, group {group}, scales {tuple(scales.shape)}, "
                          f"shifts {tuple(shifts.shape)} do not make a W_Q4 weight (K and the group even, the group dividing K)")
     if (form == "lut") != (lut is not None) or (lut is not None and lut.numel() != 16):
         raise ValueError(f"pack_q4: the form {form!r} takes a codebook of 16 values exactly when it is 'lut'")
+    if bits not in (4, 8) or (bits == 8 and form != "sub_mul"):
+        raise ValueError(f"pack_q4: codes of {bits} bits in the form {form!r}: 4 bits in any form, or 8 in 'sub_mul'")
     p, groups = -(-n // 8), k // group
-    at = (p * k * 4 + 63) // 64 * 64
+    at = (p * k * (bits // 4) * 4 + 63) // 64 * 64
     out = torch.zeros(at + Q4_META_BYTES + p * groups * 16 * 4, dtype=torch.uint8)
     with torch.no_grad():
-        write_q4_codes(out, codes)
+        write_q4_codes(out, codes, bits)
         head = out[at : at + Q4_META_BYTES].view(torch.int32)
         head[0], head[1] = group, Q4_FORMS[form]
         head[2:3].view(torch.float32)[0] = offset
@@ -526,18 +550,24 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
     return out
 
 
-def write_q4_codes(packed: torch.Tensor, codes: torch.Tensor) -> None:
-    """Write 4-bit `codes` [N, K] (0..15) into the panels of W_Q4 bytes made for them (`pack_q4`);
-    the header, scales and shifts stay."""
+def write_q4_codes(packed: torch.Tensor, codes: torch.Tensor, bits: int = 4) -> None:
+    """Write `codes` [N, K] of `bits` bits into the panels of W_Q4 (W_Q8G) bytes made for them
+    (`pack_q4`); the header, scales and shifts stay."""
     n, k = codes.shape
     p = -(-n // 8)
-    c = F.pad(codes.to(torch.uint8), (0, 0, 0, 8 * p - n)).view(p, 8, k // 2, 2)
+    c = F.pad(codes.to(torch.uint8), (0, 0, 0, 8 * p - n))
+    if bits == 8:
+        packed[: p * k * 8].view(p, k, 8).copy_(c.view(p, 8, k).permute(0, 2, 1))
+        return
+    c = c.view(p, 8, k // 2, 2)
     packed[: p * k * 4].view(p, k // 2, 8).copy_((c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1))
 
 
-def q4_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The codes [N, K] (uint8, 0..15) that W_Q4 bytes made by `pack_q4` hold (a new contiguous tensor)."""
+def q4_codes(packed: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor:
+    """The codes [N, K] (uint8) that W_Q4 (W_Q8G) bytes made by `pack_q4` hold (a new contiguous tensor)."""
     p = -(-n // 8)
+    if bits == 8:
+        return packed[: p * k * 8].view(p, k, 8).permute(0, 2, 1).reshape(8 * p, k)[:n].contiguous()
     b = packed[: p * k * 4].view(p, k // 2, 8).permute(0, 2, 1)  # [P, 8, K / 2]
     return torch.stack([b & 15, b >> 4], 3).reshape(8 * p, k)[:n].contiguous()
 
@@ -648,7 +678,7 @@ def values_of(weight: torch.Tensor) -> torch.Tensor:
     kind, parts = _quantized(weight)
     if kind == W_Q8:
         return parts[0]
-    if kind == W_Q4:
+    if kind in (W_Q4, W_Q8G):
         return parts.source
     got = _own_packing(weight)
     return weight if got is None else got
@@ -670,9 +700,9 @@ def _pack_any(weight: torch.Tensor) -> torch.Tensor:
     kind, parts = _quantized(weight)
     if kind == W_Q8:
         return pack_q8(*parts, weight.dtype)
-    if kind == W_Q4:
+    if kind in (W_Q4, W_Q8G):
         return pack_q4(parts.codes(), parts.scales, parts.shifts, parts.group, parts.form, parts.offset, weight.dtype,
-                       parts.lut)
+                       parts.lut, parts.bits)
     return pack(weight)
 
 

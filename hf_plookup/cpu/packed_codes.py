@@ -17,8 +17,8 @@ sees the library's tensor, rebuilt from the bytes for that op:
   linears' `qweight`): blocks of columns, two codes a byte (`cpu.kernels.int4pack_codes` and its
   inverse);
 - bitsandbytes' flat codes (a `Params4bit`, two codes a byte, the first in the high nibble);
-- compressed-tensors' `weight_packed` (a parameter: int32 words of eight codes along K,
-  `cpu.kernels.row_words_codes`), a `PackedParameter` in its place.
+- compressed-tensors' `weight_packed` (a parameter: int32 words of eight 4-bit codes, or four 8-bit
+  ones, along K: `cpu.kernels.row_words_codes`), a `PackedParameter` in its place.
 
 A GPTQ or AWQ linear that dequantizes on every call (float32: invariant.gptq) keeps both copies:
 GPTQ's `qweight` goes into a function gptqmodel compiles with torch.compile, which a tensor of this
@@ -68,7 +68,7 @@ __all__ = ["PackedCodes", "pack_quantized", "unpack_quantized"]
 @dataclass(frozen=True)
 class Layout:
     """How a library's code tensor (of `shape` and `dtype`) maps to the weight's codes [N, K]: `kind`
-    (cpu.kernels W_Q8 or W_Q4), the weight's `n`, `k` and `weight_dtype` (a W_Q8 panel's width
+    (cpu.kernels W_Q8, W_Q4 or W_Q8G), the weight's `n`, `k` and `weight_dtype` (a W_Q8 panel's width
     depends on it), `to_codes(tensor)` and its inverse `from_codes(codes)`."""
 
     kind: int
@@ -84,14 +84,14 @@ class Layout:
         """The codes [N, K] the packed bytes hold."""
         if self.kind == cpu_kernels.W_Q8:
             return cpu_kernels.q8_values(packed, self.n, self.k, self.weight_dtype)
-        return cpu_kernels.q4_codes(packed, self.n, self.k)
+        return cpu_kernels.q4_codes(packed, self.n, self.k, cpu_kernels.code_bits(self.kind))
 
     def write(self, packed: torch.Tensor, codes: torch.Tensor) -> None:
         """Write codes [N, K] into the packed bytes (their scales stay)."""
         if self.kind == cpu_kernels.W_Q8:
             cpu_kernels.write_q8_values(packed, codes, self.weight_dtype)
         else:
-            cpu_kernels.write_q4_codes(packed, codes)
+            cpu_kernels.write_q4_codes(packed, codes, cpu_kernels.code_bits(self.kind))
 
 
 class _Packed:
@@ -265,7 +265,9 @@ def _home(module: torch.nn.Module, weight: torch.Tensor) -> Home | None:
         return Home(module, "weight", *_bnb_layout(n, k, tuple(module.weight.shape)),
                     holder=lambda packed, layout, source: _params4bit_class()(packed, layout, source))
     if name == "CompressedTensorsWeight":  # (a parameter of its own: invariant.compressed_tensors)
-        return Home(module, "weight_packed", cpu_kernels.row_words_codes, cpu_kernels.row_words,
+        bits = weight.bits
+        return Home(module, "weight_packed", lambda t: cpu_kernels.row_words_codes(t, bits),
+                    lambda codes: cpu_kernels.row_words(codes, bits),
                     holder=lambda packed, layout, source: PackedParameter(packed, layout))
     got = None
     if name == "WeightQBitsTensor":

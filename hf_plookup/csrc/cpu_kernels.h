@@ -170,12 +170,18 @@ static inline int64_t now_ns(void) {
  * scale is the block's absmax and whose code picks a value of a 16-entry codebook; GPTQ's and
  * compressed-tensors', whose shift is the group's zero point). K and G even, G
  * dividing K (K2 = K). Panels [P][K / 2][8] bytes: byte c of pair j holds column c's code at k = 2j
- * in its low nibble and at 2j + 1 in its high one. From byte q4_meta_at(P, K) a 128-byte q4_meta,
+ * in its low nibble and at 2j + 1 in its high one. From byte q4_meta_at(P, K, 4) a 128-byte q4_meta,
  * then [P][K / G][2][8] fp32: the panel's 8 scales of group g, then its 8 shifts (zeros past N).
  * Each weight is dequantized to the value its quantizer defines (q4_value), and the output is the
  * W_FLOAT arithmetic over those values: a W_Q4 linear is bitwise a W_FLOAT linear of its
- * dequantized weight. */
-enum { W_FLOAT = 0, W_Q8 = 1, W_Q4 = 2 };
+ * dequantized weight.
+ *
+ * W_Q8G: W_Q4 with 8-bit codes (0..255: compressed-tensors' int8, the signed value plus 128, whose
+ * scale multiplies after its group's zero point is taken off: Q4_SUB_MUL, offset 128). Panels
+ * [P][K][8] bytes, byte c of k column c's code; the rest (q4_meta, scales and shifts) and each
+ * value's arithmetic as W_Q4's. Where W_Q8 scales a column's sum once, W_Q8G dequantizes every
+ * weight first, as a library that makes the float weight and then calls F.linear does. */
+enum { W_FLOAT = 0, W_Q8 = 1, W_Q4 = 2, W_Q8G = 3 };
 
 /* where a W_Q8 weight's scales start, in bytes from its first panel (a cache line after the panels) */
 static inline int64_t q8_scales_at(int64_t P, int64_t K2) { return (P * K2 * 8 + 63) / 64 * 64; }
@@ -201,11 +207,15 @@ typedef struct {
     float lut[16]; /* Q4_LUT's codebook, code q's value at q */
 } q4_meta;
 
-static inline int64_t q4_meta_at(int64_t P, int64_t K) { return (P * K * 4 + 63) / 64 * 64; }
+/* the bytes a W_Q4 (4) or W_Q8G (8) panel holds for each k: 8 columns' codes */
+static inline int64_t q4_kbytes(int64_t wkind) { return wkind == W_Q8G ? 8 : 4; }
+
+/* where the q4_meta of a weight with panels of kb bytes a k starts (a cache line after the panels) */
+static inline int64_t q4_meta_at(int64_t P, int64_t K, int64_t kb) { return (P * K * kb + 63) / 64 * 64; }
 
 /* the fp32 scale (then, at + 8, shift) of panel p's 8 columns for group g */
-static inline const float* q4_scales(const void* wp, int64_t P, int64_t K, int64_t p, int64_t g) {
-    const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
+static inline const float* q4_scales(const void* wp, int64_t P, int64_t K, int64_t kb, int64_t p, int64_t g) {
+    const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K, kb));
     return (const float*)(m + 1) + (p * (K / m->group) + g) * 16;
 }
 
@@ -388,7 +398,8 @@ void mul_to_avx2(void* out, const void* a, const void* b, int64_t n, int b16);
 void rope_avx2(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const void* sin, int b16);
 #endif
 #if HAVE_AVX512BF16_KERNELS
-/* AVX-512 BF16 (level 2's bf16 scores, arch/x86/attention_avx512bf16.c; its W_Q4 and W_Q8 tiles, arch/x86/linear_avx512.c) */
+/* AVX-512 BF16 (level 2's bf16 scores, arch/x86/attention_avx512bf16.c; its W_Q4, W_Q8G and W_Q8 tiles,
+ * arch/x86/linear_avx512.c) */
 extern const scores_bf16_fn scores_dpbf16[MAX_NH + 1];
 void linear_range_avx512(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                          int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);

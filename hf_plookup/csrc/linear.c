@@ -20,15 +20,20 @@ void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float
 }
 
 /* the weight of output column n at value k of a packed linear of N columns (of W_Q8: the integer,
- * widened; of W_Q4: the dequantized value) */
+ * widened; of W_Q4 and W_Q8G: the dequantized value) */
 static inline float packed_w(const void* wp, int64_t wkind, int64_t K2, int64_t N, int64_t n, int64_t k, int dt) {
     if (wkind == W_Q8) return (float)((const int8_t*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
-    if (wkind == W_Q4) {
-        int64_t P = (N + 7) / 8;
-        const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K2));
-        const float* sz = q4_scales(wp, P, K2, n / 8, k / m->group);
-        uint8_t byte = ((const uint8_t*)wp)[((n / 8) * (K2 / 2) + k / 2) * 8 + n % 8];
-        return q4_value(k & 1 ? byte >> 4 : byte & 15, sz[n % 8], sz[8 + n % 8], m, dt);
+    if (wkind == W_Q4 || wkind == W_Q8G) {
+        int64_t P = (N + 7) / 8, kb = q4_kbytes(wkind);
+        const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K2, kb));
+        const float* sz = q4_scales(wp, P, K2, kb, n / 8, k / m->group);
+        int q;
+        if (wkind == W_Q8G) q = ((const uint8_t*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
+        else {
+            uint8_t byte = ((const uint8_t*)wp)[((n / 8) * (K2 / 2) + k / 2) * 8 + n % 8];
+            q = k & 1 ? byte >> 4 : byte & 15;
+        }
+        return q4_value(q, sz[n % 8], sz[8 + n % 8], m, dt);
     }
     if (dt == DT_F32) return ((const float*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
     if (dt == DT_F16) return f16_to_f32(((const uint16_t*)wp)[((n / 8) * K2 + k) * 8 + n % 8]);

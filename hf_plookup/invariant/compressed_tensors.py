@@ -1,14 +1,14 @@
-"""compressed-tensors' 4-bit linears (llm-compressor's "pack-quantized" W4A16 checkpoints) kept
-compressed, their codes read by the C linears.
+"""compressed-tensors' 4-bit and 8-bit linears (llm-compressor's "pack-quantized" W4A16 and W8A16
+checkpoints) kept compressed, their codes read by the C linears.
 
 transformers loads such a checkpoint on CPU with each quantized linear a plain `nn.Linear` that
-holds, in place of its weight:
+holds, in place of its weight (b: the bits, 4 or 8):
 
-- `weight_packed` int32 [N, K / 8]: eight codes a word along K, the code of k in bits 4 (k % 8) of
-  word k / 8, each the signed value q (-8..7) plus 8;
+- `weight_packed` int32 [N, K b / 32]: 32 / b codes a word along K from its low bits up, each the
+  signed value q (-8..7, or -128..127) plus 8 (or 128);
 - `weight_scale` [N, K / G] (G: the group; K for one scale a row), in the model's dtype;
-- for an asymmetric scheme `weight_zero_point` int32 [ceil(N / 8), K / G]: the signed zero points
-  plus 8, packed the same way along N;
+- for an asymmetric scheme `weight_zero_point` int32 [ceil(N b / 32), K / G]: the signed zero points
+  plus 8 (128), packed the same way along N;
 
 and compressed-tensors sets its own forward on each instance and a pre-hook on the model. At the
 model's first forward that hook decompresses every such linear into a float `weight`, `(q - zero) *
@@ -21,19 +21,21 @@ its codes and scales), compressed-tensors' forward on the instance and its pre-h
 and nothing is decompressed. The view's `F.linear` is the decompressed linear's, bitwise: the same
 weight, made for the call, then `F.linear`; the C linears read its codes as the "sub_mul" form
 (`cpu.kernels.q4_parts`: offset 8, the zero points as shifts, zeros where symmetric), each weight
-the value compressed-tensors would have decompressed. `release(model)` (unwrap, a wrap that
+the value compressed-tensors would have decompressed (8-bit codes: the weight kind W_Q8G, offset
+128). `release(model)` (unwrap, a wrap that
 fails, or an engine that runs without invariant mode) puts the instances' forwards and the hook
 back: the model is as it was loaded.
 
-Held only when every quantized linear of the model is such a linear: 4 bits, integer, group or
-channel strategy, no activation quantization, no act-order, K a multiple of 8, on the CPU, not yet
+Held only when every quantized linear of the model is such a linear: 4 or 8 bits, integer, group or
+channel strategy, no activation quantization, no act-order, K a multiple of 32 / b, on the CPU, not yet
 decompressed (else compressed-tensors' hook would still decompress the others, and the model is
 left to it).
 
 Example: a W4A16 checkpoint of a model whose `q_proj` is 576 -> 576 in groups of 128, loaded in
 bfloat16, gives after `hold_compressed` a `CompressedLinear` whose `weight` is a [576, 576]
 bfloat16 `CompressedTensorsWeight`; its `q4_parts` are codes [576, 576], scales and shifts
-[576, 4], group 128, form "sub_mul", offset 8.0.
+[576, 4], group 128, form "sub_mul", offset 8.0. A W8A16 one in one scale a row gives codes [576,
+576] of 8 bits (0..255), scales and shifts [576, 1], group 576, offset 128.0.
 """
 
 from __future__ import annotations
@@ -68,24 +70,24 @@ def _holdable(module: torch.nn.Module) -> bool:
     if type(module) is not torch.nn.Linear or not _ct_forward(module) or w is None or type(module._parameters) is not dict:
         return False
     if (_name(getattr(module, "quantization_status", None)) != "compressed" or _name(scheme.format) != "pack-quantized"
-            or w.num_bits != 4 or _name(w.type) != "int" or _name(w.strategy) not in ("group", "channel") or w.dynamic
+            or w.num_bits not in (4, 8) or _name(w.type) != "int" or _name(w.strategy) not in ("group", "channel") or w.dynamic
             or w.actorder is not None or scheme.input_activations is not None or scheme.output_activations is not None):
         return False
     params = module._parameters
     packed, scale, zero = params.get("weight_packed"), params.get("weight_scale"), params.get("weight_zero_point")
-    n, k = module.out_features, module.in_features
+    n, k, per = module.out_features, module.in_features, 32 // w.num_bits  # (codes a word)
     group = k if _name(w.strategy) == "channel" else int(w.group_size or 0)
-    if "weight" in params or "weight_g_idx" in params or group <= 0 or k % 8 or k % group or group % 2:
+    if "weight" in params or "weight_g_idx" in params or group <= 0 or k % per or k % group or group % 2:
         return False
     if not (isinstance(packed, torch.Tensor) and packed.device.type == "cpu" and packed.dtype == torch.int32
-            and tuple(packed.shape) == (n, k // 8) and packed.is_contiguous()
+            and tuple(packed.shape) == (n, k // per) and packed.is_contiguous()
             and isinstance(scale, torch.Tensor) and scale.device.type == "cpu" and scale.dtype in kernels.DTYPES
             and tuple(scale.shape) == (n, k // group)):
         return False
     if w.symmetric:
         return zero is None
     return (isinstance(zero, torch.Tensor) and zero.dtype == torch.int32 and zero.device.type == "cpu"
-            and tuple(zero.shape) == (-(-n // 8), k // group))
+            and tuple(zero.shape) == (-(-n // per), k // group))
 
 
 class CompressedLinear(torch.nn.Linear):
@@ -157,13 +159,19 @@ def _group(module: torch.nn.Module) -> int:
     return module.in_features // module.weight_scale.shape[1]
 
 
+def _bits(module: torch.nn.Module) -> int:
+    """The bits of a held linear's codes (4 or 8), from the packed words' width."""
+    return module.weight_packed.shape[1] * 32 // module.in_features
+
+
 class CompressedTensorsWeight(ModuleWeight):
     """A held linear's weight (see the module text) as the [N, K] weight of its scale's dtype. Its
     `F.linear` is the decompressed linear's; it holds no values."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__(module)
-        self.scales, self.group = module.weight_scale, _group(module)
+        self.scales, self.group, self.bits = module.weight_scale, _group(module), _bits(module)
+        self.offset = 1 << (self.bits - 1)  # (a code is the signed value plus this)
         self.zero_words = module._parameters.get("weight_zero_point")
 
     @staticmethod
@@ -174,23 +182,22 @@ class CompressedTensorsWeight(ModuleWeight):
     def codes_of(module: torch.nn.Module) -> torch.Tensor:
         return module.weight_packed
 
-    @staticmethod
-    def unpack(words: torch.Tensor) -> torch.Tensor:
-        """The codes [N, K] (uint8, 0..15: q + 8) of `weight_packed` [N, K / 8]."""
-        return kernels.row_words_codes(words)
+    def unpack(self, words: torch.Tensor) -> torch.Tensor:
+        """The codes [N, K] (uint8: q + 8, or q + 128) of `weight_packed` [N, K b / 32]."""
+        return kernels.row_words_codes(words, self.bits)
 
     def zeros(self) -> torch.Tensor:
-        """The groups' signed zero points [N, K / group] (int8), zeros where symmetric."""
+        """The groups' signed zero points [N, K / group] (int16), zeros where symmetric."""
         n = self.shape[0]
         if self.zero_words is None:
-            return torch.zeros(self.scales.shape, dtype=torch.int8)
-        return kernels.words_codes(self.zero_words)[:n].to(torch.int8) - 8
+            return torch.zeros(self.scales.shape, dtype=torch.int16)
+        return kernels.words_codes(self.zero_words, self.bits)[:n].to(torch.int16) - self.offset
 
     def dequantized(self) -> torch.Tensor:
         """[N, K] in the scale's dtype: (q - zero) * scale, as compressed-tensors decompresses it (the
         difference exact, the product rounded once)."""
         n, k = self.shape
-        q = self.unpack(self.param).view(n, k // self.group, self.group).to(self.dtype) - 8
+        q = self.unpack(self.param).view(n, k // self.group, self.group).to(self.dtype) - self.offset
         if self.zero_words is not None:
             q -= self.zeros().unsqueeze(-1).to(self.dtype)
         return (q * self.scales.unsqueeze(-1)).view(n, k)
@@ -200,13 +207,13 @@ class CompressedTensorsWeight(ModuleWeight):
 
     def q4_fields(self):
         """The `cpu.kernels.Q4Parts` of this weight in the "sub_mul" form: codes [N, K], the scales
-        and the signed zero points [N, K / group] (as float32, exactly), offset 8; None where a scale
-        is not finite (the bf16 tiles round values that cannot be NaN)."""
+        and the signed zero points [N, K / group] (as float32, exactly), offset 8 (8-bit codes: 128,
+        bits 8); None where a scale is not finite (the bf16 tiles round values that cannot be NaN)."""
         if not bool(torch.isfinite(self.scales).all()):
             return None
-        param, unpack = self.param, self.unpack  # (not the view itself: kernels keep the parts while it lives)
-        return kernels.Q4Parts(lambda: unpack(param), self.scales, self.zeros().float(), self.group, "sub_mul", 8.0,
-                               param)
+        param, bits = self.param, self.bits  # (not the view itself: kernels keep the parts while it lives)
+        return kernels.Q4Parts(lambda: kernels.row_words_codes(param, bits), self.scales, self.zeros().float(),
+                               self.group, "sub_mul", float(self.offset), param, bits=bits)
 
 
 _VIEWS = Views(CompressedTensorsWeight)

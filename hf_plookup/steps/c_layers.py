@@ -60,7 +60,7 @@ class _Layer(ctypes.Structure):
                 + [(n, _P) for n in ("ln_attn_out", "ln_mlp_out")]
                 + [(n, _F) for n in ("eps_attn_out", "eps_mlp_out")]
                 + [(n, _I) for n in ("form_attn_out", "form_mlp_out")]
-                + [("wkind", _I * 7)])  # cpu_kernels.W_FLOAT or W_Q8, of wq .. wd in this order
+                + [("wkind", _I * 7)])  # a cpu_kernels weight kind (W_FLOAT, W_Q8, ...) of wq .. wd in this order
 
 
 class _Step(ctypes.Structure):

@@ -106,6 +106,16 @@ def test_the_rounding_floor_is_the_largest_of_four_one_ulp_moves():
     assert value >= max(draws) and (cause == "rows" or value == max(draws))
 
 
+def test_the_floor_covers_three_times_itself_even_below_the_tolerance():
+    """Literal: a bf16 model (compressed-tensors W8A16's SmolLM2) whose own one-ulp floor, 1.09, is
+    under the tolerance, 1.25, while the engine's attention moves it by 1.84: its quantized
+    arithmetic, which runs with the note; 3.3 is more than 3 times the floor, and refused with that
+    reason."""
+    floor = probe._Floor(1.09, "rounding", "compressed-tensors", 1.25)
+    assert floor.covers(1.84) and floor.covers(3.27) and not floor.covers(3.3)
+    assert floor.beyond().startswith("more than 3 times what its compressed-tensors quantization explains")
+
+
 def test_plain_models_get_no_note(llama):
     wrapped = wrap_copy(llama, max_cache_tokens=256)
     ids, mask = left_padded(1)
@@ -345,7 +355,7 @@ def test_fp8_checkpoint_on_cpu(tmp_path, dtype):
 def _compressed_tensors_checkpoint(path, preset: str) -> None:
     """The tests' tiny Llama saved as a compressed-tensors checkpoint in `path`, as llm-compressor
     saves one (eval's `save_compressed`): `preset`'s weight-only scheme (W4A16: symmetric int4 in
-    groups, here of 32; W8A16: int8 per output channel) on every linear but the head."""
+    groups, here of 32; W8A16: int8 so) on every linear but the head."""
     from eval.lib.quantization import save_compressed
 
     save_compressed(tiny_model("llama"), str(path), preset, group=32)
@@ -356,10 +366,10 @@ def _compressed_tensors_checkpoint(path, preset: str) -> None:
 def test_compressed_tensors_checkpoint(tmp_path, preset, dtype):
     """A compressed-tensors checkpoint (llm-compressor's format) loads on CPU with its linears
     compressed and compressed-tensors' forward set on each, which decompresses the weights at the
-    model's first forward. W4A16's 4-bit linears are held compressed by `wrap` and run on the C
-    kernels and C layers (invariant.compressed_tensors); W8A16's are left to compressed-tensors (its
-    caches, which wrap leaves alone). Either way it runs, in fp32 with the greedy tokens of HF's own
-    decompressed model, and `unwrap` gives the model back as it was loaded."""
+    model's first forward. Both schemes' linears are held compressed by `wrap` and run on the C
+    kernels and C layers (invariant.compressed_tensors; W8A16's as weight kind W_Q8G), in fp32 with
+    the greedy tokens of HF's own decompressed model, and `unwrap` gives the model back as it was
+    loaded."""
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
@@ -372,11 +382,11 @@ def test_compressed_tensors_checkpoint(tmp_path, preset, dtype):
     assert "weight" not in dict(proj.named_parameters()) and "forward" in vars(proj)  # held compressed
     assert probe._quantizer(model) == "compressed-tensors"
     wrapped = hf_plookup.wrap(model, max_cache_tokens=512, tree_min_score=0.0)
-    four = preset == "W4A16"
-    assert ct.held(model) == four and ct.is_held(proj) == four and not hasattr(model, "ct_decompress_hook")
-    if four:  # its codes kept, read by the C linears and layers; nothing decompressed
-        assert "weight_packed" in proj._parameters and row_strategy(proj.weight, None) == "cpu"
-        assert wrapped._engine.c_layers is not None
+    kind = cpu_kernels.W_Q4 if preset == "W4A16" else cpu_kernels.W_Q8G
+    assert ct.held(model) and ct.is_held(proj) and not hasattr(model, "ct_decompress_hook")
+    # its codes kept, read by the C linears and layers; nothing decompressed
+    assert "weight_packed" in proj._parameters and row_strategy(proj.weight, None) == "cpu"
+    assert cpu_kernels.weight_kind(proj.weight) == kind and wrapped._engine.c_layers is not None
     for batch in (1, 2):
         ids, mask = left_padded(batch, seed=5)
         ours = _greedy(wrapped, ids, mask, prompt_lookup_num_tokens=K)
@@ -384,11 +394,11 @@ def test_compressed_tensors_checkpoint(tmp_path, preset, dtype):
         assert torch.equal(ours, _greedy(wrapped, ids, mask))  # lossless
         if dtype == torch.float32:
             torch.testing.assert_close(ours, _greedy(reference, ids, mask), rtol=0, atol=0)
-    if four:  # the first decode step ran both ways and the C layers gave the model's own bits
-        assert "weight_packed" in proj._parameters and wrapped._engine.c_layers.on
+    # the first decode step ran both ways and the C layers gave the model's own bits
+    assert "weight_packed" in proj._parameters and wrapped._engine.c_layers.on
     # wrapped again without invariant mode: let go (compressed-tensors decompresses it at its next forward)
     hf_plookup.wrap(model, invariant=False)
-    assert not ct.held(model) and hasattr(model, "ct_decompress_hook") == four
+    assert not ct.held(model) and hasattr(model, "ct_decompress_hook")
     hf_plookup.unwrap(model)
     assert type(proj) is torch.nn.Linear and "forward" in vars(proj) and not ct.held(model)
     ids, mask = left_padded(1, seed=6)

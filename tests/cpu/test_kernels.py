@@ -526,3 +526,39 @@ def test_q8_tiles_of_every_row_count_agree_across_levels(dtype):
     w = ck.pack_q8(torch.randint(-128, 128, (n, k), generator=g).to(torch.int8), torch.rand(n, generator=g) * 0.01, dtype)
     x = torch.randn(Q_ROWS, k, generator=g).to(dtype)
     _agree_across_levels(lambda: _outputs_of_every_row_count(w, ck.W_Q8, n, x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
+def test_q8g_tiles_of_every_row_count_agree_across_levels(dtype):
+    """As the W_Q4 test, for W_Q8G weights: 8-bit codes over all 256 values, "sub_mul" with offset
+    128, integer zero points, groups of 32 over K = 160 (the dequantizing path of 10 rows crosses no
+    K block; the compressed-tensors tests' K = 256 does)."""
+    g = torch.Generator().manual_seed(2)
+    n, k, group = Q_COLUMNS, 160, 32
+    codes = torch.randint(0, 256, (n, k), generator=g).to(torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) * 0.01 + 0.001
+    zeros = torch.randint(-128, 128, (n, k // group), generator=g).float()
+    w = ck.pack_q4(codes, scales, zeros, group, "sub_mul", 128.0, dtype, bits=8)
+    x = torch.randn(Q_ROWS, k, generator=g).to(dtype)
+    _agree_across_levels(lambda: _outputs_of_every_row_count(w, ck.W_Q8G, n, x))
+
+
+def test_q8g_literal():
+    """One column of 8-bit codes, two groups of 2, offset 128: weights (q - 128 - z) * s =
+    [(0 - 128 - 1) / 2, (255 - 128 - 1) / 2 | (128 + 2) * 3, (129 + 2) * 3] = [-64.5, 63 | 6, 9], so
+    x = [1, 2, 3, 4] gives -64.5 + 126 + 18 + 36 = 115.5, plus the bias 0.5; the panel holds one code
+    a byte, column 0 of each k's 8."""
+    from tests.conftest import at_every_simd_level
+
+    codes = torch.tensor([[0, 255, 128, 129]], dtype=torch.uint8)
+    w = ck.pack_q4(codes, torch.tensor([[0.5, 3.0]]), torch.tensor([[1.0, -2.0]]), 2, "sub_mul", 128.0, torch.float32,
+                   bits=8)
+    assert w[:32].view(4, 8)[:, 0].tolist() == [0, 255, 128, 129] and not w[:32].view(4, 8)[:, 1:].any()
+    assert torch.equal(ck.q4_codes(w, 1, 4, bits=8), codes)
+    out = torch.empty(1, 1)
+    x, bias = torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.tensor([0.5])
+    for level, rc in at_every_simd_level(lambda: ck._LIB.linear(
+            x.data_ptr(), 1, w.data_ptr(), ck.W_Q8G, 4, bias.data_ptr(), 1, out.data_ptr(), 0, 1)).items():
+        assert rc == 0 and out.item() == 116.0, level
+    with pytest.raises(ValueError, match="8 in 'sub_mul'"):
+        ck.pack_q4(codes, torch.ones(1, 2), torch.zeros(1, 2), 2, "fma", 8.0, torch.float32, bits=8)

@@ -1,6 +1,6 @@
 """cpu.packed_codes: a quantized weight's codes held once, in the C kernels' packed bytes. For each
 quantizer the C linears read (torchao int8, optimum-quanto int8 and int4 in both of its forms,
-bitsandbytes nf4, GPTQ where gptqmodel is installed, compressed-tensors' W4A16): after `pack_quantized` the library's code
+bitsandbytes nf4, GPTQ where gptqmodel is installed, compressed-tensors' W4A16 and W8A16): after `pack_quantized` the library's code
 tensors are gone (no live tensor holds their memory), the model's logits and the C linears' outputs
 are bitwise what they were, `state_dict` gives the same plain tensors, an in-place write reaches the
 packed bytes, and `unpack_quantized` (and `hf_plookup.unwrap`) gives plain tensors back. The layouts'
@@ -41,19 +41,23 @@ def _gptq(model):
     return model
 
 
-def _compressed_tensors(model):
-    """The tiny Llama compressed by compressed-tensors (W4A16, groups of 32: eval.lib.quantization)
+def _compressed_tensors(preset: str):
+    """The tiny Llama compressed by compressed-tensors (`preset`, groups of 32: eval.lib.quantization)
     and held compressed (invariant.compressed_tensors), as `wrap` holds a loaded checkpoint."""
-    pytest.importorskip("compressed_tensors")
-    from eval.lib.quantization import compress
-    from hf_plookup.invariant import compressed_tensors
+    def make(model):
+        pytest.importorskip("compressed_tensors")
+        from eval.lib.quantization import compress
+        from hf_plookup.invariant import compressed_tensors
 
-    compress(model, "W4A16", group=32)
-    assert compressed_tensors.hold_compressed(model) == 14
-    return model
+        compress(model, preset, group=32)
+        assert compressed_tensors.hold_compressed(model) == 14
+        return model
+
+    return make
 
 
-HOW = {**QUANTIZERS, "gptq": _gptq, "compressed-tensors": _compressed_tensors}
+HOW = {**QUANTIZERS, "gptq": _gptq, "compressed-tensors": _compressed_tensors("W4A16"),
+       "compressed-tensors-w8": _compressed_tensors("W8A16")}
 # every quantizer in both dtypes, but GPTQ in bfloat16 only (a float32 GPTQ linear is not read by the C
 # linears: invariant.gptq)
 CASES = [pytest.param(how, dtype, id=f"{how}-{str(dtype)[6:]}") for how in HOW for dtype in DTYPES

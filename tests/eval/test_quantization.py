@@ -101,10 +101,12 @@ def _expect(name: str):
                 assert isinstance(linear, bnb.nn.Linear4bit) and linear.weight.dtype == torch.uint8
                 assert linear.weight.quant_state.quant_type == name.split("-")[1]
         return "bitsandbytes", check
-    if name == "ct-w4a16":
+    if name.startswith("ct-"):
+        bits = 4 if name == "ct-w4a16" else 8
+
         def check(linear):  # (decompressed by the model's first forward, as compressed-tensors does)
             w = linear.quantization_scheme.weights
-            assert type(linear) is torch.nn.Linear and (w.num_bits, w.group_size, w.symmetric) == (4, 64, True)
+            assert type(linear) is torch.nn.Linear and (w.num_bits, w.group_size, w.symmetric) == (bits, 64, True)
             assert str(linear.quantization_status.value) in ("compressed", "decompressed")
         return "compressed_tensors", check
     if name.startswith(("gptq", "awq")):

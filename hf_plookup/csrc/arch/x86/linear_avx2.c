@@ -157,9 +157,9 @@ AVX2 void q8_scale_avx2(float* o, int mb, int np, int64_t p, const float* scales
     }
 }
 
-/* W_Q4: values [k0, k0 + kn) of panels p .. p + np - 1 dequantized (q4_value, cpu_kernels.h) into d
- * [np][kn][8], the layout of fp32 panels kn values long, for the fp32 tiles to read from L1. A pair
- * of k is one 8-byte load, widened to 8 lanes. */
+/* W_Q4 and W_Q8G: values [k0, k0 + kn) of panels p .. p + np - 1 dequantized (q4_value, cpu_kernels.h)
+ * into d [np][kn][8], the layout of fp32 panels kn values long, for the fp32 tiles to read from L1. A
+ * pair of k is one 8-byte load of 4-bit codes, or one 16-byte load of 8-bit ones, widened to 8 lanes. */
 #define Q4_KBLOCK 128
 #define PACK_AHEAD_Q4 2048
 /* the constants the two ways of reading codes use, from q4_meta M: an affine form's code q becomes
@@ -177,6 +177,11 @@ AVX2 void q8_scale_avx2(float* o, int mb, int np, int64_t p, const float* scales
     __m256i b_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(P)));                            \
     __m256 F0 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(b_, low), magic)), base); \
     __m256 F1 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(b_, 4), magic)), base)
+/* W_Q8G: the 16 bytes at P, the codes at k, then at k + 1, as Q4_AFFINE's floats */
+#define Q8_AFFINE(P, F0, F1)                                                                            \
+    __m128i b_ = _mm_loadu_si128((const __m128i*)(P));                                                  \
+    __m256 F0 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_cvtepu8_epi32(b_), magic)), base); \
+    __m256 F1 = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_cvtepu8_epi32(_mm_srli_si128(b_, 8)), magic)), base)
 #define Q4_PICK(I) _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, I), _mm256_permutevar8x32_ps(lut_hi, I), \
                                     _mm256_castsi256_ps(_mm256_slli_epi32(I, 28)))
 #define Q4_LUT_CODES(P, F0, F1)                                                                         \
@@ -198,24 +203,24 @@ AVX2 void q8_scale_avx2(float* o, int mb, int np, int64_t p, const float* scales
  * fp16 form is DEQ_SUB_MUL_F16) */
 #define DEQ_MUL_SUB_F16(F, S, Z) RND_F16(_mm256_sub_ps(RND_F16(_mm256_mul_ps(F, S)), Z))
 #define DEQ_LUT_F16(F, S, Z) ((void)(Z), RND_F16(_mm256_mul_ps(F, S)))
-/* NAME_dequant: the dequantization above for one form and dtype (CODES and DEQ; the tables below
- * pick it, as they pick the tiles) */
-#define Q4_DEQUANT(NAME, CODES, DEQ)                                                                    \
+/* NAME_dequant: the dequantization above for one form and dtype (CODES and DEQ) of panels KB bytes a
+ * k (q4_kbytes; the tables below pick it, as they pick the tiles) */
+#define Q4_DEQUANT(NAME, CODES, DEQ, KB)                                                                \
     AVX2 static void NAME##_dequant(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, \
                                     float* d) {                                                         \
-        const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));                        \
+        const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K, KB));                    \
         const int64_t G = m->group;                                                                     \
         Q4_CONSTANTS(m);                                                                                \
         for (int j = 0; j < np; j++) {                                                                  \
-            const uint8_t* src = (const uint8_t*)wp + (p + j) * (K / 2) * 8;                            \
+            const uint8_t* src = (const uint8_t*)wp + (p + j) * K * KB;                                 \
             float* dj = d + j * kn * 8 - k0 * 8;                                                        \
             for (int64_t k = k0; k < k0 + kn;) {                                                        \
                 int64_t end = (k / G + 1) * G < k0 + kn ? (k / G + 1) * G : k0 + kn;                    \
-                const float* sz = q4_scales(wp, P, K, p + j, k / G);                                    \
+                const float* sz = q4_scales(wp, P, K, KB, p + j, k / G);                                \
                 __m256 sc = _mm256_loadu_ps(sz), sh = _mm256_loadu_ps(sz + 8);                          \
                 for (; k < end; k += 2) {                                                               \
-                    if (!(k & 15)) _mm_prefetch((const char*)(src + k * 4) + PACK_AHEAD_Q4, _MM_HINT_T1); \
-                    CODES(src + k * 4, f0, f1);                                                         \
+                    if (!(k & (64 / KB - 1))) _mm_prefetch((const char*)(src + k * KB) + PACK_AHEAD_Q4, _MM_HINT_T1); \
+                    CODES(src + k * KB, f0, f1);                                                        \
                     _mm256_storeu_ps(dj + k * 8, DEQ(f0, sc, sh));                                      \
                     _mm256_storeu_ps(dj + (k + 1) * 8, DEQ(f1, sc, sh));                                \
                 }                                                                                       \
@@ -224,10 +229,10 @@ AVX2 void q8_scale_avx2(float* o, int mb, int np, int64_t p, const float* scales
     }
 typedef void (*q4deq_fn)(const void* wp, int64_t P, int64_t K, int64_t p, int np, int64_t k0, int64_t kn, float* d);
 
-/* a W_Q4 tile of up to 9 rows (no K blocks): the panels' codes dequantized in registers, pair by
- * pair, each value then one FMA per row into the same chains as the fp32 tile's; CODES and DEQ say
- * the form (the same arithmetic as NAME_dequant's) */
-#define PTILE_Q4(NAME, CODES, DEQ, MB, NP)                                                              \
+/* a W_Q4 (or W_Q8G) tile of up to 9 rows (no K blocks): the panels' codes dequantized in registers,
+ * pair by pair, each value then one FMA per row into the same chains as the fp32 tile's; CODES, DEQ
+ * and KB say the form (the same arithmetic as NAME_dequant's) */
+#define PTILE_Q4(NAME, CODES, DEQ, KB, MB, NP)                                                          \
     AVX2 static void NAME##_##MB##x##NP(const float* xt, int64_t ldx, const uint8_t* wp, int64_t K, const float* sz, \
                                         int64_t szld, const q4_meta* m, float* o) {                     \
         Q4_CONSTANTS(m);                                                                                \
@@ -243,8 +248,8 @@ typedef void (*q4deq_fn)(const void* wp, int64_t P, int64_t K, int64_t p, int np
             for (int64_t k = g0; k < g0 + G; k += 2) {                                                  \
                 __m256 w0[NP], w1[NP];                                                                  \
                 UNROLL for (int j = 0; j < NP; j++) {                                                   \
-                    const uint8_t* p = wp + (j * K + k) * 4;                                            \
-                    if (!(k & 15)) _mm_prefetch((const char*)p + PACK_AHEAD_Q4, _MM_HINT_T1);           \
+                    const uint8_t* p = wp + (j * K + k) * KB;                                           \
+                    if (!(k & (64 / KB - 1))) _mm_prefetch((const char*)p + PACK_AHEAD_Q4, _MM_HINT_T1); \
                     CODES(p, f0, f1);                                                                   \
                     w0[j] = DEQ(f0, sc[j], sh[j]);                                                      \
                     w1[j] = DEQ(f1, sc[j], sh[j]);                                                      \
@@ -263,17 +268,21 @@ typedef void (*q4deq_fn)(const void* wp, int64_t P, int64_t K, int64_t p, int np
     }
 typedef void (*q4tile_fn)(const float* xt, int64_t ldx, const uint8_t* wp, int64_t K, const float* sz, int64_t szld,
                           const q4_meta* m, float* o);
-#define Q4_TILES(NAME, CODES, DEQ)                                                                      \
-    Q4_DEQUANT(NAME, CODES, DEQ)                                                                        \
-    PTILE_Q4(NAME, CODES, DEQ, 1, 1) PTILE_Q4(NAME, CODES, DEQ, 2, 1) PTILE_Q4(NAME, CODES, DEQ, 3, 1)   \
-    PTILE_Q4(NAME, CODES, DEQ, 4, 1) PTILE_Q4(NAME, CODES, DEQ, 5, 1) PTILE_Q4(NAME, CODES, DEQ, 6, 1)   \
-    PTILE_Q4(NAME, CODES, DEQ, 7, 1) PTILE_Q4(NAME, CODES, DEQ, 8, 1) PTILE_Q4(NAME, CODES, DEQ, 9, 1)   \
-    PTILE_Q4(NAME, CODES, DEQ, 1, 4) PTILE_Q4(NAME, CODES, DEQ, 2, 4) PTILE_Q4(NAME, CODES, DEQ, 3, 3)   \
-    PTILE_Q4(NAME, CODES, DEQ, 4, 3) PTILE_Q4(NAME, CODES, DEQ, 5, 2) PTILE_Q4(NAME, CODES, DEQ, 6, 2)   \
+#define Q4_TILES_KB(NAME, CODES, DEQ, KB)                                                               \
+    Q4_DEQUANT(NAME, CODES, DEQ, KB)                                                                    \
+    PTILE_Q4(NAME, CODES, DEQ, KB, 1, 1) PTILE_Q4(NAME, CODES, DEQ, KB, 2, 1)                           \
+    PTILE_Q4(NAME, CODES, DEQ, KB, 3, 1) PTILE_Q4(NAME, CODES, DEQ, KB, 4, 1)                           \
+    PTILE_Q4(NAME, CODES, DEQ, KB, 5, 1) PTILE_Q4(NAME, CODES, DEQ, KB, 6, 1)                           \
+    PTILE_Q4(NAME, CODES, DEQ, KB, 7, 1) PTILE_Q4(NAME, CODES, DEQ, KB, 8, 1)                           \
+    PTILE_Q4(NAME, CODES, DEQ, KB, 9, 1) PTILE_Q4(NAME, CODES, DEQ, KB, 1, 4)                           \
+    PTILE_Q4(NAME, CODES, DEQ, KB, 2, 4) PTILE_Q4(NAME, CODES, DEQ, KB, 3, 3)                           \
+    PTILE_Q4(NAME, CODES, DEQ, KB, 4, 3) PTILE_Q4(NAME, CODES, DEQ, KB, 5, 2)                           \
+    PTILE_Q4(NAME, CODES, DEQ, KB, 6, 2)                                                                \
     static const q4tile_fn NAME##_wide[] = {0, NAME##_1x4, NAME##_2x4, NAME##_3x3, NAME##_4x3, NAME##_5x2, \
                                             NAME##_6x2, NAME##_7x1, NAME##_8x1, NAME##_9x1};             \
     static const q4tile_fn NAME##_one[] = {0, NAME##_1x1, NAME##_2x1, NAME##_3x1, NAME##_4x1, NAME##_5x1, \
                                            NAME##_6x1, NAME##_7x1, NAME##_8x1, NAME##_9x1};
+#define Q4_TILES(NAME, CODES, DEQ) Q4_TILES_KB(NAME, CODES, DEQ, 4)
 Q4_TILES(pq4fma, Q4_AFFINE, DEQ_FMA)
 Q4_TILES(pq4ms, Q4_AFFINE, DEQ_MUL_SUB)
 Q4_TILES(pq4msb, Q4_AFFINE, DEQ_MUL_SUB_BF16)
@@ -285,6 +294,9 @@ Q4_TILES(pq4msh, Q4_AFFINE, DEQ_MUL_SUB_F16)
 Q4_TILES(pq4luth, Q4_LUT_CODES, DEQ_LUT_F16)
 Q4_TILES(pq4sm, Q4_AFFINE, DEQ_SUB_MUL)
 Q4_TILES(pq4smb, Q4_AFFINE, DEQ_SUB_MUL_BF16)
+Q4_TILES_KB(pq8gsm, Q8_AFFINE, DEQ_SUB_MUL, 8)
+Q4_TILES_KB(pq8gsmb, Q8_AFFINE, DEQ_SUB_MUL_BF16, 8)
+Q4_TILES_KB(pq8gsmh, Q8_AFFINE, DEQ_SUB_MUL_F16, 8)
 /* by form (Q4_MUL_SUB, Q4_FMA, Q4_LUT, Q4_SUB_MUL_F16, Q4_SUB_MUL) and dtype (DT_F32, DT_BF16, DT_F16): the tiles
  * of up to 9 rows, as pf32_wide and pf32_one, and the dequantization of more rows' K blocks */
 static const q4tile_fn* const q4_wide[5][3] = {{pq4ms_wide, pq4msb_wide, pq4msh_wide},
@@ -302,22 +314,27 @@ static const q4deq_fn q4_deq[5][3] = {{pq4ms_dequant, pq4msb_dequant, pq4msh_deq
                                       {pq4lut_dequant, pq4lutb_dequant, pq4luth_dequant},
                                       {pq4smh_dequant, pq4smhb_dequant, pq4smh_dequant},
                                       {pq4sm_dequant, pq4smb_dequant, pq4smh_dequant}};
+/* W_Q8G's (its one form, Q4_SUB_MUL) by dtype */
+static const q4tile_fn* const q8g_wide[3] = {pq8gsm_wide, pq8gsmb_wide, pq8gsmh_wide};
+static const q4tile_fn* const q8g_one[3] = {pq8gsm_one, pq8gsmb_one, pq8gsmh_one};
+static const q4deq_fn q8g_deq[3] = {pq8gsm_dequant, pq8gsmb_dequant, pq8gsmh_dequant};
 
-/* linear_range_avx2 for a W_Q4 weight: up to 9 rows by the W_Q4 tiles; more by the fp32 tiles over
+/* linear_range_avx2 for a W_Q4 or W_Q8G weight: up to 9 rows by its tiles; more by the fp32 tiles over
  * its values dequantized Q4_KBLOCK values of k at a time (once for every MANY_BLOCK_ROWS rows), each tile's
  * chains going on from its stored sums (init). Either way every output is the W_FLOAT chain over
  * the dequantized weight. */
-AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int64_t K, const void* bias, int64_t p_lo,
-                                 int64_t p_hi, void* out, int64_t N, int64_t dt) {
-    int64_t P = (N + 7) / 8;
-    const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K));
+AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K,
+                                 const void* bias, int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
+    int64_t P = (N + 7) / 8, kb = q4_kbytes(wkind);
+    const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K, kb));
+    int g8 = wkind == W_Q8G;
     if (M <= 9) {
-        const q4tile_fn *wide = q4_wide[m->form][dt], *one = q4_one[m->form][dt];
+        const q4tile_fn *wide = g8 ? q8g_wide[dt] : q4_wide[m->form][dt], *one = g8 ? q8g_one[dt] : q4_one[m->form][dt];
         float o[9 * 32];
         int np = pf32_np[M];
         for (int64_t p = p_lo; p < p_hi;) {
             int n = p + np <= p_hi ? np : 1;
-            (n == np ? wide : one)[M](xt, M, (const uint8_t*)wp + p * K * 4, K, q4_scales(wp, P, K, p, 0),
+            (n == np ? wide : one)[M](xt, M, (const uint8_t*)wp + p * K * kb, K, q4_scales(wp, P, K, kb, p, 0),
                                       K / m->group * 16, m, o);
             packed_store_avx2(o, (int)M, n, 0, p, bias, out, N, (int)dt);
             p += n;
@@ -333,7 +350,7 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
             int64_t b1 = b0 + MANY_BLOCK_ROWS / B < blocks ? b0 + MANY_BLOCK_ROWS / B : blocks;
             for (int64_t k0 = 0; k0 < K; k0 += Q4_KBLOCK) {
                 int64_t kn = K - k0 < Q4_KBLOCK ? K - k0 : Q4_KBLOCK;
-                q4_deq[m->form][dt](wp, P, K, p, n, k0, kn, d);
+                (g8 ? q8g_deq[dt] : q4_deq[m->form][dt])(wp, P, K, p, n, k0, kn, d);
                 for (int64_t b = b0; b < b1; b++) {
                     int64_t mb, at = x_at(M, B, K, b * B, &mb), m0 = b * B;
                     (n == MANY_PANELS ? pf32_many : pf32_one)[mb](xt + at + k0 * mb, mb, d, kn, kn,
@@ -351,8 +368,8 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
  * blocks of rows (MANY_ROWS, cpu_kernels.h) */
 void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                        int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
-    if (wkind == W_Q4) {
-        linear_range_q4(xt, M, wp, K2, bias, p_lo, p_hi, out, N, dt);
+    if (wkind == W_Q4 || wkind == W_Q8G) {
+        linear_range_q4(xt, M, wp, wkind, K2, bias, p_lo, p_hi, out, N, dt);
         return;
     }
     int q8 = wkind == W_Q8;

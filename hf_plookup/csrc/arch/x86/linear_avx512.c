@@ -1,4 +1,4 @@
-/* W_Q4 and W_Q8 linears of up to 9 rows on AVX-512 (level 2): the AVX2 tiles of those kinds
+/* W_Q4, W_Q8G and W_Q8 linears of up to 9 rows on AVX-512 (level 2): the AVX2 tiles of those kinds
  * (linear_avx2.c) with two panels in each 16-lane vector, lanes 0-7 the first panel's 8 columns and
  * 8-15 the next one's.
  *
@@ -60,6 +60,19 @@ AVX512_INLINE __m512 rnd16(__m512 v) {
     __m512 F1 = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_srli_epi32(B, 4), magic)), base)
 #define Q4_LUT16(B, F0, F1)                                                                             \
     __m512 F0 = _mm512_permutexvar_ps(B, lut), F1 = _mm512_permutexvar_ps(_mm512_srli_epi32(B, 4), lut)
+/* the floats F0, F1 of the codes at k and k + 1 of pair of panels J of a tile whose first panel is at
+ * W (K values long): 4-bit codes (a pair of k in 8 bytes of each panel) read by CODES, or W_Q8G's 8-bit
+ * codes (8 bytes of each panel a k) as Q4_AFFINE16's floats; prefetched every 64 bytes of a panel */
+#define READ4_16(CODES, W, J, K, k, F0, F1)                                                             \
+    __m512i b_ = _mm512_cvtepu8_epi32(two_panels(W + (2 * J * K + k) * 4, K * 4, !(k & 15), PACK_AHEAD_Q4)); \
+    CODES(b_, F0, F1)
+#define READ_AFFINE16(W, J, K, k, F0, F1) READ4_16(Q4_AFFINE16, W, J, K, k, F0, F1)
+#define READ_LUT16(W, J, K, k, F0, F1) READ4_16(Q4_LUT16, W, J, K, k, F0, F1)
+#define READ_Q8G16(W, J, K, k, F0, F1)                                                                  \
+    __m512i b0_ = _mm512_cvtepu8_epi32(two_panels(W + (2 * J * K + k) * 8, K * 8, !(k & 7), PACK_AHEAD_Q4)); \
+    __m512i b1_ = _mm512_cvtepu8_epi32(two_panels(W + (2 * J * K + k + 1) * 8, K * 8, 0, PACK_AHEAD_Q4));   \
+    __m512 F0 = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(b0_, magic)), base);                  \
+    __m512 F1 = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(b1_, magic)), base)
 /* each form's dequantization, as the DEQ_ macros of linear_avx2.c */
 #define DEQ16_FMA(F, S, Z) _mm512_fmadd_ps(F, S, Z)
 #define DEQ16_MUL_SUB(F, S, Z) _mm512_sub_ps(_mm512_mul_ps(F, S), Z)
@@ -74,8 +87,8 @@ AVX512_INLINE __m512 rnd16(__m512 v) {
 #define DEQ16_SUB_MUL_BF16(F, S, Z) rnd16_number(DEQ16_SUB_MUL(F, S, Z))
 
 /* a tile of MB rows over NP pairs of panels, the first at wp: as PTILE_Q4 (linear_avx2.c), its sums
- * stored as that tile's of 2 NP panels */
-#define PTILE_Q4_16(NAME, CODES, DEQ, MB, NP)                                                           \
+ * stored as that tile's of 2 NP panels; READ says the codes */
+#define PTILE_Q4_16(NAME, READ, DEQ, MB, NP)                                                            \
     AVX512 static void NAME##_##MB##x##NP(const float* xt, int64_t ldx, const uint8_t* wp, int64_t K, const float* sz, \
                                           int64_t szld, const q4_meta* m, float* o) {                   \
         Q4_CONSTANTS16(m);                                                                              \
@@ -92,8 +105,7 @@ AVX512_INLINE __m512 rnd16(__m512 v) {
             for (int64_t k = g0; k < g0 + G; k += 2) {                                                  \
                 __m512 w0[NP], w1[NP];                                                                  \
                 UNROLL for (int j = 0; j < NP; j++) {                                                   \
-                    __m512i b_ = _mm512_cvtepu8_epi32(two_panels(wp + (2 * j * K + k) * 4, K * 4, !(k & 15), PACK_AHEAD_Q4)); \
-                    CODES(b_, f0, f1);                                                                  \
+                    READ(wp, j, K, k, f0, f1);                                                          \
                     w0[j] = DEQ(f0, sc[j], sh[j]);                                                      \
                     w1[j] = DEQ(f1, sc[j], sh[j]);                                                      \
                 }                                                                                       \
@@ -116,28 +128,31 @@ typedef void (*q4tile16_fn)(const float* xt, int64_t ldx, const uint8_t* wp, int
  * pairs, not 4: 4 streams of codes a thread, as level 1's 1-row tile reads, ran faster than 8
  * (docs/measurements/cpu-xeon-2026-11-30-q4-avx512/NOTES.md) */
 static const int tile_pairs[] = {0, 2, 4, 3, 3, 2, 2, 2, 2, 1};
-#define Q4_TILES16(NAME, CODES, DEQ)                                                                    \
-    PTILE_Q4_16(NAME, CODES, DEQ, 1, 1) PTILE_Q4_16(NAME, CODES, DEQ, 2, 1) PTILE_Q4_16(NAME, CODES, DEQ, 3, 1) \
-    PTILE_Q4_16(NAME, CODES, DEQ, 4, 1) PTILE_Q4_16(NAME, CODES, DEQ, 5, 1) PTILE_Q4_16(NAME, CODES, DEQ, 6, 1) \
-    PTILE_Q4_16(NAME, CODES, DEQ, 7, 1) PTILE_Q4_16(NAME, CODES, DEQ, 8, 1) PTILE_Q4_16(NAME, CODES, DEQ, 9, 1) \
-    PTILE_Q4_16(NAME, CODES, DEQ, 1, 2) PTILE_Q4_16(NAME, CODES, DEQ, 2, 4) PTILE_Q4_16(NAME, CODES, DEQ, 3, 3) \
-    PTILE_Q4_16(NAME, CODES, DEQ, 4, 3) PTILE_Q4_16(NAME, CODES, DEQ, 5, 2) PTILE_Q4_16(NAME, CODES, DEQ, 6, 2) \
-    PTILE_Q4_16(NAME, CODES, DEQ, 7, 2) PTILE_Q4_16(NAME, CODES, DEQ, 8, 2)                             \
+#define Q4_TILES16(NAME, READ, DEQ)                                                                     \
+    PTILE_Q4_16(NAME, READ, DEQ, 1, 1) PTILE_Q4_16(NAME, READ, DEQ, 2, 1) PTILE_Q4_16(NAME, READ, DEQ, 3, 1) \
+    PTILE_Q4_16(NAME, READ, DEQ, 4, 1) PTILE_Q4_16(NAME, READ, DEQ, 5, 1) PTILE_Q4_16(NAME, READ, DEQ, 6, 1) \
+    PTILE_Q4_16(NAME, READ, DEQ, 7, 1) PTILE_Q4_16(NAME, READ, DEQ, 8, 1) PTILE_Q4_16(NAME, READ, DEQ, 9, 1) \
+    PTILE_Q4_16(NAME, READ, DEQ, 1, 2) PTILE_Q4_16(NAME, READ, DEQ, 2, 4) PTILE_Q4_16(NAME, READ, DEQ, 3, 3) \
+    PTILE_Q4_16(NAME, READ, DEQ, 4, 3) PTILE_Q4_16(NAME, READ, DEQ, 5, 2) PTILE_Q4_16(NAME, READ, DEQ, 6, 2) \
+    PTILE_Q4_16(NAME, READ, DEQ, 7, 2) PTILE_Q4_16(NAME, READ, DEQ, 8, 2)                              \
     static const q4tile16_fn NAME##_wide[] = {0, NAME##_1x2, NAME##_2x4, NAME##_3x3, NAME##_4x3, NAME##_5x2, \
                                               NAME##_6x2, NAME##_7x2, NAME##_8x2, NAME##_9x1};           \
     static const q4tile16_fn NAME##_one[] = {0, NAME##_1x1, NAME##_2x1, NAME##_3x1, NAME##_4x1, NAME##_5x1, \
                                              NAME##_6x1, NAME##_7x1, NAME##_8x1, NAME##_9x1};
-Q4_TILES16(zq4fma, Q4_AFFINE16, DEQ16_FMA)
-Q4_TILES16(zq4ms, Q4_AFFINE16, DEQ16_MUL_SUB)
-Q4_TILES16(zq4msb, Q4_AFFINE16, DEQ16_MUL_SUB_BF16)
-Q4_TILES16(zq4msh, Q4_AFFINE16, DEQ16_MUL_SUB_F16)
-Q4_TILES16(zq4lut, Q4_LUT16, DEQ16_LUT)
-Q4_TILES16(zq4lutb, Q4_LUT16, DEQ16_LUT_BF16)
-Q4_TILES16(zq4luth, Q4_LUT16, DEQ16_LUT_F16)
-Q4_TILES16(zq4smh, Q4_AFFINE16, DEQ16_SUB_MUL_F16)
-Q4_TILES16(zq4smhb, Q4_AFFINE16, DEQ16_SUB_MUL_F16_BF16)
-Q4_TILES16(zq4sm, Q4_AFFINE16, DEQ16_SUB_MUL)
-Q4_TILES16(zq4smb, Q4_AFFINE16, DEQ16_SUB_MUL_BF16)
+Q4_TILES16(zq4fma, READ_AFFINE16, DEQ16_FMA)
+Q4_TILES16(zq4ms, READ_AFFINE16, DEQ16_MUL_SUB)
+Q4_TILES16(zq4msb, READ_AFFINE16, DEQ16_MUL_SUB_BF16)
+Q4_TILES16(zq4msh, READ_AFFINE16, DEQ16_MUL_SUB_F16)
+Q4_TILES16(zq4lut, READ_LUT16, DEQ16_LUT)
+Q4_TILES16(zq4lutb, READ_LUT16, DEQ16_LUT_BF16)
+Q4_TILES16(zq4luth, READ_LUT16, DEQ16_LUT_F16)
+Q4_TILES16(zq4smh, READ_AFFINE16, DEQ16_SUB_MUL_F16)
+Q4_TILES16(zq4smhb, READ_AFFINE16, DEQ16_SUB_MUL_F16_BF16)
+Q4_TILES16(zq4sm, READ_AFFINE16, DEQ16_SUB_MUL)
+Q4_TILES16(zq4smb, READ_AFFINE16, DEQ16_SUB_MUL_BF16)
+Q4_TILES16(zq8gsm, READ_Q8G16, DEQ16_SUB_MUL)
+Q4_TILES16(zq8gsmb, READ_Q8G16, DEQ16_SUB_MUL_BF16)
+Q4_TILES16(zq8gsmh, READ_Q8G16, DEQ16_SUB_MUL_F16)
 /* by form and dtype, as q4_wide and q4_one (linear_avx2.c) */
 static const q4tile16_fn* const q4_wide16[5][3] = {{zq4ms_wide, zq4msb_wide, zq4msh_wide},
                                                    {zq4fma_wide, zq4fma_wide, zq4fma_wide},
@@ -149,6 +164,9 @@ static const q4tile16_fn* const q4_one16[5][3] = {{zq4ms_one, zq4msb_one, zq4msh
                                                   {zq4lut_one, zq4lutb_one, zq4luth_one},
                                                   {zq4smh_one, zq4smhb_one, zq4smh_one},
                                                   {zq4sm_one, zq4smb_one, zq4smh_one}};
+/* W_Q8G's (its one form, Q4_SUB_MUL) by dtype */
+static const q4tile16_fn* const q8g_wide16[3] = {zq8gsm_wide, zq8gsmb_wide, zq8gsmh_wide};
+static const q4tile16_fn* const q8g_one16[3] = {zq8gsm_one, zq8gsmb_one, zq8gsmh_one};
 
 /* W_Q8: a tile of MB rows over NP pairs of panels (K2 values long, the first at wp), as the W_Q8 tiles
  * of linear_avx2.c: each k the 8 bytes of each panel widened to floats (exact), one FMA a row */
@@ -176,18 +194,20 @@ PTILE_Q8_16(4, 3) PTILE_Q8_16(5, 2) PTILE_Q8_16(6, 2) PTILE_Q8_16(7, 2) PTILE_Q8
 static const q8tile16_fn zq8_wide[] = {0, zq8_1x2, zq8_2x4, zq8_3x3, zq8_4x3, zq8_5x2, zq8_6x2, zq8_7x2, zq8_8x2, zq8_9x1};
 static const q8tile16_fn zq8_one[] = {0, zq8_1x1, zq8_2x1, zq8_3x1, zq8_4x1, zq8_5x1, zq8_6x1, zq8_7x1, zq8_8x1, zq8_9x1};
 
-/* linear_range_avx2 with W_Q4 and W_Q8 weights of up to 9 rows on the tiles above */
+/* linear_range_avx2 with W_Q4, W_Q8G and W_Q8 weights of up to 9 rows on the tiles above */
 void linear_range_avx512(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                          int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
     int64_t p = p_lo, P = (N + 7) / 8;
     float o[9 * 64];
     int np = tile_pairs[M <= 9 ? M : 0]; /* (the W_Q8 tiles: as the W_Q4 ones) */
-    if (wkind == W_Q4 && M <= 9) {
-        const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K2));
-        const q4tile16_fn *wide = q4_wide16[m->form][dt], *one = q4_one16[m->form][dt];
+    if ((wkind == W_Q4 || wkind == W_Q8G) && M <= 9) {
+        int64_t kb = q4_kbytes(wkind);
+        const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K2, kb));
+        const q4tile16_fn *wide = wkind == W_Q8G ? q8g_wide16[dt] : q4_wide16[m->form][dt];
+        const q4tile16_fn *one = wkind == W_Q8G ? q8g_one16[dt] : q4_one16[m->form][dt];
         for (; p + 2 <= p_hi;) {
             int n = p + 2 * np <= p_hi ? np : 1;
-            (n == np ? wide : one)[M](xt, M, (const uint8_t*)wp + p * K2 * 4, K2, q4_scales(wp, P, K2, p, 0),
+            (n == np ? wide : one)[M](xt, M, (const uint8_t*)wp + p * K2 * kb, K2, q4_scales(wp, P, K2, kb, p, 0),
                                       K2 / m->group * 16, m, o);
             packed_store_avx2(o, (int)M, 2 * n, 0, p, bias, out, N, (int)dt);
             p += 2 * n;
