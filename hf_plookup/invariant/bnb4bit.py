@@ -82,28 +82,44 @@ class Bnb4bitWeight(ModuleWeight):
 
         return bnb.matmul_4bit(x, self.param, quant_state=self.quant_state, bias=bias)
 
-    def q4_fields(self):
-        """The `cpu.kernels.Q4Parts` of this weight in the "lut" form (codes [N, K], absmax [N, K /
-        blocksize] float32 as the scales, the codebook) where the C linears can read it, else None
-        (`cpu.kernels.q4_parts` checked the device and the dtype)."""
-        from ..cpu.kernels import Q4Parts, nibble_codes
-
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(the codes' tensor, N K / 2 bytes in the flat layout, the absmax [N, K / blocksize]
+        float32 with a nested one undone, the codebook [16] float32) where a kernel of the flat
+        layout can read this weight, else None: codes repacked or not uint8, a block spanning two
+        rows, an odd block, no 16-value codebook, or an absmax that is not a finite number (the C
+        linears' bf16 rounding of its products assumes numbers). The absmax is resolved once per
+        version of the quant state's."""
         state, param = self.quant_state, self.param
         n, k = state.shape
         group = int(state.blocksize)
         if (_repacked(state) or param.dtype != torch.uint8 or param.numel() * 2 != n * k or k % group or group % 2
                 or state.code is None or state.code.numel() != 16):
             return None
-        absmax = state.absmax
-        if state.nested:  # the absmax quantized again, as bitsandbytes' gemm_4bit undoes it
-            import bitsandbytes.functional as bnb_f
+        key = (state.absmax.data_ptr(), state.absmax._version)
+        if getattr(self, "_flat", (None,))[0] != key:
+            absmax = state.absmax
+            if state.nested:  # the absmax quantized again, as bitsandbytes' gemm_4bit undoes it
+                import bitsandbytes.functional as bnb_f
 
-            absmax = bnb_f.dequantize_blockwise(state.absmax, state.state2) + state.offset
-        absmax = absmax.float().reshape(n, k // group)
-        if not bool(torch.isfinite(absmax).all()):  # (the C linears' bf16 rounding of its products assumes numbers)
+                absmax = bnb_f.dequantize_blockwise(state.absmax, state.state2) + state.offset
+            absmax = absmax.float().reshape(n, k // group)
+            parts = (param, absmax, state.code.float()) if bool(torch.isfinite(absmax).all()) else None
+            self._flat = (key, parts)
+        return self._flat[1]
+
+    def q4_fields(self):
+        """The `cpu.kernels.Q4Parts` of this weight in the "lut" form (codes [N, K], absmax [N, K /
+        blocksize] float32 as the scales, the codebook) where the C linears can read it (`flat`),
+        else None (`cpu.kernels.q4_parts` checked the device and the dtype)."""
+        from ..cpu.kernels import Q4Parts, nibble_codes
+
+        flat = self.flat()
+        if flat is None:
             return None
-
-        return Q4Parts(lambda: nibble_codes(param.data, n, k), absmax, torch.zeros_like(absmax), group, "lut", 0.0, param, state.code.float())
+        param, absmax, code = flat
+        n, k = self.quant_state.shape
+        return Q4Parts(lambda: nibble_codes(param.data, n, k), absmax, torch.zeros_like(absmax),
+                       int(self.quant_state.blocksize), "lut", 0.0, param, code)
 
 
 def compute_dtype(module: torch.nn.Module) -> torch.dtype:

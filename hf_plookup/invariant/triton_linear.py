@@ -9,6 +9,12 @@ nothing the batch decides) and no split-K: every output element is the same sequ
 tile, then one rounding to the input dtype. Invariant mode (invariant.linears) uses it for the
 decode rows of every `nn.Linear` on CUDA when cuBLAS's own rows fail the row check.
 
+bitsandbytes' 4-bit weights (nf4 and fp4 in their flat layout, invariant.bnb4bit) are read from
+their codes by a kernel of the same tiles (`_bnb4_row_linear_kernel`): bitsandbytes' own linear
+takes a GEMV for one row and dequantizes the whole weight before a GEMM for more, so a verify step
+of a few rows would cost a full dequantization per linear and round apart from a 1-row step; this
+kernel makes each tile's values from the codes as it streams them, once for up to 16 rows.
+
 The weights are read in their `nn.Linear` layout (`[N, K]`, no copy); each program streams a
 `[BLOCK_N, K]` slab once for its `BLOCK_M` rows, so a verify step of up to 16 rows reads every
 weight once, as a 1-token step does. Under the Triton interpreter (TRITON_INTERPRET=1, the CPU
@@ -58,15 +64,74 @@ def _row_linear_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _bnb4_row_linear_kernel(
+    x_ptr, codes_ptr, absmax_ptr, code_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+    BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, SUM_DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
+):
+    """`_row_linear_kernel` over bitsandbytes' flat 4-bit weight: each [BLOCK_N, BLOCK_K] tile of the
+    weight made from its codes (byte i holds the codes of elements 2i, high nibble, and 2i + 1),
+    codebook[code] * absmax[element / BLOCKSIZE] in float32 rounded to x's dtype, bitsandbytes'
+    own dequantized value; then the same products and sums as that kernel's."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        at = offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]  # the element's place in the flat weight
+        byte = tl.load(codes_ptr + at // 2, mask=w_ok, other=0).to(tl.int32)
+        q = tl.where(at % 2 == 0, byte >> 4, byte & 15)
+        v = tl.load(code_ptr + q, mask=w_ok, other=0.0) * tl.load(absmax_ptr + at // BLOCKSIZE, mask=w_ok, other=0.0)
+        if ROUND_BF16:  # to nearest even in integer steps (the interpreter's cast truncates); v is a number
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            v = bits.to(tl.float32, bitcast=True)
+        w = v.to(x_ptr.dtype.element_ty)
+        if SUM_DOT:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif FP32_DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _bnb4(weight: torch.Tensor):
+    """A bitsandbytes 4-bit weight's flat parts (invariant.bnb4bit.Bnb4bitWeight.flat), else None."""
+    if type(weight).__name__ != "Bnb4bitWeight":
+        return None
+    return weight.flat()
+
+
 def supported(weight: torch.Tensor) -> bool:
     """Whether invariant mode's strategy check tries this kernel on the weight: a plain 2-D float
-    CUDA tensor (tests call `row_linear` under the interpreter directly)."""
-    plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
-    return plain and weight.device.type == "cuda" and weight.dtype in DTYPES and weight.dim() == 2
+    CUDA tensor, or a bitsandbytes 4-bit one in its flat layout (tests call `row_linear` under the
+    interpreter directly)."""
+    if weight.device.type != "cuda" or weight.dtype not in DTYPES or weight.dim() != 2:
+        return False
+    return type(weight) in (torch.Tensor, torch.nn.Parameter) or _bnb4(weight) is not None
 
 
 def row_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2d [M, K] -> [M, N] in x's dtype, each row computed as it would be alone."""
+    """x2d [M, K] -> [M, N] in x's dtype, each row computed as it would be alone. A bitsandbytes
+    4-bit weight (`supported`) is read from its codes: a verify step of a few rows streams them
+    once, where bitsandbytes' own many-row path dequantizes the whole weight first; its rows are
+    bitwise those of this kernel over the dequantized weight.
+
+    Example: for a `Linear4bit` `module` in float32, `row_linear(x, linear_weight(module), None)`
+    equals `row_linear(x, dequantize_4bit(module.weight, module.weight.quant_state), None)`."""
+    bnb4 = _bnb4(weight)
+    if bnb4 is not None:
+        return _bnb4_row_linear(x2d, weight, bnb4, bias)
     x = x2d.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     m, k = x.shape
@@ -77,5 +142,21 @@ def row_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         FP32_DOT=x.dtype == torch.float32, SUM_DOT=INTERPRETED,
+    )
+    return out
+
+
+def _bnb4_row_linear(x2d: torch.Tensor, weight: torch.Tensor, parts, bias: torch.Tensor | None) -> torch.Tensor:
+    codes, absmax, code = parts
+    x = x2d.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _bnb4_row_linear_kernel[grid](
+        x, codes.reshape(-1), absmax.reshape(-1), code, bias if bias is not None else x, out, m, n, k,
+        x.stride(0), out.stride(0), BLOCKSIZE=(n * k) // absmax.numel(), HAS_BIAS=bias is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, FP32_DOT=x.dtype == torch.float32, SUM_DOT=INTERPRETED,
+        ROUND_BF16=x.dtype == torch.bfloat16,
     )
     return out

@@ -436,6 +436,47 @@ def test_triton_row_linear_rows_do_not_depend_on_the_call(dtype):
             assert torch.equal(row_linear(x[-m:], w, b), alone[-m:])
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax", "nested-absmax"])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_row_linear_reads_bitsandbytes_4bit_codes(dtype, quant_type, nested):
+    """The Triton row linear over a bitsandbytes `Linear4bit`'s flat codes (invariant.bnb4bit's
+    view): bitwise the same kernel over the weight bitsandbytes itself dequantizes
+    (`dequantize_4bit`, the compute dtype), every row as alone; blocks of 64 over K = 192 (three
+    tiles of K, a block never spanning two), N off the tile width."""
+    if importlib.util.find_spec("triton") is None:  # pragma: no cover
+        pytest.skip("triton is not installed")
+    bnb = pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as bnb_f
+
+    from hf_plookup.invariant import bnb4bit
+    from hf_plookup.invariant.triton_linear import row_linear, supported
+
+    g = torch.Generator().manual_seed(6)
+    n_out, k = 40, 192
+    module = bnb.nn.Linear4bit(k, n_out, bias=True, compute_dtype=dtype, compress_statistics=nested,
+                               quant_type=quant_type)
+    with torch.no_grad():
+        module.weight = bnb.nn.Params4bit(torch.randn(n_out, k, generator=g), requires_grad=False,
+                                          compress_statistics=nested, quant_type=quant_type, blocksize=64)
+        module.bias.copy_(torch.randn(n_out, generator=g))
+    module = module.to(DEVICE)  # (moving it quantizes the weight)
+    state = module.weight.quant_state
+    assert bool(state.nested) == nested and state.blocksize == 64
+    w = bnb4bit.linear_weight(module)
+    assert w.flat() is not None and supported(w) == (DEVICE == "cuda")
+    values = bnb_f.dequantize_4bit(module.weight.data, state).to(dtype)
+    bias = module.bias.to(dtype)
+    x = torch.randn(21, k, generator=g).to(DEVICE, dtype)
+    y = row_linear(x, w, bias)
+    assert torch.equal(y, row_linear(x, values, bias))
+    alone = torch.cat([row_linear(x[i : i + 1], w, bias) for i in range(x.shape[0])])
+    assert torch.equal(y, alone) and all(torch.equal(row_linear(x[-m:], w, bias), alone[-m:]) for m in (2, 5, 17))
+    ref = torch.nn.functional.linear(x.double(), values.double(), bias.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
+
+
 def test_prompt_chunk_cut_into_units():
     """A prompt chunk spanning several of the scheduler's units (positions 100..399, units of 128)
     is cut at the unit boundaries: each piece its own attention call and row group, all reading
