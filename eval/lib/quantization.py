@@ -69,7 +69,9 @@ def _torchao(config: str) -> Callable[[torch.dtype, str | None], object]:
 
         return TorchAoConfig({"int8": lambda: q.Int8WeightOnlyConfig(),
                               "int8-dynamic": lambda: q.Int8DynamicActivationInt8WeightConfig(),
-                              "int4": lambda: q.Int4WeightOnlyConfig(group_size=32)}[config]())
+                              "int4": lambda: q.Int4WeightOnlyConfig(group_size=32),
+                              "intx-int4": lambda: q.IntxWeightOnlyConfig(weight_dtype=torch.int4,
+                                                                          granularity=q.PerGroup(32))}[config]())
 
     return build
 
@@ -237,6 +239,10 @@ QUANTIZATIONS: dict[str, Quantization] = {
     "torchao-int8": Quantization("torchao", "torchao", "TorchAoConfig(Int8WeightOnlyConfig())", _torchao("int8")),
     "torchao-int8-dynamic": Quantization("torchao", "torchao", "TorchAoConfig(Int8DynamicActivationInt8WeightConfig())",
                                          _torchao("int8-dynamic")),
+    # torchao's int4 weights for CPUs: int4 values one a byte, scales and zero points in groups
+    "torchao-intx-int4": Quantization("torchao", "torchao",
+                                      "TorchAoConfig(IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))",
+                                      _torchao("intx-int4")),
     # torchao's int4 weights (its default plain packing) are made by mslk's kernels, a CUDA package:
     # without it HF's load fails deep in a conversion report, so it is checked up front
     "torchao-int4": Quantization("torchao", "torchao", "TorchAoConfig(Int4WeightOnlyConfig(group_size=32))",

@@ -181,8 +181,9 @@ def _plain(t: torch.Tensor) -> bool:
 # every weight dequantized before its product, where W_Q8 scales a column's sum)
 W_FLOAT, W_Q8, W_Q4, W_Q8G = 0, 1, 2, 3
 # the dtypes of the tensor that holds a quantized kind's values (`values_of`; GPTQ and
-# compressed-tensors keep their codes in int32 words)
-VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q4: (torch.uint8, torch.int32), W_Q8G: (torch.uint8, torch.int32)}
+# compressed-tensors keep their codes in int32 words, torchao its grouped ones as int8 values)
+VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q4: (torch.uint8, torch.int32, torch.int8),
+                 W_Q8G: (torch.uint8, torch.int32, torch.int8)}
 # how a W_Q4 code q becomes its weight, f being q - offset (cpu_kernels.h, q4_value): "mul_sub",
 # round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32; "lut",
 # round(codebook[q] * scale) from float32; "sub_mul_f16", round(fp16((f - shift) * scale)) from
@@ -269,7 +270,7 @@ class Q4Parts:
 
 # (hf_plookup's own: a quantized module seen as a linear's weight, invariant.module_weight)
 _Q4_TYPES = {"WeightQBitsTensor": "optimum.quanto", "TinyGemmWeightQBitsTensor": "optimum.quanto",
-             "Bnb4bitWeight": "hf_plookup", "GptqWeight": "hf_plookup", "GptqDequantWeight": "hf_plookup",
+             "IntxUnpackedToInt8Tensor": "torchao", "Int8Tensor": "torchao", "Bnb4bitWeight": "hf_plookup", "GptqWeight": "hf_plookup", "GptqDequantWeight": "hf_plookup",
              "AwqDequantWeight": "hf_plookup", "CompressedTensorsWeight": "hf_plookup"}
 _Q4_PARTS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, its q4_parts), as _INT8_PARTS
 
@@ -295,6 +296,14 @@ def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
     one that dequantizes on every call (float32) as "sub_mul_f16": fp16(scale * (code - zero))
     (invariant.gptq).
 
+    torchao's weight-only tensors that dequantize before `F.linear` (`dequantize_affine`: the code
+    less its zero point in the weight's dtype, exactly, times the scale, rounded to the weight's
+    dtype): `IntxUnpackedToInt8Tensor` (`IntxWeightOnlyConfig`, int4 or int8 values one a byte, in
+    groups or one scale a row) and a grouped `Int8Tensor` (`Int8WeightOnlyConfig` with
+    `PerGroup`), read as "sub_mul" with the zero points as shifts and the scales as they are (a
+    bfloat16 weight's may be float32): int4 values as 4-bit codes (offset 8), int8 ones as 8-bit
+    codes (offset 128, weight kind W_Q8G).
+
     Example: a [64, 256] float32 linear quantized by `quantize(m, weights=qint4); freeze(m)` gives
     codes [64, 256], scales and shifts [64, 2] (groups of 128), "mul_sub", offset 0.0. K and the group
     must be even and the group must divide K (the layout pairs values of k in a byte). Read once per
@@ -307,6 +316,8 @@ def _read_q4_parts(weight: torch.Tensor) -> Q4Parts | None:
         return None
     if type(weight).__module__.startswith("hf_plookup"):  # bitsandbytes' nf4/fp4, GPTQ (invariant.module_weight)
         return weight.q4_fields()
+    if type(weight).__module__.startswith("torchao"):
+        return _torchao_grouped_parts(weight)
     if getattr(weight.qtype, "name", None) != "qint4" or weight.axis != 0:
         return None
     n, k = weight.shape
@@ -329,6 +340,35 @@ def _read_q4_parts(weight: torch.Tensor) -> Q4Parts | None:
         return None
     return Q4Parts(lambda: data.unpack().reshape(n, k), scale.reshape(n, k // group), shift.reshape(n, k // group),
                    group, "mul_sub", 0.0, source)
+
+
+def _torchao_grouped_parts(weight: torch.Tensor) -> Q4Parts | None:
+    """`q4_parts` of torchao's weight-only tensors that dequantize before `F.linear` (see there)."""
+    name = type(weight).__name__
+    if name == "IntxUnpackedToInt8Tensor":
+        bits = {torch.int4: 4, torch.int8: 8}.get(weight.target_dtype)
+        if weight.activation_quantization is not None:
+            return None
+    else:  # a grouped Int8Tensor (a per-row one is W_Q8: int8_parts)
+        bits = 8
+        if weight.act_quant_kwargs is not None or getattr(weight, "act_pre_scale", None) is not None:
+            return None
+    q, scale, zero = weight.qdata, weight.scale, weight.zero_point
+    n, k = weight.shape
+    block = [int(b) for b in weight.block_size]
+    group = block[1] if len(block) == 2 and block[0] == 1 else 0
+    if (bits is None or not group or group % 2 or k % group or (name == "Int8Tensor" and group == k)
+            or not _codes_tensor(q) or q.dtype != torch.int8 or tuple(q.shape) != (n, k)
+            or scale.dtype not in DTYPES or scale.numel() != n * (k // group)
+            or (zero is not None and (zero.is_floating_point() or zero.numel() != scale.numel()))):
+        return None
+    offset = 1 << (bits - 1)
+    scales = scale.reshape(n, k // group)
+    shifts = torch.zeros(n, k // group) if zero is None else zero.reshape(n, k // group).float()
+    if not bool(torch.isfinite(scales).all()):  # (the bf16 tiles round values that cannot be NaN)
+        return None
+    return Q4Parts(lambda: (q.to(torch.int16) + offset).to(torch.uint8), scales, shifts, group, "sub_mul",
+                   float(offset), q, bits=bits)
 
 
 @functools.cache
@@ -514,9 +554,11 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
     past N); from the next 64-byte boundary a 128-byte header (int32 group, int32 form of `Q4_FORMS`,
     float32 offset, zeros to byte 64, then the 16 float32 values of `lut`, the "lut" form's codebook);
     then [P, K / group, 2, 8] float32: each panel's 8 scales of a group, then its 8 shifts (zeros past
-    N). The affine forms' scales and shifts are rounded to `dtype` first (they are the library's
-    values in the weight's dtype); the "lut" form's scales are bitsandbytes' float32 absmax and the
-    "sub_mul_f16" form's GPTQ's fp16 scales and integer zeros, kept so.
+    N). The "mul_sub" and "fma" forms' scales and shifts are rounded to `dtype` first (they are the
+    library's values in the weight's dtype); the "lut" form's scales are bitsandbytes' float32 absmax,
+    the "sub_mul_f16" form's GPTQ's fp16 scales and integer zeros, and the "sub_mul" form's the
+    library's scales (compressed-tensors' in the weight's dtype, torchao's grouped int8 ones float32
+    for a bfloat16 weight) and integer zero points, all kept so.
 
     `bits=8` (weight kind W_Q8G): 8-bit codes (0..255) in panels [P, K, 8], byte c of k column c's code;
     the rest as above; the "sub_mul" form only.
@@ -544,7 +586,7 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
         if lut is not None:
             head[16:].view(torch.float32).copy_(lut.reshape(16).float())
         sz = torch.stack([scales, shifts], 1)  # [N, 2, groups]
-        sz = (sz.float() if form in ("lut", "sub_mul_f16") else sz.to(dtype).float())
+        sz = (sz.float() if form in ("lut", "sub_mul_f16", "sub_mul") else sz.to(dtype).float())
         sz = F.pad(sz, (0, 0, 0, 0, 0, 8 * p - n)).view(p, 8, 2, groups).permute(0, 3, 2, 1)
         out[at + Q4_META_BYTES :].view(torch.float32).view(p, groups, 2, 8).copy_(sz)
     return out

@@ -10,7 +10,8 @@ bytes. The kernels read those bytes as they are (`cpu.kernels.packed`), and any 
 sees the library's tensor, rebuilt from the bytes for that op:
 
 - int8 values [N, K] (torchao's `Int8Tensor.qdata`, optimum-quanto's `WeightQBytesTensor._data`):
-  the values themselves;
+  the values themselves; torchao's grouped values (`IntxUnpackedToInt8Tensor.qdata`, int4 or int8
+  values one a byte, and a grouped `Int8Tensor`'s) as codes, the values plus 8 or 128;
 - optimum-quanto's 4-bit codes (`WeightQBitsTensor._data._data`): quanto's own packing of them
   (`pack_weights`, two codes a byte along the first dimension);
 - torch's CPU int4pack layout (quanto's tinygemm weights, gptqmodel's turned GPTQ and AWQ
@@ -257,6 +258,12 @@ def _home(module: torch.nn.Module, weight: torch.Tensor) -> Home | None:
     name = type(weight).__name__
     n, k = weight.shape
     same = (lambda t: t, lambda t: t)
+    kind = cpu_kernels.weight_kind(weight)
+    if name in ("Int8Tensor", "IntxUnpackedToInt8Tensor") and kind in (cpu_kernels.W_Q4, cpu_kernels.W_Q8G):
+        # torchao's grouped values, one a byte: the codes are the values plus the offset
+        offset = 1 << (cpu_kernels.code_bits(kind) - 1)
+        return Home(weight, "qdata", lambda t: (t.to(torch.int16) + offset).to(torch.uint8),
+                    lambda codes: (codes.to(torch.int16) - offset).to(torch.int8))
     if name == "Int8Tensor":  # torchao
         return Home(weight, "qdata", *same)
     if name == "WeightQBytesTensor":  # optimum-quanto's int8

@@ -1,5 +1,5 @@
 """steps.c_layers and the invariant linears on weight-only quantized models (torchao's
-`Int8WeightOnlyConfig`, optimum-quanto's qint8 and qint4, bitsandbytes' nf4 through HF's
+`Int8WeightOnlyConfig` and int4 `IntxWeightOnlyConfig`, optimum-quanto's qint8 and qint4, bitsandbytes' nf4 through HF's
 `BitsAndBytesConfig`, the LM head left as it is, as HF's quantizers leave it): decode steps run in C
 on the quantized weights (cpu.kernels W_Q8, W_Q4) with
 bitwise the logits of the same steps through the modules, and greedy with drafts gives HF's greedy of the quantized model (float32) or
@@ -21,11 +21,17 @@ from tests.conftest import greedy_logits, left_pad, repeat_prompts, tiny_model, 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
 
 
-def _torchao(model):
+def _torchao(model, config=None):
     tq = pytest.importorskip("torchao.quantization")
-    tq.quantize_(model, tq.Int8WeightOnlyConfig(),
+    tq.quantize_(model, config or tq.Int8WeightOnlyConfig(),
                  filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and "lm_head" not in name)
     return model
+
+
+def _torchao_intx4(model):
+    """torchao's int4 weights for CPUs (`IntxWeightOnlyConfig`: int4 values one a byte, groups of 32)."""
+    tq = pytest.importorskip("torchao.quantization")
+    return _torchao(model, tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=tq.PerGroup(32)))
 
 
 def _quanto(model, bits: int = 8):
@@ -58,9 +64,10 @@ def flat_bnb(model):
     return model
 
 
-QUANTIZERS = {"torchao": _torchao, "quanto": _quanto, "quanto-int4": lambda m: _quanto(m, 4), "bnb-nf4": _bnb_nf4}
+QUANTIZERS = {"torchao": _torchao, "quanto": _quanto, "quanto-int4": lambda m: _quanto(m, 4), "bnb-nf4": _bnb_nf4,
+              "torchao-intx4": _torchao_intx4}
 KINDS = {"torchao": cpu_kernels.W_Q8, "quanto": cpu_kernels.W_Q8, "quanto-int4": cpu_kernels.W_Q4,
-         "bnb-nf4": cpu_kernels.W_Q4}
+         "bnb-nf4": cpu_kernels.W_Q4, "torchao-intx4": cpu_kernels.W_Q4}
 
 
 def _quantized(arch: str, dtype: torch.dtype, how: str):

@@ -1,0 +1,103 @@
+"""The C linears over torchao's weight-only tensors that dequantize before `F.linear`
+(`IntxWeightOnlyConfig`'s `IntxUnpackedToInt8Tensor`, int4 or int8 values one a byte, and
+`Int8WeightOnlyConfig` in groups): read as the "sub_mul" form, int4 values as 4-bit codes (W_Q4)
+and int8 ones as 8-bit codes (W_Q8G), each weight the value torchao's `dequantize` gives. A linear
+over them is bitwise the float linear of those values, each row as alone, at every SIMD level. The
+weights are made here by torchao's own `quantize_`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_plookup.cpu import kernels as cpu_kernels
+from tests.conftest import at_every_simd_level, rows_alone_and_float_linear
+
+tq = pytest.importorskip("torchao.quantization")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ROWS = (1, 2, 5, 9, 10, 13, 40)
+# name -> (config, weight kind, bits)
+CONFIGS = {
+    "intx-int4-group": (lambda: tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=tq.PerGroup(32)),
+                        cpu_kernels.W_Q4, 4),
+    "intx-int4-group-asym": (lambda: tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=tq.PerGroup(32),
+                                                             mapping_type=tq.MappingType.ASYMMETRIC),
+                             cpu_kernels.W_Q4, 4),
+    "intx-int8-row": (lambda: tq.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=tq.PerAxis(0)),
+                      cpu_kernels.W_Q8G, 8),
+    "int8-group": (lambda: tq.Int8WeightOnlyConfig(granularity=tq.PerGroup(32)), cpu_kernels.W_Q8G, 8),
+}
+
+
+def _quantized(name: str, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(k, n))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randn(n, k, generator=g))
+        model[0].bias.copy_(torch.randn(n, generator=g))
+    model = model.to(dtype)
+    tq.quantize_(model, CONFIGS[name][0]())
+    return model[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_linear_is_the_float_linear_of_torchaos_values(name, dtype):
+    linear = _quantized(name, 40, 128, dtype, seed=1)
+    w, kind, bits = linear.weight, *CONFIGS[name][1:]
+    parts = cpu_kernels.q4_parts(w)
+    assert cpu_kernels.weight_kind(w) == kind and (parts.form, parts.bits, parts.offset) == ("sub_mul", bits, 1 << (bits - 1))
+    assert torch.equal(parts.codes().to(torch.int16) - (1 << (bits - 1)), w.qdata.to(torch.int16))
+    values = w.dequantize()
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(2)).to(dtype)
+    rows_alone_and_float_linear(w, linear.bias, values.contiguous(), x, ROWS)
+    bits_of = lambda t: t.view(torch.int16 if t.dtype != torch.float32 else torch.int32)  # noqa: E731
+    outs = at_every_simd_level(lambda: [bits_of(cpu_kernels.linear(x[:m], w, linear.bias)) for m in ROWS])
+    for level, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0])), f"level {level} differs from the portable C"
+
+
+def test_bfloat16_weights_keep_float32_scales():
+    """A grouped `Int8Tensor` of a bf16 weight keeps float32 scales; its value is the product in
+    float32 rounded once to bf16 (torchao's `dequantize_affine`), which rounding the scale to bf16
+    first would change: the packed scales are the float32 ones (moved here off bf16's grid, where
+    torchao's own happen to lie for these weights)."""
+    linear = _quantized("int8-group", 16, 64, torch.bfloat16, seed=3)
+    w = linear.weight
+    with torch.no_grad():
+        w.scale.mul_(1 + 2**-12)
+    assert w.scale.dtype == torch.float32 and not torch.equal(w.scale.to(torch.bfloat16).float(), w.scale)
+    assert torch.equal(cpu_kernels.q4_parts(w).scales, w.scale.reshape(16, 2))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert torch.equal(cpu_kernels.linear(x, w, None), cpu_kernels.linear(x, w.dequantize().contiguous(), None))
+
+
+def test_not_read():
+    """Activations quantized per call (`Int8DynamicActivationIntxWeightConfig`) are left to torchao;
+    a per-row `Int8Tensor` is W_Q8 (the scale after the sum, as torchao's own int8 path)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16))
+    tq.quantize_(model, tq.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
+                                                                 weight_granularity=tq.PerGroup(32)))
+    assert cpu_kernels.q4_parts(model[0].weight) is None and cpu_kernels.weight_kind(model[0].weight) == cpu_kernels.W_FLOAT
+    row = torch.nn.Sequential(torch.nn.Linear(64, 16))
+    tq.quantize_(row, tq.Int8WeightOnlyConfig())
+    assert cpu_kernels.weight_kind(row[0].weight) == cpu_kernels.W_Q8 and cpu_kernels.q4_parts(row[0].weight) is None
+
+
+def test_int8_groups_give_hfs_greedy():
+    """A tiny Llama in torchao's grouped int8 (its linears W_Q8G), wrapped: the decoder layers run
+    in C, and greedy with drafts in fp32 is HF's greedy of the same quantized model."""
+    from hf_plookup.api import _state
+    from tests.conftest import left_pad, repeat_prompts, tiny_model, wrap_copy
+
+    model = tiny_model("llama")
+    tq.quantize_(model, tq.Int8WeightOnlyConfig(granularity=tq.PerGroup(32)),
+                 filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and "lm_head" not in name)
+    ids, mask = left_pad(repeat_prompts(2))
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    wrapped = wrap_copy(model)
+    got = wrapped.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4)
+    assert torch.equal(got, want) and _state(wrapped).engine.c_layers.on
+    assert cpu_kernels.weight_kind(model.model.layers[0].mlp.up_proj.weight) == cpu_kernels.W_Q8G
