@@ -28,10 +28,13 @@ rounding a row differently with another row count. `wrap` keeps the flat layout 
 bitsandbytes reads, is turned off, so its forward is the dequantize-then-`F.linear` above on every
 CPU, and the C linears read its codes. `unwrap` turns the flag back on (`release`).
 
+A module bitsandbytes has repacked already (the model ran a forward before `wrap`) is put back in
+the flat layout by `hold_flat` too, with the absmax the repacking rounded to bf16 (`_flatten`): the
+repacked model's own values, which the C linears then read.
+
 Not read (the module's own kernel runs, and the wrap-time probe says what that means): weights whose
 K is not a multiple of the block (a block would span two rows), codes stored in another dtype than
-uint8 (`bnb_4bit_quant_storage`), an absmax that is not a finite number, and weights bitsandbytes had
-already repacked before `wrap` (a forward of the model before it was wrapped).
+uint8 (`bnb_4bit_quant_storage`), an absmax that is not a finite number.
 """
 
 from __future__ import annotations
@@ -146,16 +149,41 @@ def _repacked(state) -> bool:
 _REPACKS = "_hf_plookup_repacks"  # (on a module whose repacking `hold_flat` turned off)
 
 
+def _flatten(module: torch.nn.Module) -> bool:
+    """Put a module bitsandbytes has repacked (a forward before `wrap`) back in the flat layout, each
+    weight the value its repacked form holds: bitsandbytes' own inverse of the layout
+    (`_convert_weight_packed_for_cpu_inverse`, what it saves a state dict with), the absmax kept as
+    the repacking rounded it (bf16 values in float32, one a block, not nested: bitsandbytes' inverse
+    would quantize a once-nested absmax again, and leaves another transposed). False, and the module
+    as it was, where the repacked state is not the one this reads."""
+    import bitsandbytes.functional as bnb_f
+
+    state = _state(module)
+    n, k = state.shape
+    inverse = getattr(bnb_f, "_convert_weight_packed_for_cpu_inverse", None)
+    blocks = k // int(state.blocksize) if k % int(state.blocksize) == 0 else 0
+    if (inverse is None or not blocks or state.absmax.dtype != torch.bfloat16
+            or tuple(state.absmax.shape) != (blocks, n) or getattr(state, "original_qshape", None) is None
+            or module.weight.dtype != torch.uint8 or tuple(module.weight.shape) != (n, k // 2)):
+        return False
+    absmax = state.absmax.T.reshape(-1).float()
+    state.original_nested = False
+    module.weight.data, state = inverse(module.weight.data, state)
+    state.absmax = absmax
+    module.weight.quant_state = state
+    return True
+
+
 def hold_flat(model: torch.nn.Module) -> int:
     """Keep `model`'s `Linear4bit`s on the CPU in the flat layout (see the module text): those that
-    bitsandbytes would repack at their next forward, and has not yet, get its flag turned off.
-    Idempotent; returns how many are held."""
+    bitsandbytes would repack at their next forward get its flag turned off, and those it has
+    repacked already are put back (`_flatten`). Idempotent; returns how many are held."""
     count = 0
     for m in model.modules():
         if m.__dict__.get(_REPACKS):
             count += 1
         elif (is_linear4bit(m) and getattr(m, "support_avx512bf16_for_cpu", False) and m.weight.device.type == "cpu"
-              and not _repacked(_state(m))):
+              and (not _repacked(_state(m)) or _flatten(m))):
             m.support_avx512bf16_for_cpu = False
             m.__dict__[_REPACKS] = True
             count += 1

@@ -41,14 +41,16 @@ def _quanto(model, bits: int = 8):
     return model
 
 
-def _bnb_nf4(model):
-    """`model` saved and loaded again by HF with bitsandbytes' nf4, computing in the model's dtype, in
-    bitsandbytes' flat layout on every CPU (tests/cpu/test_bnb4bit_linear.py says why)."""
+def _bnb_nf4(model, nested: bool = False):
+    """`model` saved and loaded again by HF with bitsandbytes' nf4 (its absmax quantized again where
+    `nested`: double quantization), computing in the model's dtype, in bitsandbytes' flat layout on
+    every CPU (tests/cpu/test_bnb4bit_linear.py says why)."""
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = next(model.parameters()).dtype
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                bnb_4bit_use_double_quant=nested)
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         model = AutoModelForCausalLM.from_pretrained(d, quantization_config=config, device_map="cpu", dtype=dtype).eval()
@@ -157,3 +159,39 @@ def test_wrap_keeps_bitsandbytes_flat_layout():
     assert _state(model).engine.c_layers.on
     hf_plookup.unwrap(model)
     assert not bnb4bit.held(hf) and all(m.support_avx512bf16_for_cpu for m in modules)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["absmax", "nested-absmax"])
+def test_wrap_puts_repacked_bitsandbytes_back_flat(nested):
+    """A model that ran a forward before `wrap` on a CPU with AVX-512 BF16 has its `Linear4bit`s
+    repacked by bitsandbytes (its own layout, the absmax rounded to bf16, a nested one undone). `wrap`
+    puts them back in the flat layout with that rounded absmax (invariant.bnb4bit._flatten), and
+    the C linears read them: greedy with drafts in fp32 is HF's greedy of the flat model with the
+    same absmax. The repacking is bitsandbytes' own function, called here as its forward calls it
+    on such a CPU, so that every machine checks the return."""
+    import bitsandbytes.functional as bnb_f
+
+    import hf_plookup
+    from hf_plookup.invariant import bnb4bit
+
+    hf, reference = (_bnb_nf4(tiny_model("llama"), nested) for _ in range(2))
+    for m in (m for m in reference.modules() if bnb4bit.is_linear4bit(m)):  # the repacking's values, flat
+        state = m.weight.quant_state
+        assert bool(state.nested) == nested
+        absmax = bnb_f.dequantize_blockwise(state.absmax, state.state2) + state.offset if nested else state.absmax
+        state.absmax, state.nested = absmax.to(torch.bfloat16).float(), False
+    ids, mask = left_pad(repeat_prompts(3))
+    want = reference.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    modules = [m for m in hf.modules() if bnb4bit.is_linear4bit(m)]
+    for m in modules:
+        m.weight.data, m.weight.quant_state = bnb_f._convert_weight_packed_for_cpu(m.weight.data, m.weight.quant_state)
+        m.support_avx512bf16_for_cpu = True
+    assert all(bnb4bit._repacked(m.weight.quant_state) for m in modules)
+    model = hf_plookup.wrap(hf)
+    assert bnb4bit.held(model) and not any(bnb4bit._repacked(m.weight.quant_state) for m in modules)
+    assert all(cpu_kernels.weight_kind(linear_weight(m)) == cpu_kernels.W_Q4 for m in modules)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4)
+    assert torch.equal(got, want) and _state(model).engine.c_layers.on
+    assert not model.last_stats.exactness_note
+    hf_plookup.unwrap(model)
+    assert all(m.support_avx512bf16_for_cpu for m in modules)
