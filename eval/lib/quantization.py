@@ -71,7 +71,9 @@ def _torchao(config: str) -> Callable[[torch.dtype, str | None], object]:
                               "int8-dynamic": lambda: q.Int8DynamicActivationInt8WeightConfig(),
                               "int4": lambda: q.Int4WeightOnlyConfig(group_size=32),
                               "intx-int4": lambda: q.IntxWeightOnlyConfig(weight_dtype=torch.int4,
-                                                                          granularity=q.PerGroup(32))}[config]())
+                                                                          granularity=q.PerGroup(32)),
+                              "dyn-intx-int4": lambda: q.Int8DynamicActivationIntxWeightConfig(
+                                  weight_dtype=torch.int4, weight_granularity=q.PerGroup(32))}[config]())
 
     return build
 
@@ -243,6 +245,10 @@ QUANTIZATIONS: dict[str, Quantization] = {
     "torchao-intx-int4": Quantization("torchao", "torchao",
                                       "TorchAoConfig(IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))",
                                       _torchao("intx-int4")),
+    # the same weights, each call's activations quantized per token to int8 (asymmetric) first
+    "torchao-dyn-intx-int4": Quantization("torchao", "torchao",
+                                          "TorchAoConfig(Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, "
+                                          "weight_granularity=PerGroup(32)))", _torchao("dyn-intx-int4")),
     # torchao's int4 weights (its default plain packing) are made by mslk's kernels, a CUDA package:
     # without it HF's load fails deep in a conversion report, so it is checked up front
     "torchao-int4": Quantization("torchao", "torchao", "TorchAoConfig(Int4WeightOnlyConfig(group_size=32))",

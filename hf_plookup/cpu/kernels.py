@@ -266,6 +266,9 @@ class Q4Parts:
     source: torch.Tensor
     lut: torch.Tensor | None = None  # the "lut" form's codebook, 16 float32 values
     bits: int = 4  # 8: codes 0..255 (weight kind W_Q8G, the "sub_mul" form only)
+    # what the library does to a call's input first, row by row (torchao's activations quantized
+    # and dequantized per token), or None: `linear` applies it; the C layers, which do not, refuse it
+    inputs: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 # (hf_plookup's own: a quantized module seen as a linear's weight, invariant.module_weight)
@@ -302,7 +305,9 @@ def q4_parts(weight: torch.Tensor) -> Q4Parts | None:
     groups or one scale a row) and a grouped `Int8Tensor` (`Int8WeightOnlyConfig` with
     `PerGroup`), read as "sub_mul" with the zero points as shifts and the scales as they are (a
     bfloat16 weight's may be float32): int4 values as 4-bit codes (offset 8), int8 ones as 8-bit
-    codes (offset 128, weight kind W_Q8G).
+    codes (offset 128, weight kind W_Q8G). `Int8DynamicActivationIntxWeightConfig`'s are the same
+    weights whose inputs torchao first quantizes and dequantizes token by token (asymmetric int8):
+    their `inputs` is torchao's own function of that, which `linear` applies.
 
     Example: a [64, 256] float32 linear quantized by `quantize(m, weights=qint4); freeze(m)` gives
     codes [64, 256], scales and shifts [64, 2] (groups of 128), "mul_sub", offset 0.0. K and the group
@@ -345,10 +350,14 @@ def _read_q4_parts(weight: torch.Tensor) -> Q4Parts | None:
 def _torchao_grouped_parts(weight: torch.Tensor) -> Q4Parts | None:
     """`q4_parts` of torchao's weight-only tensors that dequantize before `F.linear` (see there)."""
     name = type(weight).__name__
+    inputs = None
     if name == "IntxUnpackedToInt8Tensor":
         bits = {torch.int4: 4, torch.int8: 8}.get(weight.target_dtype)
-        if weight.activation_quantization is not None:
-            return None
+        act = weight.activation_quantization
+        if act is not None:
+            inputs = _torchao_token_inputs(str(getattr(act, "value", act)))
+            if inputs is None:
+                return None
     else:  # a grouped Int8Tensor (a per-row one is W_Q8: int8_parts)
         bits = 8
         if weight.act_quant_kwargs is not None or getattr(weight, "act_pre_scale", None) is not None:
@@ -368,7 +377,20 @@ def _torchao_grouped_parts(weight: torch.Tensor) -> Q4Parts | None:
     if not bool(torch.isfinite(scales).all()):  # (the bf16 tiles round values that cannot be NaN)
         return None
     return Q4Parts(lambda: (q.to(torch.int16) + offset).to(torch.uint8), scales, shifts, group, "sub_mul",
-                   float(offset), q, bits=bits)
+                   float(offset), q, bits=bits, inputs=inputs)
+
+
+def _torchao_token_inputs(kind: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """torchao's own per-token quantize-dequantize of a linear's inputs for an activation
+    quantization it names `kind` (each row alone: its own minimum, maximum and rounding), else None."""
+    if kind != "int8_asym_per_token":
+        return None
+    try:
+        from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+            _apply_int8_act_asym_per_token_quant_dequant as quant_dequant)
+    except ImportError:
+        return None
+    return quant_dequant
 
 
 @functools.cache
@@ -499,6 +521,14 @@ def supported(weight: torch.Tensor) -> bool:
     if _plain(weight):
         return weight.dtype in DTYPES and weight.dim() == 2
     return weight_kind(weight) != W_FLOAT
+
+
+def takes_inputs_as_they_are(weight: torch.Tensor) -> bool:
+    """Whether `linear` of this weight (`supported`) multiplies its inputs as they are: what the C
+    decoder layers, which call the kernel on their own buffers, need (not so for torchao's
+    weights whose inputs are quantized per token first: `Q4Parts.inputs`)."""
+    kind, parts = _quantized(weight)
+    return kind not in (W_Q4, W_Q8G) or parts.inputs is None
 
 
 def pack_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -789,6 +819,9 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         x2d = x2d.contiguous()
     if x2d.dtype != weight.dtype:
         raise TypeError(f"x is {x2d.dtype}, weight is {weight.dtype}: cpu_kernels.linear needs one dtype")
+    kind, parts = _quantized(weight)
+    if kind in (W_Q4, W_Q8G) and parts.inputs is not None:  # (row by row, as the library does first)
+        x2d = parts.inputs(x2d).to(weight.dtype).contiguous()
     w = packed(weight)
     b = None if bias is None else bias.to(weight.dtype).contiguous()
     m, k = x2d.shape

@@ -214,6 +214,8 @@ def llama_form(model: torch.nn.Module, forms: dict | None = None) -> str | None:
         return "its final norm is not one cpu_kernels.rms_norm reproduces"
     if not all(cpu_kernels.supported(linear_weight(m)) for m in model.modules() if linear_module(m)):
         return "a linear layer does not run on the C kernel"
+    if not all(cpu_kernels.takes_inputs_as_they_are(linear_weight(m)) for m in model.modules() if linear_module(m)):
+        return "a linear layer's library quantizes its inputs first (torchao's per-token activations)"
     return None
 
 

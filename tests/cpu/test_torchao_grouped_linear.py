@@ -74,13 +74,45 @@ def test_bfloat16_weights_keep_float32_scales():
     assert torch.equal(cpu_kernels.linear(x, w, None), cpu_kernels.linear(x, w.dequantize().contiguous(), None))
 
 
-def test_not_read():
-    """Activations quantized per call (`Int8DynamicActivationIntxWeightConfig`) are left to torchao;
-    a per-row `Int8Tensor` is W_Q8 (the scale after the sum, as torchao's own int8 path)."""
-    model = torch.nn.Sequential(torch.nn.Linear(64, 16))
+def test_per_token_activations_are_quantized_first():
+    """`Int8DynamicActivationIntxWeightConfig`: torchao quantizes and dequantizes a linear's inputs
+    token by token (asymmetric int8) before its int4 weight's `F.linear`. The C linear does the same
+    with torchao's own function (`Q4Parts.inputs`), so it is the float linear of those inputs and the
+    weight's values, each row as alone; the C decoder layers, which would not, refuse the model."""
+    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+        _apply_int8_act_asym_per_token_quant_dequant as quant_dequant)
+
+    from hf_plookup.steps.c_layers import llama_form
+    from tests.conftest import tiny_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(96, 40))
     tq.quantize_(model, tq.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
                                                                  weight_granularity=tq.PerGroup(32)))
-    assert cpu_kernels.q4_parts(model[0].weight) is None and cpu_kernels.weight_kind(model[0].weight) == cpu_kernels.W_FLOAT
+    w, b = model[0].weight, model[0].bias
+    parts = cpu_kernels.q4_parts(w)
+    assert cpu_kernels.weight_kind(w) == cpu_kernels.W_Q4 and parts.inputs is not None
+    assert not cpu_kernels.takes_inputs_as_they_are(w)
+    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(5))
+    got = cpu_kernels.linear(x, w, b)
+    assert torch.equal(got, cpu_kernels.linear(quant_dequant(x).contiguous(), w.dequantize().contiguous(), b))
+    assert torch.equal(got, torch.cat([cpu_kernels.linear(x[i : i + 1], w, b) for i in range(13)]))
+    llama = tiny_model("llama")
+    tq.quantize_(llama, tq.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=tq.PerGroup(32)),
+                 filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and "lm_head" not in name)
+    assert "quantizes its inputs first" in llama_form(llama)
+    from hf_plookup.invariant.linears import row_strategy
+    from tests.conftest import left_pad, repeat_prompts, wrap_copy
+
+    ids, mask = left_pad(repeat_prompts(2))
+    want = llama.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    wrapped = wrap_copy(llama)
+    got = wrapped.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4)
+    assert torch.equal(got, want) and row_strategy(llama.model.layers[0].mlp.up_proj.weight, None) == "cpu"
+
+
+def test_per_row_int8_is_w_q8():
+    """A per-row `Int8Tensor` is W_Q8 (the scale after the sum, as torchao's own int8 path), not read
+    as codes."""
     row = torch.nn.Sequential(torch.nn.Linear(64, 16))
     tq.quantize_(row, tq.Int8WeightOnlyConfig())
     assert cpu_kernels.weight_kind(row[0].weight) == cpu_kernels.W_Q8 and cpu_kernels.q4_parts(row[0].weight) is None

@@ -88,8 +88,9 @@ def _expect(name: str):
 
             assert type(linear) is torch.nn.Linear and isinstance(linear.weight, TorchAOBaseTensor), type(linear.weight)
             assert linear.weight.qdata.dtype == torch.int8
-            if name == "torchao-intx-int4":  # (int4 values one a byte)
-                assert linear.weight.target_dtype == torch.int4 and linear.weight.activation_quantization is None
+            if "intx" in name:  # (int4 values one a byte; "dyn": activations quantized per token)
+                assert linear.weight.target_dtype == torch.int4
+                assert (linear.weight.activation_quantization is not None) == ("dyn" in name)
                 return
             # int8-dynamic also quantizes each call's activations; weight-only does not
             assert (linear.weight.act_quant_kwargs is not None) == name.endswith("dynamic")

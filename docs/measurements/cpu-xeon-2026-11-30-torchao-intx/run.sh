@@ -10,7 +10,11 @@ here=$PWD/docs/measurements/cpu-xeon-2026-11-30-torchao-intx
 root=${1:-$PWD}
 tag=${2:-after}
 cd "$root"
-for dtype in fp32 bf16; do
-    PYTHONPATH=. python eval/summarize.py --model smollm2-135m --quantization torchao-intx-int4 --dtype $dtype \
-        --num-docs 8 --batch-size 1 --k 4 8 --threads 2 --no-plot --bootstrap 0 --out "$here/intx-int4_${dtype}_b1_$tag"
+# QUANTIZATIONS: which (default torchao-intx-int4; torchao-dyn-intx-int4: the same weights with
+# each call's activations quantized per token first)
+for q in ${QUANTIZATIONS:-torchao-intx-int4}; do
+    for dtype in ${DTYPES:-fp32 bf16}; do
+        PYTHONPATH=. python eval/summarize.py --model smollm2-135m --quantization $q --dtype $dtype \
+            --num-docs 8 --batch-size 1 --k 4 8 --threads 2 --no-plot --bootstrap 0 --out "$here/${q#torchao-}_${dtype}_b1_$tag"
+    done
 done
