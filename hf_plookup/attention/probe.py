@@ -191,7 +191,7 @@ def _probe_key_layouts(model: torch.nn.Module, atol: float = 1e-3,
     floor: _Floor | None = None  # measured once a quantized model's outputs differ beyond tol
     diff = float((reference - probed).abs().max())
     if not diff <= tol * scale:  # the probe's outputs are not the model's own
-        floor = _floor_of(model, ids, pos, reference, tol * scale)
+        floor = _floor_of(model, ids, pos, reference)
         if floor is None or not floor.covers(diff):
             raise _refusal(model, ids, pos, probed, diff, tol * scale, floor)
     _check_continuation(model, ids, pos, reference, mixers, tol * scale, floor, diff, notes)
@@ -208,7 +208,7 @@ def _check_continuation(model, ids, pos, reference, mixers, limit: float, floor,
     # compared with HF fed the same pieces through its own cache
     cont = _continuation_diff(model, ids, _cached_reference(model, ids, pos) if mixers else reference, mixers)
     if not cont <= limit:
-        floor = floor or _floor_of(model, ids, pos, reference, limit)
+        floor = floor or _floor_of(model, ids, pos, reference)
         if floor is None or not floor.covers(cont):
             raise ValueError(f"hf_plookup cannot run {_arch(model)}: fed the way the engine feeds later tokens (their "
                              "position_ids and the earlier tokens' keys, no cache object), its outputs change (max "
@@ -230,7 +230,6 @@ class _Floor:
     value: float  # the largest max-logit difference of the model's own forward
     cause: str  # "rows" (fed in calls of other row counts) or "rounding" (its input moved by one ulp)
     quantizer: str  # what quantized it (HF's quant_method, or the quantized weights' type)
-    tol: float  # the probe's tolerance, scaled to the logits
 
     def covers(self, diff: float) -> bool:
         """Whether `diff` (beyond the tolerance) is the quantized arithmetic: within FLOOR_MARGIN
@@ -287,15 +286,14 @@ def _quantizer(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _floor_of(model: torch.nn.Module, ids: torch.Tensor, pos: dict, reference: torch.Tensor,
-              tol: float) -> _Floor | None:
+def _floor_of(model: torch.nn.Module, ids: torch.Tensor, pos: dict, reference: torch.Tensor) -> _Floor | None:
     """The floor of a quantized model (`_arithmetic_floor`); None for any other: its differences
     are judged against the tolerance alone, as before."""
     quantizer = _quantizer(model)
     if quantizer is None:
         return None
     value, cause = _arithmetic_floor(model, ids, pos, reference)
-    return _Floor(value, cause, quantizer, tol)
+    return _Floor(value, cause, quantizer)
 
 
 def _arithmetic_floor(model: torch.nn.Module, ids: torch.Tensor, pos: dict,

@@ -273,8 +273,9 @@ class Q4Parts:
 
 # (hf_plookup's own: a quantized module seen as a linear's weight, invariant.module_weight)
 _Q4_TYPES = {"WeightQBitsTensor": "optimum.quanto", "TinyGemmWeightQBitsTensor": "optimum.quanto",
-             "IntxUnpackedToInt8Tensor": "torchao", "Int8Tensor": "torchao", "Bnb4bitWeight": "hf_plookup", "GptqWeight": "hf_plookup", "GptqDequantWeight": "hf_plookup",
-             "AwqDequantWeight": "hf_plookup", "CompressedTensorsWeight": "hf_plookup"}
+             "IntxUnpackedToInt8Tensor": "torchao", "Int8Tensor": "torchao", "Bnb4bitWeight": "hf_plookup",
+             "GptqWeight": "hf_plookup", "GptqDequantWeight": "hf_plookup", "AwqDequantWeight": "hf_plookup",
+             "CompressedTensorsWeight": "hf_plookup"}
 _Q4_PARTS: dict[int, tuple] = {}  # id(weight) -> (a weak reference to it, its q4_parts), as _INT8_PARTS
 
 
@@ -606,7 +607,7 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
     if bits not in (4, 8) or (bits == 8 and form != "sub_mul"):
         raise ValueError(f"pack_q4: codes of {bits} bits in the form {form!r}: 4 bits in any form, or 8 in 'sub_mul'")
     p, groups = -(-n // 8), k // group
-    at = (p * k * (bits // 4) * 4 + 63) // 64 * 64
+    at = (p * k * bits + 63) // 64 * 64  # (a panel holds bits bytes a k: 8 columns' codes)
     out = torch.zeros(at + Q4_META_BYTES + p * groups * 16 * 4, dtype=torch.uint8)
     with torch.no_grad():
         write_q4_codes(out, codes, bits)
@@ -828,7 +829,7 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=weight.dtype)
     if m:  # (the kernel reads and writes raw memory: autograd never sees it, as in inference)
-        if _LIB.linear(x2d.data_ptr(), m, w.data_ptr(), weight_kind(weight), k, None if b is None else b.data_ptr(), n,
+        if _LIB.linear(x2d.data_ptr(), m, w.data_ptr(), kind, k, None if b is None else b.data_ptr(), n,
                        out.data_ptr(), dtype_code(weight.dtype), threads()):
             raise MemoryError("cpu_kernels.linear: no memory for the transposed input")
     return out

@@ -111,7 +111,7 @@ def test_the_floor_covers_three_times_itself_even_below_the_tolerance():
     under the tolerance, 1.25, while the engine's attention moves it by 1.84: its quantized
     arithmetic, which runs with the note; 3.3 is more than 3 times the floor, and refused with that
     reason."""
-    floor = probe._Floor(1.09, "rounding", "compressed-tensors", 1.25)
+    floor = probe._Floor(1.09, "rounding", "compressed-tensors")
     assert floor.covers(1.84) and floor.covers(3.27) and not floor.covers(3.3)
     assert floor.beyond().startswith("more than 3 times what its compressed-tensors quantization explains")
 
