@@ -49,7 +49,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -87,6 +87,8 @@ def _load():
         lib.pack_weight.argtypes = [ptr, i64, i64, i64, ptr, i64, i64]
         lib.rms_norm.restype = i64
         lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, i64, ptr, i64, i64]
+        lib.quantize_rows_i8.restype = None
+        lib.quantize_rows_i8.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
         return lib
     return None
 
@@ -178,11 +180,12 @@ def _plain(t: torch.Tensor) -> bool:
 # the kinds of weight the C linears read (csrc/cpu_kernels.h): a float weight of the call's dtype,
 # int8 values with one scale per output column (`int8_parts`), 4-bit codes with a scale and a
 # shift per column and group of values (`q4_parts`), or 8-bit codes so (`q4_parts` with bits 8:
-# every weight dequantized before its product, where W_Q8 scales a column's sum)
-W_FLOAT, W_Q8, W_Q4, W_Q8G = 0, 1, 2, 3
+# every weight dequantized before its product, where W_Q8 scales a column's sum), or int8 values
+# whose inputs are quantized to int8 token by token first (`Int8Parts.tokens`)
+W_FLOAT, W_Q8, W_Q4, W_Q8G, W_Q8T = 0, 1, 2, 3, 4
 # the dtypes of the tensor that holds a quantized kind's values (`values_of`; GPTQ and
 # compressed-tensors keep their codes in int32 words, torchao its grouped ones as int8 values)
-VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q4: (torch.uint8, torch.int32, torch.int8),
+VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q8T: (torch.int8,), W_Q4: (torch.uint8, torch.int32, torch.int8),
                  W_Q8G: (torch.uint8, torch.int32, torch.int8)}
 # how a W_Q4 code q becomes its weight, f being q - offset (cpu_kernels.h, q4_value): "mul_sub",
 # round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32; "lut",
@@ -198,18 +201,45 @@ _INT8_PARTS: dict[int, tuple] = {}
 _INT8_TYPES = {"Int8Tensor": "torchao", "WeightQBytesTensor": "optimum.quanto"}  # class -> its library
 
 
-def int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(values [N, K] int8, scales [N]) of a CPU weight quantized to int8 with one scale per output
-    column and no activation quantization, as two libraries hold it: torchao's `Int8Tensor`
-    (`Int8WeightOnlyConfig`; `qdata`, `scale` [N, 1]) and optimum-quanto's `WeightQBytesTensor` of
-    qint8 on axis 0 (`_data`, `_scale` [N, 1]); else None. The weight's dtype (float32 or bfloat16)
-    is the one its linear computes in; the scales are rounded to it before use (torchao keeps
-    float32 scales for a bfloat16 model and rounds them so).
+class Int8Tokens(NamedTuple):
+    """torchao's per-token symmetric int8 quantization of a linear's inputs (csrc quantize_rows_i8:
+    codes in [qmin, qmax], one scale a row)."""
+
+    qmin: int
+    qmax: int
+
+
+class Int8Parts(NamedTuple):
+    """An int8 weight as `int8_parts` reads it: its `values` [N, K] int8 and its `scales` [N] (one an
+    output column). `tokens`: for a weight whose library quantizes each call's inputs to int8 row by
+    row first (torchao's `Int8DynamicActivationInt8WeightConfig`), how (`Int8Tokens`): the weight
+    kind W_Q8T, whose bytes are laid out for float32 calls (`packed_dtype`) whatever the model's dtype."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    tokens: Int8Tokens | None = None
+
+
+def int8_parts(weight: torch.Tensor) -> Int8Parts | None:
+    """The `Int8Parts` of a CPU weight quantized to int8 with one scale per output column, as two
+    libraries hold it: torchao's `Int8Tensor` (`Int8WeightOnlyConfig`; `qdata`, `scale` [N, 1]) and
+    optimum-quanto's `WeightQBytesTensor` of qint8 on axis 0 (`_data`, `_scale` [N, 1]); else None.
+    The weight's dtype (float32 or bfloat16) is the one its linear computes in; the scales are rounded
+    to it before use (torchao keeps float32 scales for a bfloat16 model and rounds them so).
 
     Both libraries' linears compute x @ values^T, then scale each output column: torchao as
     `mm(x, values.to(dtype)) * scale`, quanto in float32 by scaling the values first (the same
     products, rounded in another place). `linear` takes torchao's order (cpu_kernels.h, W_Q8). A
     torchao zero point is not read: torchao's own weight-only linear does not read it either.
+
+    torchao's `Int8DynamicActivationInt8WeightConfig` (its default: each token's inputs quantized to
+    int8 with a scale of their own, symmetric) makes the same weight with an activation
+    quantization: its linear quantizes each input row, multiplies the int8 codes exactly (int32
+    sums), then scales by the row's scale and the column's (float32, not rounded): `tokens` says
+    so, and the C linears do the same (cpu_kernels.h, W_Q8T). Activations quantized over the whole
+    call (`PerTensor`), asymmetric ones or static scales are not read (None: torchao's own linear
+    runs them).
+
     Read once per weight object and kept while it lives (a tensor put in the place of its values, as
     opposed to values changed in place, is not seen)."""
     return _parts(weight, _INT8_TYPES, _INT8_PARTS, _read_int8_parts)
@@ -230,15 +260,19 @@ def _parts(weight: torch.Tensor, types: dict, cache: dict, read):
     return got
 
 
-def _read_int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _read_int8_parts(weight: torch.Tensor) -> Int8Parts | None:
     """`int8_parts` of a weight of one of `_INT8_TYPES` (which it checked), read from the tensor."""
     if weight.device.type != "cpu" or weight.dtype not in DTYPES:
         return None
+    tokens = None
     if type(weight).__name__ == "Int8Tensor":  # torchao
         q, scale = weight.qdata, weight.scale
-        if (weight.act_quant_kwargs is not None or getattr(weight, "act_pre_scale", None) is not None
-                or list(weight.block_size) != [1, q.shape[-1]]):
+        if getattr(weight, "act_pre_scale", None) is not None or list(weight.block_size) != [1, q.shape[-1]]:
             return None
+        if weight.act_quant_kwargs is not None:
+            tokens = _torchao_int8_tokens(weight, scale)
+            if tokens is None:
+                return None
     else:  # optimum-quanto's WeightQBytesTensor
         q, scale = weight._data, weight._scale
         if weight.qtype.name != "qint8" or weight.axis != 0 or getattr(weight, "activation_qtype", None) is not None:
@@ -246,7 +280,26 @@ def _read_int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
     if (not _codes_tensor(q) or q.dtype != torch.int8 or q.dim() != 2 or scale.numel() != q.shape[0]
             or scale.dtype not in DTYPES or tuple(weight.shape) != tuple(q.shape)):
         return None
-    return q, scale.reshape(-1)
+    return Int8Parts(q, scale.reshape(-1), tokens)
+
+
+def _torchao_int8_tokens(weight: torch.Tensor, scale: torch.Tensor) -> Int8Tokens | None:
+    """The `Int8Tokens` of a torchao `Int8Tensor` whose inputs torchao quantizes per token,
+    symmetrically and dynamically (see `int8_parts`), else None."""
+    kw = weight.act_quant_kwargs
+    if (type(kw).__name__ != "QuantizeTensorToInt8Kwargs" or type(kw.granularity).__name__ != "PerRow"
+            or getattr(kw.mapping_type, "name", None) != "SYMMETRIC"
+            or getattr(weight, "act_quant_scale", None) is not None or scale.dtype != torch.float32):
+        return None
+    return Int8Tokens(*((-64, 63) if getattr(kw, "reduce_range", False) else (-128, 127)))
+
+
+def packed_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the calls a quantized weight's packed bytes are laid out for (W_Q8 panels pair k
+    for bfloat16): float32 for an int8 weight whose inputs are quantized per token (`Int8Parts.tokens`:
+    the C linear multiplies their integer codes in float32), else the weight's own dtype."""
+    parts = int8_parts(weight)
+    return torch.float32 if parts is not None and parts.tokens is not None else weight.dtype
 
 
 @dataclass(frozen=True)
@@ -490,13 +543,13 @@ def _codes_tensor(t) -> bool:
 
 
 def _quantized(weight: torch.Tensor) -> tuple[int, object]:
-    """(W_Q8, its `int8_parts`) or (W_Q4, its `q4_parts`) for a quantized weight the C linears read,
+    """(W_Q8 or W_Q8T, its `int8_parts`) or (W_Q4 or W_Q8G, its `q4_parts`) for a quantized weight the C linears read,
     else (W_FLOAT, None)."""
     if type(weight) in (torch.Tensor, torch.nn.Parameter):
         return W_FLOAT, None
     parts = int8_parts(weight)
     if parts is not None:
-        return W_Q8, parts
+        return (W_Q8 if parts.tokens is None else W_Q8T), parts
     q4 = q4_parts(weight)
     return (W_FLOAT, None) if q4 is None else (W_Q8G if q4.bits == 8 else W_Q4, q4)
 
@@ -507,7 +560,7 @@ def code_bits(kind: int) -> int:
 
 
 def weight_kind(weight: torch.Tensor) -> int:
-    """W_Q8 for a weight `int8_parts` reads, W_Q4 (W_Q8G) for one `q4_parts` reads with 4-bit (8-bit)
+    """W_Q8 for a weight `int8_parts` reads (W_Q8T where its inputs are quantized per token), W_Q4 (W_Q8G) for one `q4_parts` reads with 4-bit (8-bit)
     codes, else W_FLOAT."""
     return _quantized(weight)[0]
 
@@ -548,6 +601,21 @@ def pack_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> t
         write_q8_values(out, values, dtype)
         out[at:].view(torch.float32)[:n].copy_(scales.to(dtype).float())
     return out
+
+
+def pack_q8t(values: torch.Tensor, scales: torch.Tensor, tokens: Int8Tokens) -> torch.Tensor:
+    """int8 `values` [N, K] whose inputs are quantized per token (`tokens`), with float32 column
+    `scales` [N], in the W_Q8T layout (cpu_kernels.h): `pack_q8`'s bytes for float32 calls with unit
+    scales, then P * 8 float32 scales (zeros past N) and the codes' range as two int32.
+
+    Example: values [[1, 2], [3, 4]], scales [0.5, 2], codes in [-128, 127]: the panel bytes of
+    `pack_q8`, unit scales from byte 64, [0.5, 2, 0, ..., 0] from byte 96, then -128 and 127."""
+    n, p = values.shape[0], -(-values.shape[0] // 8)
+    head = pack_q8(values, torch.ones(n), torch.float32)
+    tail = torch.zeros(p * 8 + 2, dtype=torch.float32)
+    tail[:n] = scales.float()
+    tail[p * 8 :].view(torch.int32).copy_(torch.tensor([tokens.qmin, tokens.qmax], dtype=torch.int32))
+    return torch.cat([head, tail.view(torch.uint8)])
 
 
 def _q8_k2(k: int, dtype: torch.dtype) -> int:
@@ -749,8 +817,8 @@ def values_of(weight: torch.Tensor) -> torch.Tensor:
     4-bit weight's packed codes (`q4_parts`), a PackedWeight's panels, else the weight itself. Its
     address and version counter say whether the values moved or changed."""
     kind, parts = _quantized(weight)
-    if kind == W_Q8:
-        return parts[0]
+    if kind in (W_Q8, W_Q8T):
+        return parts.values
     if kind in (W_Q4, W_Q8G):
         return parts.source
     got = _own_packing(weight)
@@ -772,7 +840,9 @@ def _keep(weight: torch.Tensor, src: torch.Tensor, copy: torch.Tensor) -> None:
 def _pack_any(weight: torch.Tensor) -> torch.Tensor:
     kind, parts = _quantized(weight)
     if kind == W_Q8:
-        return pack_q8(*parts, weight.dtype)
+        return pack_q8(parts.values, parts.scales, weight.dtype)
+    if kind == W_Q8T:
+        return pack_q8t(parts.values, parts.scales, parts.tokens)
     if kind in (W_Q4, W_Q8G):
         return pack_q4(parts.codes(), parts.scales, parts.shifts, parts.group, parts.form, parts.offset, weight.dtype,
                        parts.lut, parts.bits)

@@ -69,8 +69,8 @@ __all__ = ["PackedCodes", "pack_quantized", "unpack_quantized"]
 @dataclass(frozen=True)
 class Layout:
     """How a library's code tensor (of `shape` and `dtype`) maps to the weight's codes [N, K]: `kind`
-    (cpu.kernels W_Q8, W_Q4 or W_Q8G), the weight's `n`, `k` and `weight_dtype` (a W_Q8 panel's width
-    depends on it), `to_codes(tensor)` and its inverse `from_codes(codes)`."""
+    (cpu.kernels W_Q8, W_Q8T, W_Q4 or W_Q8G), the weight's `n`, `k` and `weight_dtype` (the dtype of the calls
+    its bytes are laid out for, cpu.kernels.packed_dtype: a W_Q8 panel's width depends on it), `to_codes(tensor)` and its inverse `from_codes(codes)`."""
 
     kind: int
     n: int
@@ -83,13 +83,13 @@ class Layout:
 
     def read(self, packed: torch.Tensor) -> torch.Tensor:
         """The codes [N, K] the packed bytes hold."""
-        if self.kind == cpu_kernels.W_Q8:
+        if self.kind in (cpu_kernels.W_Q8, cpu_kernels.W_Q8T):
             return cpu_kernels.q8_values(packed, self.n, self.k, self.weight_dtype)
         return cpu_kernels.q4_codes(packed, self.n, self.k, cpu_kernels.code_bits(self.kind))
 
     def write(self, packed: torch.Tensor, codes: torch.Tensor) -> None:
         """Write codes [N, K] into the packed bytes (their scales stay)."""
-        if self.kind == cpu_kernels.W_Q8:
+        if self.kind in (cpu_kernels.W_Q8, cpu_kernels.W_Q8T):
             cpu_kernels.write_q8_values(packed, codes, self.weight_dtype)
         else:
             cpu_kernels.write_q4_codes(packed, codes, cpu_kernels.code_bits(self.kind))
@@ -301,7 +301,8 @@ def _pack_one(module: torch.nn.Module, weight: torch.Tensor, checked: dict, weig
             or source.data_ptr() != cpu_kernels.values_of(weight).data_ptr()):
         return 0  # (packed already, or codes the readers did not take from here)
     n, k = weight.shape
-    layout = Layout(kind, n, k, weight.dtype, tuple(source.shape), source.dtype, home.to_codes, home.from_codes)
+    layout = Layout(kind, n, k, cpu_kernels.packed_dtype(weight), tuple(source.shape), source.dtype, home.to_codes,
+                    home.from_codes)
     packed = cpu_kernels.packed(weight)
     if packed.is_inference():  # (packed under inference mode: no version counter, no in-place writes after)
         with torch.inference_mode(False):

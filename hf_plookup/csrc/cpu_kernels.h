@@ -181,10 +181,20 @@ static inline int64_t now_ns(void) {
  * [P][K][8] bytes, byte c of k column c's code; the rest (q4_meta, scales and shifts) and each
  * value's arithmetic as W_Q4's. Where W_Q8 scales a column's sum once, W_Q8G dequantizes every
  * weight first, as a library that makes the float weight and then calls F.linear does. */
-enum { W_FLOAT = 0, W_Q8 = 1, W_Q4 = 2, W_Q8G = 3 };
+enum { W_FLOAT = 0, W_Q8 = 1, W_Q4 = 2, W_Q8G = 3, W_Q8T = 4 };
 
 /* where a W_Q8 weight's scales start, in bytes from its first panel (a cache line after the panels) */
 static inline int64_t q8_scales_at(int64_t P, int64_t K2) { return (P * K2 * 8 + 63) / 64 * 64; }
+
+/* W_Q8T: int8 weights whose inputs are quantized to int8 token by token first (torchao's
+ * Int8DynamicActivationInt8WeightConfig): a W_Q8 weight laid out for fp32 calls (K2 = K) with unit
+ * scales, then, from byte q8t_scales_at(P, K), P * 8 fp32 column scales (the library's, not rounded;
+ * zeros past N) and two int32, the codes' range qmin and qmax. Any call dtype dt: each row of x is
+ * quantized (quantize_rows_i8: codes c, the row's scale r), the W_Q8 linear of the codes in fp32 sums
+ * the integers exactly (while the sums stay under 2^24), and output n of that row is torchao's
+ *   rnd(rnd(s * r) * scale[n] + bias[n])
+ * with each product and sum rounded to fp32 and rnd to dt, the bias widened. */
+static inline int64_t q8t_scales_at(int64_t P, int64_t K) { return q8_scales_at(P, K) + P * 8 * 4; }
 
 /* A W_Q4 weight's dequantization, with f = q - offset (exact) and rnd the call's dtype (cpu_kernels.h, rnd):
  *   Q4_MUL_SUB: rnd(rnd(f * s) - z)  (quanto's plain form: scale * data, then minus the shift, each
@@ -419,6 +429,8 @@ void pool_after_fork_child(void);
 
 EXPORT int64_t linear(const void* x, int64_t M, const void* w, int64_t wkind, int64_t K, const void* bias, int64_t N,
                       void* out, int64_t dt, int64_t threads);
+EXPORT void quantize_rows_i8(const void* x, int64_t M, int64_t K, int64_t dt, int64_t qmin, int64_t qmax, float* q,
+                             float* scale);
 EXPORT void pack_weight(const void* w, int64_t N, int64_t K, int64_t dt, void* packed, int64_t unpack,
                         int64_t threads);
 EXPORT int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv, const void* k_cache,

@@ -90,11 +90,16 @@ static void linear_part(void* ctx, int64_t part) {
     ops.linear_range(j->xt, j->M, j->w[i], j->wkind[i], j->K2, j->bias[i], p_lo, p_hi, j->out[i], j->N[i], j->dt);
 }
 
+static int64_t linears_q8t(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const int64_t* wkind,
+                           const void* const* bias, void* const* out, const int64_t* N, int64_t dt, int64_t threads);
+
 /* out_i [M, N_i] = x [M, K] @ w_i^T (+ bias_i [N_i]) for the n (<= MAX_LINEARS) linears of one input, w_i
  * packed, of kind wkind_i (NULL: all W_FLOAT), in one parallel job; all of them of dtype dt (DT_F32,
  * DT_BF16, DT_F16); a bias may be NULL. Returns 0, or -1 when scratch memory could not be had. */
 int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const int64_t* wkind,
                 const void* const* bias, void* const* out, const int64_t* N, int64_t dt, int64_t threads) {
+    for (int64_t i = 0; wkind && i < n; i++)
+        if (wkind[i] == W_Q8T) return linears_q8t(x, M, K, n, w, wkind, bias, out, N, dt, threads);
     int64_t K2 = dt == DT_BF16 ? K + (K & 1) : K;
     float* xt = NULL; /* x transposed in blocks (x_block), widened and padded once for every tile (fp32 1-row x is its own) */
     if (M > 1 || dt != DT_F32) {
@@ -113,9 +118,81 @@ int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* cons
     return 0;
 }
 
+/* `linears` where some weights are W_Q8T (cpu_kernels.h): each of those one at a time, on x's codes
+ * (quantized once for each range of codes), its fp32 sums then scaled as torchao does; the others
+ * each as `linears` runs them. */
+static int64_t linears_q8t(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const int64_t* wkind,
+                           const void* const* bias, void* const* out, const int64_t* N, int64_t dt, int64_t threads) {
+    int64_t most = 0, failed = 0, range[2] = {1, 0}; /* the range x's codes are of (none yet) */
+    for (int64_t i = 0; i < n; i++) most = N[i] > most ? N[i] : most;
+    float *q = (float*)malloc((size_t)(M * K) * sizeof(float)), *r = (float*)malloc((size_t)M * sizeof(float));
+    float* sums = (float*)malloc((size_t)(M * most) * sizeof(float));
+    for (int64_t i = 0; i < n && !failed; i++) {
+        if (wkind[i] != W_Q8T) {
+            failed = linears(x, M, K, 1, w + i, wkind + i, bias + i, out + i, N + i, dt, threads);
+            continue;
+        }
+        if (!q || !r || !sums) {
+            failed = -1;
+            break;
+        }
+        int64_t P = (N[i] + 7) / 8, kind = W_Q8;
+        const float* scale = (const float*)((const char*)w[i] + q8t_scales_at(P, K));
+        const int32_t* codes = (const int32_t*)(scale + P * 8);
+        if (codes[0] != range[0] || codes[1] != range[1]) {
+            quantize_rows_i8(x, M, K, dt, codes[0], codes[1], q, r);
+            range[0] = codes[0], range[1] = codes[1];
+        }
+        const void* b = NULL;
+        void* o = sums;
+        failed = linears(q, M, K, 1, w + i, &kind, &b, &o, N + i, DT_F32, threads);
+        for (int64_t m = 0; m < M && !failed; m++)
+            for (int64_t c = 0; c < N[i]; c++) {
+                float y = rnd(sums[m * N[i] + c] * r[m], (int)dt) * scale[c];
+                if (bias[i]) y += load1(bias[i], c, (int)dt);
+                store1(out[i], m * N[i] + c, y, (int)dt);
+            }
+    }
+    free(q), free(r), free(sums);
+    return failed;
+}
+
 /* out [M, N] = x @ w^T (+ bias [N]), w packed, of kind wkind; x, bias, out and a W_FLOAT w of dtype dt;
  * bias may be NULL. Returns 0, or -1 when scratch memory could not be had. */
 int64_t linear(const void* x, int64_t M, const void* w, int64_t wkind, int64_t K, const void* bias, int64_t N,
                void* out, int64_t dt, int64_t threads) {
     return linears(x, M, K, 1, &w, &wkind, &bias, &out, &N, dt, threads);
+}
+
+/* Per-row symmetric int8 quantization of x [M, K] (dtype dt), torchao's for a linear's activations
+ * (choose_qparams_affine and quantize_affine, SYMMETRIC, one block a row): a row's scale is its
+ * largest magnitude (taking 0 in) over half the range, (qmax - qmin) / 2, divided in fp32 and rounded to
+ * dt, then at least 2^-23 (fp32's epsilon); its codes are x * (1 / scale) in fp32, rounded half to even
+ * and clamped to [qmin, qmax]. q [M, K] gets the codes as fp32 integers (the input of a W_Q8 linear whose
+ * sums of integers are then exact while they stay under 2^24), scale [M] the scales, widened to fp32.
+ * A NaN in a row makes its scale NaN, as torch's min and max pass it on.
+ *
+ * Example: x = [[1.0, -2.55]] (fp32), qmin -128, qmax 127: scale 2.55 / 127.5 = 0.02, codes
+ * [50, -128] (-127.5 rounds to -128, even). */
+void quantize_rows_i8(const void* x, int64_t M, int64_t K, int64_t dt, int64_t qmin, int64_t qmax, float* q,
+                      float* scale) {
+    const float half = (float)(qmax - qmin) / 2.0f, eps = 0x1p-23f;
+    for (int64_t m = 0; m < M; m++) {
+        float lo = 0.0f, hi = 0.0f, r;
+        int nan = 0;
+        for (int64_t k = 0; k < K; k++) {
+            float v = load1(x, m * K + k, (int)dt);
+            nan |= v != v;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        float s = rnd((-lo > hi ? -lo : hi) / half, (int)dt);
+        s = nan ? NAN : s < eps ? eps : s;
+        scale[m] = s;
+        r = 1.0f / s;
+        for (int64_t k = 0; k < K; k++) {
+            float c = rintf(load1(x, m * K + k, (int)dt) * r);
+            q[m * K + k] = c < (float)qmin ? (float)qmin : c > (float)qmax ? (float)qmax : c;
+        }
+    }
 }

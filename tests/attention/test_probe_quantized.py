@@ -206,15 +206,16 @@ def test_torchao_quantized_head_keeps_the_models_own():
 
 def test_row_strategy_is_kept_per_weight_type():
     """A quantized weight of a plain weight's shape gets its own row strategy, and so does a weight of
-    the same type that the C kernels do not read (torchao's dynamic activation quantization, an
-    `Int8Tensor` too): each computes its rows as 1-row calls of its own strategy do."""
+    the same type that the C kernels do not read (torchao's activations quantized over the whole
+    call, an `Int8Tensor` too): each computes its rows as 1-row calls of its own strategy do."""
     quantization = pytest.importorskip("torchao.quantization")
     from hf_plookup.invariant.linears import invariant_rows, row_strategy
 
     plain = torch.nn.Linear(64, 96, bias=False)
     assert row_strategy(plain.weight, None) in ("cpu", "numba", "plain", "rows")
     x = torch.randn(5, 64)
-    for config in (quantization.Int8WeightOnlyConfig(), quantization.Int8DynamicActivationInt8WeightConfig()):
+    per_tensor = quantization.Int8DynamicActivationInt8WeightConfig(granularity=quantization.PerTensor())
+    for config in (quantization.Int8WeightOnlyConfig(), quantization.Int8DynamicActivationInt8WeightConfig(), per_tensor):
         quantized = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False))
         quantization.quantize_(quantized, config)
         got = row_strategy(quantized[0].weight, None)
@@ -223,8 +224,8 @@ def test_row_strategy_is_kept_per_weight_type():
             one = torch.cat([invariant_rows(x[i : i + 1], quantized[0].weight, None) for i in range(5)])
         assert torch.equal(rows, one), got
         assert torch.allclose(rows, quantized(x), rtol=0.05, atol=0.05), got
-        if isinstance(config, quantization.Int8WeightOnlyConfig) and cpu_kernels.available():
-            assert got == "cpu"  # the C kernel over the int8 weight (cpu.kernels W_Q8)
+        if config is not per_tensor and cpu_kernels.available():
+            assert got == "cpu"  # the C kernel over the int8 weight (cpu.kernels W_Q8; per-token inputs too)
         else:
             assert got != "cpu"
 
