@@ -14,7 +14,7 @@ import torch
 from .attention.registry import register
 from .cpu.packed_codes import unpack_quantized
 from .cpu.packed_weight import unpack_linears
-from .invariant import bnb4bit, compressed_tensors
+from .invariant import bnb4bit, bnb8bit, compressed_tensors
 from .invariant.linears import linear_of
 from .engine.engine import Engine, EngineOptions
 from .generation import GENERATE_ARGS, OWN_ARGS, resolve
@@ -185,11 +185,12 @@ def _signature(model: torch.nn.Module) -> tuple:
     return tuple((p.device, p.dtype) for p in model.parameters())
 
 
-# Libraries whose linears `wrap` holds in a form the C linears read, before the probe's first forward
-# would change it (compressed-tensors decompresses, bitsandbytes repacks on AVX-512 BF16 CPUs): each
-# one's (held, hold, release), invariant.compressed_tensors and invariant.bnb4bit
+# Libraries whose linears `wrap` holds in a form invariant mode's linears take, before the probe's
+# first forward would change it (compressed-tensors decompresses, bitsandbytes repacks its 4-bit ones on
+# AVX-512 BF16 CPUs; its 8-bit ones are marked with their model's dtype): each one's (held, hold,
+# release), invariant.compressed_tensors, invariant.bnb4bit and invariant.bnb8bit
 _HOLDS = ((compressed_tensors.held, compressed_tensors.hold_compressed, compressed_tensors.release),
-          (bnb4bit.held, bnb4bit.hold_flat, bnb4bit.release))
+          (bnb4bit.held, bnb4bit.hold_flat, bnb4bit.release), (bnb8bit.held, bnb8bit.hold, bnb8bit.release))
 
 
 def _build(model: torch.nn.Module, options: EngineOptions) -> Engine:

@@ -905,6 +905,19 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return out
 
 
+def q8_sums(x: torch.Tensor, packed_q8: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] float32 @ values^T of W_Q8 bytes `packed_q8` made for float32 calls with unit scales
+    (`pack_q8(values, ones, torch.float32)`), as [M, n] float32: each output one FMA chain over k,
+    whatever M, so for integer x its sums of integers are exact while they stay under 2^24."""
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m and _LIB.linear(x.data_ptr(), m, packed_q8.data_ptr(), W_Q8, k, None, n, out.data_ptr(),
+                         dtype_code(torch.float32), threads()):
+        raise MemoryError("cpu_kernels.linear: no memory for the transposed input")
+    return out
+
+
 # the RMSNorm arithmetic `rms_norm` reproduces, r being 1 / sqrt(mean(x^2) + eps) in float32:
 # "scale_after" (Llama's and most models'): weight * (x * r) with x * r rounded to x's dtype first;
 # "one_plus" (Gemma's): x * r * (1 + weight) in float32, rounded once

@@ -50,7 +50,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from . import bnb4bit, compressed_tensors, gptq
+from . import bnb4bit, bnb8bit, compressed_tensors, gptq
 from .attention import build_layout, current_layout, invariant_layout
 from ..cpu import kernels as cpu_kernels
 from . import row_linear
@@ -81,7 +81,8 @@ def linear_module(module: torch.nn.Module) -> bool:
     `nn.Linear` (its weight may be a quantized tensor subclass, as torchao's are); optimum-quanto's
     `QLinear` whose weights are frozen (quantized once) and whose activations are not quantized (its
     forward is then `F.linear` with its quantized weight; unfrozen, it quantizes the weight again on
-    every call); bitsandbytes' 4-bit `Linear4bit` (invariant.bnb4bit); gptqmodel's GPTQ linear in
+    every call); bitsandbytes' 4-bit `Linear4bit` (invariant.bnb4bit) and its 8-bit `Linear8bitLt`
+    once `wrap` holds it (invariant.bnb8bit); gptqmodel's GPTQ linear in
     torch's CPU int4 form (invariant.gptq); a compressed-tensors linear `wrap` holds compressed
     (invariant.compressed_tensors)."""
     if "forward" in vars(module):
@@ -91,17 +92,19 @@ def linear_module(module: torch.nn.Module) -> bool:
     cls = type(module)
     if cls.__name__ == "QLinear" and cls.__module__.startswith("optimum.quanto"):
         return getattr(module, "activation_qtype", True) is None and getattr(module, "frozen", False)
-    return (bnb4bit.is_linear4bit(module) or gptq.is_gptq_linear(module)
+    return (bnb4bit.is_linear4bit(module) or bnb8bit.is_linear8bit(module) or gptq.is_gptq_linear(module)
             or type(module) is compressed_tensors.CompressedLinear)  # (held, or decompressed since: a float weight)
 
 
 def module_view(module: torch.nn.Module):
     """The function that gives a quantized module's `ModuleWeight` (`bnb4bit.linear_weight` for a
-    bitsandbytes 4-bit module, `gptq.linear_weight` for a GPTQ one, `compressed_tensors.linear_weight`
+    bitsandbytes 4-bit module, `bnb8bit.linear_weight` for a held 8-bit one, `gptq.linear_weight` for a GPTQ one, `compressed_tensors.linear_weight`
     for a held compressed-tensors one), else None: the module's weight is its own. Asked of the
     module as it is (with no forward set on the instance)."""
     if bnb4bit.is_linear4bit(module):
         return bnb4bit.linear_weight
+    if bnb8bit.is_linear8bit(module):
+        return bnb8bit.linear_weight
     if compressed_tensors.is_held(module):
         return compressed_tensors.linear_weight
     return gptq.linear_weight if gptq.is_gptq_linear(module) else None
@@ -210,7 +213,12 @@ def row_strategy(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     got = _STRATEGIES.get(key)
     if got is None:
         gen = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(PROBE_ROWS, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        x = torch.randn(PROBE_ROWS, weight.shape[1], generator=gen)
+        # one row with a large value in two columns, as real activations have: a kernel that picks
+        # such outlier columns over all rows of a call (bitsandbytes' LLM.int8, from 6 up) shows its
+        # rows' dependence only so
+        x[1, :2] = 24.0
+        x = x.to(weight.device, weight.dtype)
         plain = ("plain", F.linear)
         first = [(name, KERNELS[name][1]) for name in FIRST_KERNELS if KERNELS[name][0](weight)]
         rest = [(name, fn) for name, (takes, fn) in KERNELS.items() if name not in FIRST_KERNELS and takes(weight)]
