@@ -389,6 +389,21 @@ class StopOnToken(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
+def torchao_linear(config, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Linear:
+    """An `nn.Linear(k, n)` of seeded normal weights and bias in `dtype`, quantized by torchao's own
+    `quantize_` with `config`."""
+    from torchao.quantization import quantize_
+
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(k, n))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randn(n, k, generator=g))
+        model[0].bias.copy_(torch.randn(n, generator=g))
+    model = model.to(dtype)
+    quantize_(model, config)
+    return model[0]
+
+
 def at_every_simd_level(fn) -> dict:
     """`fn()` at each SIMD level of the C kernels this CPU has, from the portable C (level 0) up,
     the top level restored after: {level: result}."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_plookup.cpu import kernels as cpu_kernels
-from tests.conftest import at_every_simd_level, rows_alone_and_float_linear
+from tests.conftest import at_every_simd_level, rows_alone_and_float_linear, torchao_linear
 
 tq = pytest.importorskip("torchao.quantization")
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
@@ -32,14 +32,7 @@ CONFIGS = {
 
 
 def _quantized(name: str, n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.nn.Linear:
-    g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(k, n))
-    with torch.no_grad():
-        model[0].weight.copy_(torch.randn(n, k, generator=g))
-        model[0].bias.copy_(torch.randn(n, generator=g))
-    model = model.to(dtype)
-    tq.quantize_(model, CONFIGS[name][0]())
-    return model[0]
+    return torchao_linear(CONFIGS[name][0](), n, k, dtype, seed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

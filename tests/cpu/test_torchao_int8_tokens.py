@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_plookup.cpu import kernels as cpu_kernels
-from tests.conftest import at_every_simd_level
+from tests.conftest import at_every_simd_level, torchao_linear
 
 tq = pytest.importorskip("torchao.quantization")
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
@@ -24,14 +24,7 @@ ROWS = (1, 2, 5, 9, 10, 13)
 
 
 def _quantized(n: int, k: int, dtype: torch.dtype, seed: int = 0, **config) -> torch.nn.Linear:
-    g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(k, n))
-    with torch.no_grad():
-        model[0].weight.copy_(torch.randn(n, k, generator=g))
-        model[0].bias.copy_(torch.randn(n, generator=g))
-    model = model.to(dtype)
-    tq.quantize_(model, tq.Int8DynamicActivationInt8WeightConfig(**config))
-    return model[0]
+    return torchao_linear(tq.Int8DynamicActivationInt8WeightConfig(**config), n, k, dtype, seed)
 
 
 def _quantize_rows(x: torch.Tensor, qmin: int = -128, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
