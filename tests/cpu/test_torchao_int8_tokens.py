@@ -138,7 +138,7 @@ def test_model_runs_in_the_c_layers():
     assert row_strategy(w, None) == "cpu" and type(w.qdata).__name__ == "PackedCodes"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_c_layers_are_the_modules(dtype):
     """The C decoder layers' steps are bitwise the engine's steps through the model's modules (each
     linear torchao's own arithmetic): the same logits at every step."""
