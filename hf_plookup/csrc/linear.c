@@ -172,8 +172,8 @@ int64_t linear(const void* x, int64_t M, const void* w, int64_t wkind, int64_t K
  * sums of integers are then exact while they stay under 2^24), scale [M] the scales, widened to fp32.
  * A NaN in a row makes its scale NaN, as torch's min and max pass it on.
  *
- * Example: x = [[1.0, -2.55]] (fp32), qmin -128, qmax 127: scale 2.55 / 127.5 = 0.02, codes
- * [50, -128] (-127.5 rounds to -128, even). */
+ * Example: x = [[15.9375, -1.0625, 0.0625, 0.1875]] (fp32), qmin -128, qmax 127: scale 15.9375 / 127.5
+ * = 0.125, so codes x * 8 rounded half to even: [127 (128 clamped), -8, 0, 2]. */
 void quantize_rows_i8(const void* x, int64_t M, int64_t K, int64_t dt, int64_t qmin, int64_t qmax, float* q,
                       float* scale) {
     const float half = (float)(qmax - qmin) / 2.0f, eps = 0x1p-23f;
