@@ -893,14 +893,19 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     kind, parts = _quantized(weight)
     if kind in (W_Q4, W_Q8G) and parts.inputs is not None:  # (row by row, as the library does first)
         x2d = parts.inputs(x2d).to(weight.dtype).contiguous()
-    w = packed(weight)
     b = None if bias is None else bias.to(weight.dtype).contiguous()
+    return _linear_call(x2d, packed(weight), kind, b, weight.shape[0])
+
+
+def _linear_call(x2d: torch.Tensor, packed_w: torch.Tensor, kind: int, bias: torch.Tensor | None,
+                 n: int) -> torch.Tensor:
+    """The C `linear` of contiguous x2d [M, K] over packed bytes of `kind`, in x2d's dtype (bias, if
+    any, of it too): [M, n]."""
     m, k = x2d.shape
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=weight.dtype)
+    out = torch.empty(m, n, dtype=x2d.dtype)
     if m:  # (the kernel reads and writes raw memory: autograd never sees it, as in inference)
-        if _LIB.linear(x2d.data_ptr(), m, w.data_ptr(), kind, k, None if b is None else b.data_ptr(), n,
-                       out.data_ptr(), dtype_code(weight.dtype), threads()):
+        if _LIB.linear(x2d.data_ptr(), m, packed_w.data_ptr(), kind, k, None if bias is None else bias.data_ptr(), n,
+                       out.data_ptr(), dtype_code(x2d.dtype), threads()):
             raise MemoryError("cpu_kernels.linear: no memory for the transposed input")
     return out
 
@@ -909,13 +914,7 @@ def q8_sums(x: torch.Tensor, packed_q8: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] float32 @ values^T of W_Q8 bytes `packed_q8` made for float32 calls with unit scales
     (`pack_q8(values, ones, torch.float32)`), as [M, n] float32: each output one FMA chain over k,
     whatever M, so for integer x its sums of integers are exact while they stay under 2^24."""
-    x = x.contiguous()
-    m, k = x.shape
-    out = torch.empty(m, n, dtype=torch.float32)
-    if m and _LIB.linear(x.data_ptr(), m, packed_q8.data_ptr(), W_Q8, k, None, n, out.data_ptr(),
-                         dtype_code(torch.float32), threads()):
-        raise MemoryError("cpu_kernels.linear: no memory for the transposed input")
-    return out
+    return _linear_call(x.contiguous(), packed_q8, W_Q8, None, n)
 
 
 # the RMSNorm arithmetic `rms_norm` reproduces, r being 1 / sqrt(mean(x^2) + eps) in float32:

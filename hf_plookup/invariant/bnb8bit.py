@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cpu import kernels as cpu_kernels
 from .module_weight import ModuleWeight, Views
 
 _DTYPE = "_hf_plookup_dtype"  # a held module's compute dtype, in its instance dict
@@ -64,8 +65,6 @@ class Bnb8bitWeight(ModuleWeight):
         bitsandbytes' `int8_mm_dequant` does, plus the bias, in the input's dtype; then each outlier
         column in order adds its input times the column's dequantized weight. Without the C
         kernels, one bitsandbytes call per row."""
-        from ..cpu import kernels as cpu_kernels
-
         state, shape = self.state, x.shape
         x2d = x.reshape(-1, shape[-1])
         if not cpu_kernels.available() or x.device.type != "cpu" or state.CB is None:
@@ -88,18 +87,16 @@ class Bnb8bitWeight(ModuleWeight):
         if bias is not None:
             out += bias
         out = out.to(x.dtype)
-        if outliers is not None and bool(outliers.any()):
-            for j in outliers.any(dim=0).nonzero().flatten().tolist():  # (only the rows it is an outlier of)
-                rows = outliers[:, j].nonzero().flatten()
-                w = (cb[:, j] * scb * 7.874015718698502e-3).to(x.dtype)
-                out[rows] += x2d[rows, j : j + 1] * w
+        columns = [] if outliers is None else outliers.any(dim=0).nonzero().flatten().tolist()
+        for j in columns:  # (each to the rows it is an outlier of)
+            rows = outliers[:, j].nonzero().flatten()
+            w = (cb[:, j] * scb * 7.874015718698502e-3).to(x.dtype)
+            out[rows] += x2d[rows, j : j + 1] * w
         return out.reshape(*shape[:-1], -1)
 
     def _codes(self, cb: torch.Tensor) -> torch.Tensor:
         """The C kernels' W_Q8 bytes of the codes with unit scales, for float32 calls (made again
         when the codes move or change)."""
-        from ..cpu import kernels as cpu_kernels
-
         key = (cb.data_ptr(), cb._version)
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, cpu_kernels.pack_q8(cb, torch.ones(cb.shape[0]), torch.float32))
