@@ -422,13 +422,41 @@ def at_every_simd_level(fn) -> dict:
 
 def rows_alone_and_float_linear(weight, bias, values, x, counts) -> torch.Tensor:
     """A C linear over a quantized `weight` checked on the first m rows of `x` for each m of
-    `counts`: equal to its rows run one at a time and to the float (W_FLOAT) linear of its
-    dequantized `values`, bit for bit. Returns the rows run one at a time."""
+    `counts`: equal to its rows run one at a time, bit for bit, and the float linear of its
+    dequantized `values` (`assert_float_linear`). Returns the rows run one at a time."""
     from hf_plookup.cpu import kernels as cpu_kernels
 
     rows = torch.cat([cpu_kernels.linear(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
     for m in counts:
         got = cpu_kernels.linear(x[:m], weight, bias)
         assert torch.equal(got, rows[:m]), m
-        assert torch.equal(got, cpu_kernels.linear(x[:m], values, bias)), m
+        assert_float_linear(got, weight, values, x[:m], bias, m)
     return rows
+
+
+_UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def assert_float_linear(got, weight, values, x, bias=None, msg=None) -> None:
+    """`got`, a C linear's outputs of `x` (the inputs it multiplies) over a quantized `weight`, is the
+    float (W_FLOAT) linear of its dequantized `values`: bit for bit, but for a W_Q4K weight, whose
+    sums go in 16 lanes over k where W_FLOAT's go in one chain (csrc/cpu_kernels.h): then its values
+    read back from its packed bytes are `values` exactly (the linear of one-hot rows gives each
+    alone), and its outputs are within what two orders of the same fp32 sums and one rounding each
+    to the dtype can part by (2 K u32 |x| |w| + 2 u |y|). `values` of another dtype than `got`
+    (float32 values of a bf16 weight: tinygemm's) make the float linear one in their dtype, rounded."""
+    from hf_plookup.cpu import kernels as cpu_kernels
+
+    dt = values.dtype
+    want = cpu_kernels.linear(x.to(dt).contiguous(), values.contiguous(), None if bias is None else bias.to(dt))
+    want = want.to(got.dtype)
+    if cpu_kernels.weight_kind(weight) != cpu_kernels.W_Q4K:
+        assert torch.equal(got, want), msg
+        return
+    n, k = values.shape
+    eye = torch.eye(k, dtype=dt)
+    alone = cpu_kernels._linear_call(eye, cpu_kernels.packed(weight), cpu_kernels.W_Q4K, None, n)
+    assert torch.equal(alone.t(), values), msg
+    size = x.double().abs() @ values.double().abs().t() + (0 if bias is None else bias.double().abs())
+    bound = 2 * k * _UNIT[torch.float32] * size + 2 * _UNIT[got.dtype] * want.double().abs()
+    assert ((got.double() - want.double()).abs() <= bound).all(), msg

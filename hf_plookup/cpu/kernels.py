@@ -151,6 +151,15 @@ def set_simd_level(level: int) -> int:
 
 
 @functools.cache
+def cpu_level() -> int:
+    """The highest level this CPU runs (`simd_level` before any `set_simd_level`)."""
+    if not available():
+        return 0
+    was = set_simd_level(99)
+    return set_simd_level(was)
+
+
+@functools.cache
 def torch_bf16_is_native() -> bool:
     """Whether this CPU has bf16 dot-product instructions (x86 AVX-512 BF16 or AMX), which torch's
     bf16 GEMM (oneDNN) uses: then it beats `linear` on long prompt chunks, where arithmetic, not
@@ -181,18 +190,21 @@ def _plain(t: torch.Tensor) -> bool:
 # int8 values with one scale per output column (`int8_parts`), 4-bit codes with a scale and a
 # shift per column and group of values (`q4_parts`), or 8-bit codes so (`q4_parts` with bits 8:
 # every weight dequantized before its product, where W_Q8 scales a column's sum), or int8 values
-# whose inputs are quantized to int8 token by token first (`Int8Parts.tokens`)
-W_FLOAT, W_Q8, W_Q4, W_Q8G, W_Q8T = 0, 1, 2, 3, 4
+# whose inputs are quantized to int8 token by token first (`Int8Parts.tokens`), or 4-bit codes laid
+# out along k (W_Q4K: `q4_kind`)
+W_FLOAT, W_Q8, W_Q4, W_Q8G, W_Q8T, W_Q4K = 0, 1, 2, 3, 4, 5
+Q4_KINDS = (W_Q4, W_Q4K, W_Q8G)  # the kinds `q4_parts` reads
 # the dtypes of the tensor that holds a quantized kind's values (`values_of`; GPTQ and
 # compressed-tensors keep their codes in int32 words, torchao its grouped ones as int8 values)
 VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q8T: (torch.int8,), W_Q4: (torch.uint8, torch.int32, torch.int8),
-                 W_Q8G: (torch.uint8, torch.int32, torch.int8)}
+                 W_Q4K: (torch.uint8, torch.int32, torch.int8), W_Q8G: (torch.uint8, torch.int32, torch.int8)}
 # how a W_Q4 code q becomes its weight, f being q - offset (cpu_kernels.h, q4_value): "mul_sub",
 # round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32; "lut",
 # round(codebook[q] * scale) from float32; "sub_mul_f16", round(fp16((f - shift) * scale)) from
 # float32; "sub_mul", round((f - shift) * scale) from float32 (shift: a zero point)
 Q4_FORMS = {"mul_sub": 0, "fma": 1, "lut": 2, "sub_mul_f16": 3, "sub_mul": 4}
 Q4_META_BYTES = 128  # a W_Q4 weight's header (cpu_kernels.h, q4_meta)
+Q4K_BLOCK = 32  # W_Q4K: the values of k a column's 16 bytes hold (cpu_kernels.h)
 
 
 # id(weight) -> (a weak reference to it, its int8_parts): a quantized tensor's attributes cost
@@ -543,7 +555,7 @@ def _codes_tensor(t) -> bool:
 
 
 def _quantized(weight: torch.Tensor) -> tuple[int, object]:
-    """(W_Q8 or W_Q8T, its `int8_parts`) or (W_Q4 or W_Q8G, its `q4_parts`) for a quantized weight the C linears read,
+    """(W_Q8 or W_Q8T, its `int8_parts`) or (W_Q4, W_Q4K or W_Q8G, its `q4_parts`) for a quantized weight the C linears read,
     else (W_FLOAT, None)."""
     if type(weight) in (torch.Tensor, torch.nn.Parameter):
         return W_FLOAT, None
@@ -551,11 +563,25 @@ def _quantized(weight: torch.Tensor) -> tuple[int, object]:
     if parts is not None:
         return (W_Q8 if parts.tokens is None else W_Q8T), parts
     q4 = q4_parts(weight)
-    return (W_FLOAT, None) if q4 is None else (W_Q8G if q4.bits == 8 else W_Q4, q4)
+    return (W_FLOAT, None) if q4 is None else (q4_kind(weight.shape[1], q4.group, q4.bits), q4)
+
+
+def q4_kind(k: int, group: int, bits: int = 4) -> int:
+    """The weight kind of codes of `bits` bits over K = `k` values a column in groups of `group`: W_Q8G
+    for 8-bit codes; for 4-bit ones W_Q4K (laid out along k, each group's 16 values a table that
+    AVX-512's permutes look 16 codes up in at once: cpu_kernels.h) where K and the group are multiples
+    of 32 and the CPU runs level 2 (AVX-512 with BF16: `cpu_level`), else W_Q4. With AVX2 alone, W_Q4's tiles run as
+    fast at one row and faster on prompt chunks (docs/results.md, "CPU 4-bit linears along k"), so
+    such a CPU keeps W_Q4 (W_Q4K's own tiles there give its bits, for the tests).
+
+    Example: on an AVX-512 CPU q4_kind(2048, 128) is W_Q4K; q4_kind(576, 16) and q4_kind(20, 2) are W_Q4."""
+    if bits == 8:
+        return W_Q8G
+    return W_Q4K if k % Q4K_BLOCK == 0 and group % Q4K_BLOCK == 0 and cpu_level() >= 2 else W_Q4
 
 
 def code_bits(kind: int) -> int:
-    """The bits of a W_Q4 (4) or W_Q8G (8) weight's codes."""
+    """The bits of a W_Q4 or W_Q4K (4) or W_Q8G (8) weight's codes."""
     return 8 if kind == W_Q8G else 4
 
 
@@ -582,7 +608,7 @@ def takes_inputs_as_they_are(weight: torch.Tensor) -> bool:
     decoder layers, which call the kernel on their own buffers, need (not so for torchao's
     weights whose inputs are quantized per token first: `Q4Parts.inputs`)."""
     kind, parts = _quantized(weight)
-    return kind not in (W_Q4, W_Q8G) or parts.inputs is None
+    return kind not in Q4_KINDS or parts.inputs is None
 
 
 def pack_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -646,7 +672,7 @@ def q8_values(packed: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> torch
 
 
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, group: int, form: str, offset: float,
-            dtype: torch.dtype, lut: torch.Tensor | None = None, bits: int = 4) -> torch.Tensor:
+            dtype: torch.dtype, lut: torch.Tensor | None = None, bits: int = 4, kind: int | None = None) -> torch.Tensor:
     """4-bit `codes` [N, K] (uint8, 0..15) with `scales` and `shifts` [N, K / group] in the W_Q4 layout
     `linear` reads for calls in `dtype` (bytes): panels of 8 output columns [P, K / 2, 8], byte c of
     pair j holding column c's code at k = 2j in its low nibble and at 2j + 1 in its high one (zeros
@@ -662,6 +688,11 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
     `bits=8` (weight kind W_Q8G): 8-bit codes (0..255) in panels [P, K, 8], byte c of k column c's code;
     the rest as above; the "sub_mul" form only.
 
+    `kind` (default `q4_kind(K, group, bits)`): W_Q4K lays the 4-bit codes out along k instead
+    (cpu_kernels.h): each panel's two halves of 4 columns [2, K / 32, 4, 16] bytes, byte l of a
+    column's 16 in block b holding its code at k = 32b + l in the low nibble and at 32b + 16 + l in
+    the high one; the rest as above.
+
     Example: codes [[1, 2], [3, 4]], group 2, scales [[0.5], [2]], shifts [[0], [1]] give the panel
     bytes [0x21, 0x43, 0, 0, 0, 0, 0, 0], then from byte 64 the header [2, form, offset, 0, ...], then
     from byte 192 the floats [0.5, 2, 0, ..., 0, 0, 1, 0, ..., 0]. With bits=8 the panel bytes are
@@ -674,11 +705,15 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
         raise ValueError(f"pack_q4: the form {form!r} takes a codebook of 16 values exactly when it is 'lut'")
     if bits not in (4, 8) or (bits == 8 and form != "sub_mul"):
         raise ValueError(f"pack_q4: codes of {bits} bits in the form {form!r}: 4 bits in any form, or 8 in 'sub_mul'")
+    kind = q4_kind(k, group, bits) if kind is None else kind
+    if kind != (W_Q8G if bits == 8 else W_Q4) and (kind != W_Q4K or bits != 4 or k % Q4K_BLOCK or group % Q4K_BLOCK):
+        raise ValueError(f"pack_q4: kind {kind} for {bits}-bit codes, K {k}, group {group}: W_Q4K needs 4-bit codes, "
+                         f"K and the group multiples of {Q4K_BLOCK}")
     p, groups = -(-n // 8), k // group
     at = (p * k * bits + 63) // 64 * 64  # (a panel holds bits bytes a k: 8 columns' codes)
     out = torch.zeros(at + Q4_META_BYTES + p * groups * 16 * 4, dtype=torch.uint8)
     with torch.no_grad():
-        write_q4_codes(out, codes, bits)
+        write_q4_codes(out, codes, kind)
         head = out[at : at + Q4_META_BYTES].view(torch.int32)
         head[0], head[1] = group, Q4_FORMS[form]
         head[2:3].view(torch.float32)[0] = offset
@@ -691,24 +726,31 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor, gro
     return out
 
 
-def write_q4_codes(packed: torch.Tensor, codes: torch.Tensor, bits: int = 4) -> None:
-    """Write `codes` [N, K] of `bits` bits into the panels of W_Q4 (W_Q8G) bytes made for them
+def write_q4_codes(packed: torch.Tensor, codes: torch.Tensor, kind: int = W_Q4) -> None:
+    """Write `codes` [N, K] into the panels of W_Q4, W_Q4K or W_Q8G (`kind`) bytes made for them
     (`pack_q4`); the header, scales and shifts stay."""
     n, k = codes.shape
     p = -(-n // 8)
     c = F.pad(codes.to(torch.uint8), (0, 0, 0, 8 * p - n))
-    if bits == 8:
+    if kind == W_Q8G:
         packed[: p * k * 8].view(p, k, 8).copy_(c.view(p, 8, k).permute(0, 2, 1))
-        return
-    c = c.view(p, 8, k // 2, 2)
-    packed[: p * k * 4].view(p, k // 2, 8).copy_((c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1))
+    elif kind == W_Q4K:  # [half, column, block, nibble, l] -> [half, block, column, l]
+        c = c.view(2 * p, 4, k // Q4K_BLOCK, 2, 16)
+        packed[: p * k * 4].view(2 * p, k // Q4K_BLOCK, 4, 16).copy_((c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3))
+    else:
+        c = c.view(p, 8, k // 2, 2)
+        packed[: p * k * 4].view(p, k // 2, 8).copy_((c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1))
 
 
-def q4_codes(packed: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor:
-    """The codes [N, K] (uint8) that W_Q4 (W_Q8G) bytes made by `pack_q4` hold (a new contiguous tensor)."""
+def q4_codes(packed: torch.Tensor, n: int, k: int, kind: int = W_Q4) -> torch.Tensor:
+    """The codes [N, K] (uint8) that W_Q4, W_Q4K or W_Q8G (`kind`) bytes made by `pack_q4` hold (a new
+    contiguous tensor)."""
     p = -(-n // 8)
-    if bits == 8:
+    if kind == W_Q8G:
         return packed[: p * k * 8].view(p, k, 8).permute(0, 2, 1).reshape(8 * p, k)[:n].contiguous()
+    if kind == W_Q4K:
+        b = packed[: p * k * 4].view(2 * p, k // Q4K_BLOCK, 4, 16).permute(0, 2, 1, 3)  # [half, column, block, l]
+        return torch.stack([b & 15, b >> 4], 3).reshape(8 * p, k)[:n].contiguous()
     b = packed[: p * k * 4].view(p, k // 2, 8).permute(0, 2, 1)  # [P, 8, K / 2]
     return torch.stack([b & 15, b >> 4], 3).reshape(8 * p, k)[:n].contiguous()
 
@@ -819,7 +861,7 @@ def values_of(weight: torch.Tensor) -> torch.Tensor:
     kind, parts = _quantized(weight)
     if kind in (W_Q8, W_Q8T):
         return parts.values
-    if kind in (W_Q4, W_Q8G):
+    if kind in Q4_KINDS:
         return parts.source
     got = _own_packing(weight)
     return weight if got is None else got
@@ -843,7 +885,7 @@ def _pack_any(weight: torch.Tensor) -> torch.Tensor:
         return pack_q8(parts.values, parts.scales, weight.dtype)
     if kind == W_Q8T:
         return pack_q8t(parts.values, parts.scales, parts.tokens)
-    if kind in (W_Q4, W_Q8G):
+    if kind in Q4_KINDS:
         return pack_q4(parts.codes(), parts.scales, parts.shifts, parts.group, parts.form, parts.offset, weight.dtype,
                        parts.lut, parts.bits)
     return pack(weight)
@@ -891,7 +933,7 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     if x2d.dtype != weight.dtype:
         raise TypeError(f"x is {x2d.dtype}, weight is {weight.dtype}: cpu_kernels.linear needs one dtype")
     kind, parts = _quantized(weight)
-    if kind in (W_Q4, W_Q8G) and parts.inputs is not None:  # (row by row, as the library does first)
+    if kind in Q4_KINDS and parts.inputs is not None:  # (row by row, as the library does first)
         x2d = parts.inputs(x2d).to(weight.dtype).contiguous()
     b = None if bias is None else bias.to(weight.dtype).contiguous()
     return _linear_call(x2d, packed(weight), kind, b, weight.shape[0])

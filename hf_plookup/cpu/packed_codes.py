@@ -1,7 +1,8 @@
 """One copy of a quantized weight: its codes held only in the C kernels' packed layout.
 
 The C linears read an int8 or 4-bit weight from a packed copy of its codes (cpu.kernels: W_Q8
-panels of 8 output columns, W_Q4 panels of 8 columns two codes a byte, each with its scales).
+panels of 8 output columns, W_Q4 panels of 8 columns two codes a byte, or W_Q4K's along k, each with
+its scales).
 The quantizing library keeps its own tensor of the same codes, in its own layout, which HF's
 forward, a prompt chunk's GEMM, `state_dict` and the library's ops read. Both at once would hold
 every code twice, so `pack_quantized(model)` puts a `PackedCodes` in the place of the library's
@@ -69,7 +70,7 @@ __all__ = ["PackedCodes", "pack_quantized", "unpack_quantized"]
 @dataclass(frozen=True)
 class Layout:
     """How a library's code tensor (of `shape` and `dtype`) maps to the weight's codes [N, K]: `kind`
-    (cpu.kernels W_Q8, W_Q8T, W_Q4 or W_Q8G), the weight's `n`, `k` and `weight_dtype` (the dtype of the calls
+    (cpu.kernels W_Q8, W_Q8T, W_Q4, W_Q4K or W_Q8G), the weight's `n`, `k` and `weight_dtype` (the dtype of the calls
     its bytes are laid out for, cpu.kernels.packed_dtype: a W_Q8 panel's width depends on it), `to_codes(tensor)` and its inverse `from_codes(codes)`."""
 
     kind: int
@@ -85,14 +86,14 @@ class Layout:
         """The codes [N, K] the packed bytes hold."""
         if self.kind in (cpu_kernels.W_Q8, cpu_kernels.W_Q8T):
             return cpu_kernels.q8_values(packed, self.n, self.k, self.weight_dtype)
-        return cpu_kernels.q4_codes(packed, self.n, self.k, cpu_kernels.code_bits(self.kind))
+        return cpu_kernels.q4_codes(packed, self.n, self.k, self.kind)
 
     def write(self, packed: torch.Tensor, codes: torch.Tensor) -> None:
         """Write codes [N, K] into the packed bytes (their scales stay)."""
         if self.kind in (cpu_kernels.W_Q8, cpu_kernels.W_Q8T):
             cpu_kernels.write_q8_values(packed, codes, self.weight_dtype)
         else:
-            cpu_kernels.write_q4_codes(packed, codes, cpu_kernels.code_bits(self.kind))
+            cpu_kernels.write_q4_codes(packed, codes, self.kind)
 
 
 class _Packed:
@@ -259,7 +260,7 @@ def _home(module: torch.nn.Module, weight: torch.Tensor) -> Home | None:
     n, k = weight.shape
     same = (lambda t: t, lambda t: t)
     kind = cpu_kernels.weight_kind(weight)
-    if name in ("Int8Tensor", "IntxUnpackedToInt8Tensor") and kind in (cpu_kernels.W_Q4, cpu_kernels.W_Q8G):
+    if name in ("Int8Tensor", "IntxUnpackedToInt8Tensor") and kind in cpu_kernels.Q4_KINDS:
         # torchao's grouped values, one a byte: the codes are the values plus the offset
         offset = 1 << (cpu_kernels.code_bits(kind) - 1)
         return Home(weight, "qdata", lambda t: (t.to(torch.int16) + offset).to(torch.uint8),

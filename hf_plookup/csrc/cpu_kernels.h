@@ -180,8 +180,23 @@ static inline int64_t now_ns(void) {
  * scale multiplies after its group's zero point is taken off: Q4_SUB_MUL, offset 128). Panels
  * [P][K][8] bytes, byte c of k column c's code; the rest (q4_meta, scales and shifts) and each
  * value's arithmetic as W_Q4's. Where W_Q8 scales a column's sum once, W_Q8G dequantizes every
- * weight first, as a library that makes the float weight and then calls F.linear does. */
-enum { W_FLOAT = 0, W_Q8 = 1, W_Q4 = 2, W_Q8G = 3, W_Q8T = 4 };
+ * weight first, as a library that makes the float weight and then calls F.linear does.
+ *
+ * W_Q4K: W_Q4's codes, forms, header, scales and shifts with the codes laid out along k and another
+ * order of arithmetic, for K a multiple of 32 and G of 32 (cpu.kernels.q4_kind picks it there). A
+ * panel's 8 columns go as two halves of 4 (columns 8p .. 8p + 3, then 8p + 4 .. 8p + 7), each half
+ * [K / 32][4][16] bytes: for each block of 32 values of k, each column's 16 bytes, byte l holding its
+ * code at k = 32b + l in the low nibble and at 32b + 16 + l in the high one. Output n of row m is a
+ * dot product in 16 lanes: lane l is one FMA chain over k = l, l + 16, l + 32, ... in order, from 0,
+ * of the dequantized values (q4_value) and x, then
+ *   s = sum8(t), t[i] = acc[i] + acc[i + 8]
+ * then + bias[n] and the rounding as above. A group's 16 values are then a table the vector code looks
+ * a code up in (one permute for 16 weights) rather than arithmetic on every weight, which is what
+ * bounds W_Q4 on a few cores; the result is the dequantized weight's product in another order, so a
+ * W_Q4K linear is not bitwise a W_FLOAT one, but still the same for a row at every row count. Its x
+ * goes to the tiles as rows, not transposed (linears). */
+enum { W_FLOAT = 0, W_Q8 = 1, W_Q4 = 2, W_Q8G = 3, W_Q8T = 4, W_Q4K = 5 };
+#define Q4K_BLOCK 32 /* W_Q4K: values of k a column's 16 bytes hold */
 
 /* where a W_Q8 weight's scales start, in bytes from its first panel (a cache line after the panels) */
 static inline int64_t q8_scales_at(int64_t P, int64_t K2) { return (P * K2 * 8 + 63) / 64 * 64; }
@@ -219,6 +234,12 @@ typedef struct {
 
 /* the bytes a W_Q4 (4) or W_Q8G (8) panel holds for each k: 8 columns' codes */
 static inline int64_t q4_kbytes(int64_t wkind) { return wkind == W_Q8G ? 8 : 4; }
+
+/* the byte of a W_Q4K weight (K values a column) holding column n's code at k, and the nibble (0 low) */
+static inline int64_t q4k_byte(int64_t K, int64_t n, int64_t k, int* high) {
+    *high = (k / 16) & 1;
+    return ((n / 4) * (K / Q4K_BLOCK) + k / Q4K_BLOCK) * 64 + (n % 4) * 16 + k % 16;
+}
 
 /* where the q4_meta of a weight with panels of kb bytes a k starts (a cache line after the panels) */
 static inline int64_t q4_meta_at(int64_t P, int64_t K, int64_t kb) { return (P * K * kb + 63) / 64 * 64; }
@@ -338,7 +359,8 @@ typedef void (*wsum_fn)(const float* p, int64_t ld, const void* vb, const int64_
 typedef struct {
     int level;
     /* linears: x [M, K] into the tiles' transposed blocks (x_block), and the outputs of panels
-     * [p_lo, p_hi) of a packed linear of weight kind wkind, every row (linear.c says what they compute) */
+     * [p_lo, p_hi) of a packed linear of weight kind wkind, every row (linear.c says what they compute;
+     * for W_Q4K, xt is x's rows as they are, fp32) */
     void (*pack_x)(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float* xt);
     void (*linear_range)(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                          int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);

@@ -23,13 +23,16 @@ void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float
  * widened; of W_Q4 and W_Q8G: the dequantized value) */
 static inline float packed_w(const void* wp, int64_t wkind, int64_t K2, int64_t N, int64_t n, int64_t k, int dt) {
     if (wkind == W_Q8) return (float)((const int8_t*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
-    if (wkind == W_Q4 || wkind == W_Q8G) {
+    if (wkind == W_Q4 || wkind == W_Q8G || wkind == W_Q4K) {
         int64_t P = (N + 7) / 8, kb = q4_kbytes(wkind);
         const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K2, kb));
         const float* sz = q4_scales(wp, P, K2, kb, n / 8, k / m->group);
-        int q;
+        int q, high;
         if (wkind == W_Q8G) q = ((const uint8_t*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
-        else {
+        else if (wkind == W_Q4K) {
+            uint8_t byte = ((const uint8_t*)wp)[q4k_byte(K2, n, k, &high)];
+            q = high ? byte >> 4 : byte & 15;
+        } else {
             uint8_t byte = ((const uint8_t*)wp)[((n / 8) * (K2 / 2) + k / 2) * 8 + n % 8];
             q = k & 1 ? byte >> 4 : byte & 15;
         }
@@ -47,13 +50,23 @@ static inline float q8_scaled(const void* wp, int64_t K2, int64_t N, int64_t n, 
 }
 
 /* out [M, N] = x @ w^T (+ bias) for the columns of panels [p_lo, p_hi) (8 columns a panel), every row:
- * xt is x transposed in blocks of rows (x_block), fp32; w is packed, of kind wkind, K2 its values a
+ * xt is x transposed in blocks of rows (x_block), fp32 (for W_Q4K: x's rows as they are, fp32); w is packed, of kind wkind, K2 its values a
  * column (K, or K rounded up to even for bf16); bias and out are of the call's dtype dt, and so is a
  * W_FLOAT w. One output at a time. */
 void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                     int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
     int64_t B = x_block(M, dt);
-    for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N; n++)
+    for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N && wkind == W_Q4K; n++)
+        for (int64_t m = 0; m < M; m++) { /* x's rows as they are; 16 chains over k, then their sum */
+            float acc[16] = {0}, t[8];
+            for (int64_t k = 0; k < K2; k++)
+                acc[k % 16] = fmaf(packed_w(wp, wkind, K2, N, n, k, (int)dt), xt[m * K2 + k], acc[k % 16]);
+            for (int i = 0; i < 8; i++) t[i] = acc[i] + acc[i + 8];
+            float s = sum8(t);
+            if (bias) s += load1(bias, n, (int)dt);
+            store1(out, m * N + n, s, (int)dt);
+        }
+    for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N && wkind != W_Q4K; n++)
         for (int64_t m = 0; m < M; m++) {
             int64_t ld;
             const float* xm = xt + x_at(M, B, K2, m, &ld);
@@ -98,14 +111,26 @@ static int64_t linears_q8t(const void* x, int64_t M, int64_t K, int64_t n, const
  * DT_BF16, DT_F16); a bias may be NULL. Returns 0, or -1 when scratch memory could not be had. */
 int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const int64_t* wkind,
                 const void* const* bias, void* const* out, const int64_t* N, int64_t dt, int64_t threads) {
-    for (int64_t i = 0; wkind && i < n; i++)
+    int64_t rows_kind = 0; /* how many are W_Q4K, whose tiles read x's rows as they are */
+    for (int64_t i = 0; wkind && i < n; i++) {
         if (wkind[i] == W_Q8T) return linears_q8t(x, M, K, n, w, wkind, bias, out, N, dt, threads);
+        rows_kind += wkind[i] == W_Q4K;
+    }
+    if (rows_kind && rows_kind < n) { /* (not so in a model: one quantizer makes all of a layer's linears) */
+        int64_t failed = 0;
+        for (int64_t i = 0; i < n && !failed; i++) failed = linears(x, M, K, 1, w + i, wkind + i, bias + i, out + i, N + i, dt, threads);
+        return failed;
+    }
     int64_t K2 = dt == DT_BF16 ? K + (K & 1) : K;
-    float* xt = NULL; /* x transposed in blocks (x_block), widened and padded once for every tile (fp32 1-row x is its own) */
-    if (M > 1 || dt != DT_F32) {
+    float* xt = NULL; /* x transposed in blocks (x_block), or for W_Q4K its rows, widened and padded once
+                       * for every tile (fp32 1-row x, and fp32 x for W_Q4K, is its own) */
+    if (rows_kind ? dt != DT_F32 : M > 1 || dt != DT_F32) {
         xt = (float*)malloc((size_t)(M * K2) * sizeof(float));
         if (!xt) return -1;
-        ops.pack_x(x, M, K, K2, dt, xt);
+        if (rows_kind) /* (a row alone is its own block: pack_x of one row widens it as it is) */
+            for (int64_t m = 0; m < M; m++) ops.pack_x((const char*)x + m * K * 2, 1, K, K2, dt, xt + m * K2);
+        else
+            ops.pack_x(x, M, K, K2, dt, xt);
     }
     linear_job j = {xt ? xt : (const float*)x, M, K2, dt, n};
     j.first[0] = 0;

@@ -8,7 +8,7 @@
 
 /* Levels: 0 portable C; 1 AVX2 + FMA; 2 as 1, with bf16 attention scores by AVX-512 BF16 dot products
  * (their own order) and AVX-512 tiles for quantized (W_Q4, W_Q8G, W_Q8) linears of up to 9 rows (the same
- * bits). An AVX-512 CPU without BF16 runs level 1: for float weights the packed linears' AVX2 tiles
+ * bits), and W_Q4K's at every row count (the same bits). An AVX-512 CPU without BF16 runs level 1: for float weights the packed linears' AVX2 tiles
  * beat the 32-register AVX-512 ones they replaced (docs/results.md, "Packed linears: weights packed
  * by output column"). */
 enum { LEVEL_PORTABLE, LEVEL_AVX2, LEVEL_AVX512BF16 };

@@ -383,7 +383,7 @@ def test_compressed_tensors_checkpoint(tmp_path, preset, dtype):
     assert "weight" not in dict(proj.named_parameters()) and "forward" in vars(proj)  # held compressed
     assert probe._quantizer(model) == "compressed-tensors"
     wrapped = hf_plookup.wrap(model, max_cache_tokens=512, tree_min_score=0.0)
-    kind = cpu_kernels.W_Q4 if preset == "W4A16" else cpu_kernels.W_Q8G
+    kind = cpu_kernels.q4_kind(proj.weight.shape[1], cpu_kernels.q4_parts(proj.weight).group, 4 if preset == "W4A16" else 8)
     assert ct.held(model) and ct.is_held(proj) and not hasattr(model, "ct_decompress_hook")
     # its codes kept, read by the C linears and layers; nothing decompressed
     assert "weight_packed" in proj._parameters and row_strategy(proj.weight, None) == "cpu"

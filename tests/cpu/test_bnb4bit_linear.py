@@ -86,7 +86,7 @@ def test_linear4bit_is_seen_as_a_linear():
     assert (parts.form, parts.group, parts.offset) == ("lut", 64, 0.0)
     assert parts.codes().shape == (24, 256) and parts.scales.shape == (24, 4) and parts.scales.dtype == torch.float32
     assert torch.equal(parts.lut, lin.weight.quant_state.code)
-    assert cpu_kernels.weight_kind(w) == cpu_kernels.W_Q4
+    assert cpu_kernels.weight_kind(w) == cpu_kernels.q4_kind(w.shape[1], parts.group)
     codes = cpu_kernels.values_of(w)  # the Params4bit's codes as a plain tensor: its storage and version counter
     assert type(codes) is torch.Tensor and codes.data_ptr() == lin.weight.data_ptr()
     with torch.no_grad():

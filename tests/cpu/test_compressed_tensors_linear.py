@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hf_plookup.cpu import kernels as cpu_kernels
 from hf_plookup.invariant import compressed_tensors as ct
 from hf_plookup.invariant.linears import linear_module, linear_weight
-from tests.conftest import at_every_simd_level, rows_alone_and_float_linear
+from tests.conftest import assert_float_linear, at_every_simd_level, rows_alone_and_float_linear
 
 pytest.importorskip("compressed_tensors")
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
@@ -80,7 +80,7 @@ def test_view_is_compressed_tensors_decompression(group, symmetric, dtype, bits)
     parts = cpu_kernels.q4_parts(w)
     offset = 1 << (bits - 1)
     assert (parts.form, parts.offset, parts.group, parts.bits) == ("sub_mul", offset, group or 64, bits)
-    assert cpu_kernels.weight_kind(w) == (cpu_kernels.W_Q4 if bits == 4 else cpu_kernels.W_Q8G)
+    assert cpu_kernels.weight_kind(w) == cpu_kernels.q4_kind(64, group or 64, bits)
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     signed = unpack_from_int32(module.weight_packed, bits, (24, 64))
@@ -119,10 +119,11 @@ def test_simd_levels_agree_bitwise(dtype, scale, bits):
         assert ((w.dequantized() != 0) & (w.dequantized().abs() < 2**-14)).any()
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(5)).to(dtype)
     bits = lambda t: t.view(torch.int16 if t.dtype != torch.float32 else torch.int32)  # noqa: E731
-    want = [bits(cpu_kernels.linear(x[:m], w.dequantized().contiguous(), None)) for m in ROWS + (70,)]
-    outs = at_every_simd_level(lambda: [bits(cpu_kernels.linear(x[:m], w, None)) for m in ROWS + (70,)])
+    outs = at_every_simd_level(lambda: [cpu_kernels.linear(x[:m], w, None) for m in ROWS + (70,)])
+    for m, got in zip(ROWS + (70,), outs[0]):
+        assert_float_linear(got, w, w.dequantized(), x[:m], None, m)
     for level, got in outs.items():
-        assert all(torch.equal(a, c) for a, c in zip(got, want)), f"level {level}: not the float linear of the values"
+        assert all(torch.equal(bits(a), bits(c)) for a, c in zip(got, outs[0])), f"level {level} differs from the portable C"
 
 
 def test_hold_and_release():
@@ -168,7 +169,7 @@ def test_not_held_unless_every_quantized_linear_can_be():
     assert ct.hold_compressed(model) == 0 and not ct.held(model) and type(model[0]) is torch.nn.Linear
     both = _mixed("W8A16")
     assert ct.hold_compressed(both) == 3 and [cpu_kernels.weight_kind(m.weight) for m in both] == [
-        cpu_kernels.W_Q4, cpu_kernels.W_Q8G, cpu_kernels.W_Q8G]
+        cpu_kernels.q4_kind(128, 128), cpu_kernels.W_Q8G, cpu_kernels.W_Q8G]
     done = _compressed(16, 64, 32, True, torch.float32)
     with torch.inference_mode():
         done(torch.zeros(1, 64))

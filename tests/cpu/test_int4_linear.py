@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_plookup.cpu import kernels as cpu_kernels
-from tests.conftest import at_every_simd_level
+from tests.conftest import assert_float_linear, at_every_simd_level
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
 
@@ -77,7 +77,7 @@ def test_what_q4_parts_takes():
     parts = cpu_kernels.q4_parts(w)
     assert (parts.form, parts.offset, parts.group) == ("mul_sub", 0.0, 128)
     assert parts.codes().shape == (16, 256) and parts.scales.shape == parts.shifts.shape == (16, 2)
-    assert cpu_kernels.supported(w) and cpu_kernels.weight_kind(w) == cpu_kernels.W_Q4
+    assert cpu_kernels.supported(w) and cpu_kernels.weight_kind(w) == cpu_kernels.q4_kind(256, 128)
     assert cpu_kernels.values_of(w) is parts.source and parts.source.dtype == torch.uint8
     tiny = cpu_kernels.q4_parts(_quanto_int4(64, 8, torch.float32).weight)  # under 128 values: one group a column
     assert tiny.group == 64 and tiny.scales.shape == (8, 1)
@@ -120,8 +120,9 @@ def test_fma_values_are_torchs_int4pack():
                                                 (torch.bfloat16, 256, 128, 128), (torch.bfloat16, 576, 20, 96),
                                                 (torch.float32, 64, 9, 64)])
 def test_linear_q4_is_the_float_linear_of_its_values(dtype, k, n, group):
-    """Bitwise the W_FLOAT linear of the dequantized weight (its values are float32 for the fma form,
-    so its bfloat16 calls equal a float32 call rounded once), near float64, and each row as alone."""
+    """The W_FLOAT linear of the dequantized weight (tests/conftest.assert_float_linear; its values are
+    float32 for the fma form, so its bfloat16 calls are a float32 call rounded once), near float64,
+    and each row as alone."""
     lin = _quanto_int4(k, n, dtype)
     w, b = lin.weight, lin.bias.detach()
     parts = cpu_kernels.q4_parts(w)
@@ -132,11 +133,7 @@ def test_linear_q4_is_the_float_linear_of_its_values(dtype, k, n, group):
     for m in ROWS:
         got = cpu_kernels.linear(x[:m], w, b)
         assert torch.equal(got, rows[:m])
-        if parts.form == "fma":
-            want = cpu_kernels.linear(x[:m].float(), values, b.float()).to(dtype)
-        else:
-            want = cpu_kernels.linear(x[:m], values.to(dtype), b)
-        assert torch.equal(got, want)
+        assert_float_linear(got, w, values if parts.form == "fma" else values.to(dtype), x[:m], b, m)
     ref = x.double() @ values.double().T + b.double()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(rows.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))

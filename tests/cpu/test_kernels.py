@@ -500,22 +500,56 @@ def _agree_across_levels(fn) -> None:
 Q_COLUMNS, Q_ROWS = 101, 10
 
 
+@pytest.mark.parametrize("kind, k, group", [(ck.W_Q4, 96, 32), (ck.W_Q4K, 96, 32), (ck.W_Q4K, 1088, 64)],
+                         ids=["q4", "q4k", "q4k-chunks"])
 @pytest.mark.parametrize("form", list(ck.Q4_FORMS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
-def test_q4_tiles_of_every_row_count_agree_across_levels(form, dtype):
-    """Every W_Q4 tile shape at every SIMD level gives the portable C's bits (Q_COLUMNS, Q_ROWS), groups
-    of 32 over K = 96, the weights' values from each form's arithmetic."""
+def test_q4_tiles_of_every_row_count_agree_across_levels(form, dtype, kind, k, group):
+    """Every W_Q4 and W_Q4K tile shape at every SIMD level gives the portable C's bits (Q_COLUMNS,
+    Q_ROWS), groups of 32 over K = 96, the weights' values from each form's arithmetic; W_Q4K also
+    over K = 1088 in groups of 64, which level 1's many-row tiles take in several chunks of k, a
+    group across the boundary of two."""
     g = torch.Generator().manual_seed(0)
-    n, k, group = Q_COLUMNS, 96, 32
+    n = Q_COLUMNS
     codes = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
     scales = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
     shifts = torch.randn(n, k // group, generator=g)
     if form == "sub_mul_f16":  # (GPTQ: fp16 scales, integer zero points)
         scales, shifts = scales.half().float(), shifts.round()
     lut = torch.randn(16, generator=g) if form == "lut" else None
-    w = ck.pack_q4(codes, scales, shifts, group, form, 8.0 if form in ("fma", "sub_mul") else 0.0, dtype, lut)
+    w = ck.pack_q4(codes, scales, shifts, group, form, 8.0 if form in ("fma", "sub_mul") else 0.0, dtype, lut,
+                   kind=kind)
+    assert torch.equal(ck.q4_codes(w, n, k, kind), codes)
     x = torch.randn(Q_ROWS, k, generator=g).to(dtype)
-    _agree_across_levels(lambda: _outputs_of_every_row_count(w, ck.W_Q4, n, x))
+    _agree_across_levels(lambda: _outputs_of_every_row_count(w, kind, n, x))
+
+
+def test_q4k_literal():
+    """W_Q4K's layout and order. One column, K = 32, the "fma" form with offset 8, scale 1 and shift 0,
+    codes 9 (weights 1) but code 10 at k = 3 and 7 at k = 20 (weights 2 and -1): byte 3 holds 10 and 9
+    (k = 3, 19), byte 4 holds 9 and 7 (k = 4, 20). x = [2^24, 1 x 15, -2^24, 0 x 15]: W_Q4's one chain
+    over k adds 1 to 2^24 as a tie to even (2^24), then 2 (2^24 + 2), then 1 (a tie: 2^24 + 4), then
+    ties that stay, so 4 is left after - 2^24; W_Q4K's lane 0 takes 2^24 - 2^24 and lanes 1-15 their
+    products (lane 3's 2), so its sum is the exact 16. Plus the bias 0.5."""
+    from tests.conftest import at_every_simd_level
+
+    codes = torch.full((1, 32), 9, dtype=torch.uint8)
+    codes[0, 3], codes[0, 20] = 10, 7
+    args = (torch.ones(1, 1), torch.zeros(1, 1), 32, "fma", 8.0, torch.float32)
+    q4k, q4 = ck.pack_q4(codes, *args, kind=ck.W_Q4K), ck.pack_q4(codes, *args, kind=ck.W_Q4)
+    assert q4k[:16].tolist() == [0x99, 0x99, 0x99, 0x9A, 0x79] + [0x99] * 11 and not q4k[16:64].any()
+    x, bias, out = torch.zeros(1, 32), torch.tensor([0.5]), torch.empty(1, 1)
+    x[0, :16], x[0, 0], x[0, 16] = 1.0, 2.0**24, -(2.0**24)
+    for kind, want in ((ck.W_Q4K, 16.5), (ck.W_Q4, 4.5)):
+        w = q4k if kind == ck.W_Q4K else q4
+        for level, rc in at_every_simd_level(lambda: ck._LIB.linear(
+                x.data_ptr(), 1, w.data_ptr(), kind, 32, bias.data_ptr(), 1, out.data_ptr(), 0, 1)).items():
+            assert rc == 0 and out.item() == want, (kind, level, out.item())
+    assert ck.q4_kind(2048, 128) == (ck.W_Q4K if ck.cpu_level() >= 2 else ck.W_Q4)
+    assert ck.q4_kind(576, 16) == ck.q4_kind(20, 2) == ck.W_Q4 and ck.q4_kind(64, 32, 8) == ck.W_Q8G
+    with pytest.raises(ValueError, match="W_Q4K needs"):
+        ck.pack_q4(torch.zeros(1, 48, dtype=torch.uint8), torch.ones(1, 3), torch.zeros(1, 3), 16, "fma", 8.0,
+                   torch.float32, kind=ck.W_Q4K)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
@@ -554,7 +588,7 @@ def test_q8g_literal():
     w = ck.pack_q4(codes, torch.tensor([[0.5, 3.0]]), torch.tensor([[1.0, -2.0]]), 2, "sub_mul", 128.0, torch.float32,
                    bits=8)
     assert w[:32].view(4, 8)[:, 0].tolist() == [0, 255, 128, 129] and not w[:32].view(4, 8)[:, 1:].any()
-    assert torch.equal(ck.q4_codes(w, 1, 4, bits=8), codes)
+    assert torch.equal(ck.q4_codes(w, 1, 4, ck.W_Q8G), codes)
     out = torch.empty(1, 1)
     x, bias = torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.tensor([0.5])
     for level, rc in at_every_simd_level(lambda: ck._LIB.linear(

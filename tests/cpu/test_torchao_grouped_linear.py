@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_plookup.cpu import kernels as cpu_kernels
-from tests.conftest import at_every_simd_level, rows_alone_and_float_linear, torchao_linear
+from tests.conftest import assert_float_linear, at_every_simd_level, rows_alone_and_float_linear, torchao_linear
 
 tq = pytest.importorskip("torchao.quantization")
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
@@ -21,10 +21,10 @@ ROWS = (1, 2, 5, 9, 10, 13, 40)
 # name -> (config, weight kind, bits)
 CONFIGS = {
     "intx-int4-group": (lambda: tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=tq.PerGroup(32)),
-                        cpu_kernels.W_Q4, 4),
+                        cpu_kernels.q4_kind(128, 32), 4),
     "intx-int4-group-asym": (lambda: tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=tq.PerGroup(32),
                                                              mapping_type=tq.MappingType.ASYMMETRIC),
-                             cpu_kernels.W_Q4, 4),
+                             cpu_kernels.q4_kind(128, 32), 4),
     "intx-int8-row": (lambda: tq.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=tq.PerAxis(0)),
                       cpu_kernels.W_Q8G, 8),
     "int8-group": (lambda: tq.Int8WeightOnlyConfig(granularity=tq.PerGroup(32)), cpu_kernels.W_Q8G, 8),
@@ -83,11 +83,11 @@ def test_per_token_activations_are_quantized_first():
                                                                  weight_granularity=tq.PerGroup(32)))
     w, b = model[0].weight, model[0].bias
     parts = cpu_kernels.q4_parts(w)
-    assert cpu_kernels.weight_kind(w) == cpu_kernels.W_Q4 and parts.inputs is not None
+    assert cpu_kernels.weight_kind(w) == cpu_kernels.q4_kind(96, 32) and parts.inputs is not None
     assert not cpu_kernels.takes_inputs_as_they_are(w)
     x = torch.randn(13, 96, generator=torch.Generator().manual_seed(5))
     got = cpu_kernels.linear(x, w, b)
-    assert torch.equal(got, cpu_kernels.linear(quant_dequant(x).contiguous(), w.dequantize().contiguous(), b))
+    assert_float_linear(got, w, w.dequantize(), quant_dequant(x), b)
     assert torch.equal(got, torch.cat([cpu_kernels.linear(x[i : i + 1], w, b) for i in range(13)]))
     llama = tiny_model("llama")
     tq.quantize_(llama, tq.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=tq.PerGroup(32)),

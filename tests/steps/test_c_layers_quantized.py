@@ -72,6 +72,13 @@ KINDS = {"torchao": cpu_kernels.W_Q8, "quanto": cpu_kernels.W_Q8, "quanto-int4":
          "bnb-nf4": cpu_kernels.W_Q4, "torchao-intx4": cpu_kernels.W_Q4}
 
 
+def _kind(weight) -> int:
+    """The weight kind a quantized weight is read as: W_Q4's may be W_Q4K (cpu.kernels.q4_kind)."""
+    kind = cpu_kernels.weight_kind(weight)
+    parts = cpu_kernels.q4_parts(weight)
+    return kind if parts is None or kind != cpu_kernels.q4_kind(weight.shape[1], parts.group) else cpu_kernels.W_Q4
+
+
 def _quantized(arch: str, dtype: torch.dtype, how: str):
     return QUANTIZERS[how](tiny_model(arch).to(dtype))
 
@@ -80,7 +87,7 @@ def _quantized(arch: str, dtype: torch.dtype, how: str):
 def test_quantized_linears_take_the_c_kernel(how):
     model = _quantized("llama", torch.float32, how)
     projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
-    assert projections and all(linear_module(m) and cpu_kernels.weight_kind(linear_weight(m)) == KINDS[how]
+    assert projections and all(linear_module(m) and _kind(linear_weight(m)) == KINDS[how]
                                for m in projections)
     assert all(row_strategy(linear_weight(m), m.bias) == "cpu" for m in projections)
     assert llama_form(model) is None
@@ -155,7 +162,7 @@ def test_wrap_keeps_bitsandbytes_flat_layout():
     got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4)
     assert torch.equal(got, want)
     assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in modules)
-    assert all(cpu_kernels.weight_kind(linear_weight(m)) == cpu_kernels.W_Q4 for m in modules)
+    assert all(_kind(linear_weight(m)) == cpu_kernels.W_Q4 for m in modules)
     assert _state(model).engine.c_layers.on
     hf_plookup.unwrap(model)
     assert not bnb4bit.held(hf) and all(m.support_avx512bf16_for_cpu for m in modules)
@@ -189,7 +196,7 @@ def test_wrap_puts_repacked_bitsandbytes_back_flat(nested):
     assert all(bnb4bit._repacked(m.weight.quant_state) for m in modules)
     model = hf_plookup.wrap(hf)
     assert bnb4bit.held(model) and not any(bnb4bit._repacked(m.weight.quant_state) for m in modules)
-    assert all(cpu_kernels.weight_kind(linear_weight(m)) == cpu_kernels.W_Q4 for m in modules)
+    assert all(_kind(linear_weight(m)) == cpu_kernels.W_Q4 for m in modules)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4)
     assert torch.equal(got, want) and _state(model).engine.c_layers.on
     assert not model.last_stats.exactness_note

@@ -364,12 +364,223 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
     }
 }
 
+/* W_Q4K (cpu_kernels.h): a tile of MB rows (x's rows ldx apart) over NC columns from c0 of one half of
+ * a panel (its codes at wq, its scales and shifts of group 0 at sz): 1 row over all 4, 2 rows over 2
+ * at a time. Each 16-lane chain is two vectors here (lanes 0-7, 8-15). A code becomes its value as
+ * LOOK says: Q4K_PICK looks it up in its group's table of 16 values as Q4_PICK does (the table's
+ * halves A, B made at each group's first block: DEQ over FB_LO, FB_HI, the codes as floats), where
+ * DEQ is dear (bf16 rounding) or the form a codebook; Q4K_DIRECT computes DEQ on it (A, B then the
+ * group's scale and shift), where DEQ is an instruction or two, since the lookup's two permutes a
+ * vector use the one shuffle port. Both give each code q4_value's bits, and the sums are those of the
+ * AVX-512 tile (linear_avx512.c), lane for lane. Sums o[i * NC + c]. */
+#define Q4K_PICK(DEQ, A, B, I) _mm256_blendv_ps(_mm256_permutevar8x32_ps(A, I), _mm256_permutevar8x32_ps(B, I), \
+                                                _mm256_castsi256_ps(_mm256_slli_epi32(I, 28)))
+#define Q4K_LOOK_0 Q4K_PICK
+#define Q4K_LOOK_1 Q4K_DIRECT
+#define Q4K_DIRECT(DEQ, A, B, I)                                                                        \
+    DEQ(_mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(I, low), magic)), base), A, B)
+#define PTILE_Q4K(NAME, DIRECT, DEQ, MB, NC)                                                            \
+    AVX2 static void NAME##_##MB(const float* x, int64_t ldx, const uint8_t* wq, int64_t K, const float* sz, \
+                                 int64_t G, const q4_meta* m, int c0, float* o) {                       \
+        const __m256i low = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);               \
+        const __m256 base = _mm256_set1_ps(8388608.0f + m->offset), off = _mm256_set1_ps(m->offset);    \
+        const __m256 fb_lo = m->form == Q4_LUT ? _mm256_loadu_ps(m->lut)                                \
+                                               : _mm256_sub_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), off); \
+        const __m256 fb_hi = m->form == Q4_LUT ? _mm256_loadu_ps(m->lut + 8)                            \
+                                               : _mm256_sub_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), off); \
+        const int direct = DIRECT;                                                                      \
+        (void)low, (void)magic, (void)base;                                                             \
+        __m256 acc[MB][NC][2], a[NC], b[NC];                                                            \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int c = 0; c < NC; c++)                         \
+            acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();                                          \
+        UNROLL for (int c = 0; c < NC; c++) a[c] = b[c] = _mm256_setzero_ps(); /* (made at k = 0) */    \
+        for (int64_t k = 0; k < K; k += Q4K_BLOCK) {                                                    \
+            const uint8_t* bytes = wq + k * 2;                                                          \
+            if (k % G == 0) {                                                                           \
+                const float* s = sz + k / G * 16 + c0;                                                  \
+                UNROLL for (int c = 0; c < NC; c++) {                                                   \
+                    __m256 S = _mm256_set1_ps(s[c]), Z = _mm256_set1_ps(s[8 + c]);                      \
+                    (void)Z;                                                                            \
+                    a[c] = direct ? S : DEQ(fb_lo, S, Z);                                               \
+                    b[c] = direct ? Z : DEQ(fb_hi, S, Z);                                               \
+                }                                                                                       \
+            }                                                                                           \
+            if (!c0) _mm_prefetch((const char*)bytes + PACK_AHEAD_Q4, _MM_HINT_T0);                     \
+            UNROLL for (int c = 0; c < NC; c++) {                                                       \
+                __m128i raw = _mm_loadu_si128((const __m128i*)(bytes + (c0 + c) * 16));                 \
+                __m256i v[2] = {_mm256_cvtepu8_epi32(raw), _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))}; \
+                UNROLL for (int nib = 0; nib < 2; nib++) /* low nibbles at k + l, high ones at k + 16 + l */ \
+                    UNROLL for (int u = 0; u < 2; u++) {                                                \
+                        __m256 w = Q4K_LOOK_##DIRECT(DEQ, a[c], b[c], nib ? _mm256_srli_epi32(v[u], 4) : v[u]); \
+                        UNROLL for (int i = 0; i < MB; i++)                                             \
+                            acc[i][c][u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + i * ldx + k + 16 * nib + 8 * u), \
+                                                           acc[i][c][u]);                               \
+                    }                                                                                   \
+            }                                                                                           \
+        }                                                                                               \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int c = 0; c < NC; c++)                         \
+            o[i * NC + c] = hsum8(_mm256_add_ps(acc[i][c][0], acc[i][c][1]));                           \
+    }
+typedef void (*q4ktile_fn)(const float* x, int64_t ldx, const uint8_t* wq, int64_t K, const float* sz, int64_t G,
+                           const q4_meta* m, int c0, float* o);
+static const int q4k_columns[] = {0, 4, 2}; /* by rows: the columns of one tile */
+#define Q4K_TILES(NAME, DIRECT, DEQ)                                                                    \
+    PTILE_Q4K(NAME, DIRECT, DEQ, 1, 4) PTILE_Q4K(NAME, DIRECT, DEQ, 2, 2)                               \
+    static const q4ktile_fn NAME[] = {0, NAME##_1, NAME##_2};
+Q4K_TILES(kq4fma, 1, DEQ_FMA)
+Q4K_TILES(kq4ms, 1, DEQ_MUL_SUB)
+Q4K_TILES(kq4msb, 0, DEQ_MUL_SUB_BF16)
+Q4K_TILES(kq4msh, 0, DEQ_MUL_SUB_F16)
+Q4K_TILES(kq4lut, 0, DEQ_LUT)
+Q4K_TILES(kq4lutb, 0, DEQ_LUT_BF16)
+Q4K_TILES(kq4luth, 0, DEQ_LUT_F16)
+Q4K_TILES(kq4smh, 0, DEQ_SUB_MUL_F16)
+Q4K_TILES(kq4smhb, 0, DEQ_SUB_MUL_F16_BF16)
+Q4K_TILES(kq4sm, 1, DEQ_SUB_MUL)
+Q4K_TILES(kq4smb, 0, DEQ_SUB_MUL_BF16)
+/* NAME_kdequant: a half's 4 columns' values of k in [k0, k0 + kc) (whole blocks), as the tile above
+ * makes them, into d [4][kc] in order of k: for calls of many rows, whose tiles then read them from L1 */
+#define Q4K_DEQUANT(NAME, DIRECT, DEQ)                                                                  \
+    AVX2 static void NAME##_kdequant(const uint8_t* wq, const float* sz, int64_t G, const q4_meta* m, int64_t k0, \
+                                     int64_t kc, float* d) {                                            \
+        const __m256i low = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);               \
+        const __m256 base = _mm256_set1_ps(8388608.0f + m->offset), off = _mm256_set1_ps(m->offset);    \
+        const __m256 fb_lo = m->form == Q4_LUT ? _mm256_loadu_ps(m->lut)                                \
+                                               : _mm256_sub_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), off); \
+        const __m256 fb_hi = m->form == Q4_LUT ? _mm256_loadu_ps(m->lut + 8)                            \
+                                               : _mm256_sub_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), off); \
+        const int direct = DIRECT;                                                                      \
+        (void)low, (void)magic, (void)base;                                                             \
+        __m256 a[4], b[4];                                                                              \
+        UNROLL for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps(); /* (made at k0) */        \
+        for (int64_t k = k0; k < k0 + kc; k += Q4K_BLOCK) {                                             \
+            if (k == k0 || k % G == 0) {                                                                \
+                const float* s = sz + k / G * 16;                                                       \
+                UNROLL for (int c = 0; c < 4; c++) {                                                    \
+                    __m256 S = _mm256_set1_ps(s[c]), Z = _mm256_set1_ps(s[8 + c]);                      \
+                    (void)Z;                                                                            \
+                    a[c] = direct ? S : DEQ(fb_lo, S, Z);                                               \
+                    b[c] = direct ? Z : DEQ(fb_hi, S, Z);                                               \
+                }                                                                                       \
+            }                                                                                           \
+            UNROLL for (int c = 0; c < 4; c++) {                                                        \
+                __m128i raw = _mm_loadu_si128((const __m128i*)(wq + k * 2 + c * 16));                   \
+                __m256i v[2] = {_mm256_cvtepu8_epi32(raw), _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))}; \
+                UNROLL for (int nib = 0; nib < 2; nib++) UNROLL for (int u = 0; u < 2; u++)             \
+                    _mm256_storeu_ps(d + c * kc + (k - k0) + 16 * nib + 8 * u,                          \
+                                     Q4K_LOOK_##DIRECT(DEQ, a[c], b[c], nib ? _mm256_srli_epi32(v[u], 4) : v[u])); \
+            }                                                                                           \
+        }                                                                                               \
+    }
+typedef void (*q4kdeq_fn)(const uint8_t* wq, const float* sz, int64_t G, const q4_meta* m, int64_t k0, int64_t kc,
+                          float* d);
+Q4K_DEQUANT(kq4fma, 1, DEQ_FMA)
+Q4K_DEQUANT(kq4ms, 1, DEQ_MUL_SUB)
+Q4K_DEQUANT(kq4msb, 0, DEQ_MUL_SUB_BF16)
+Q4K_DEQUANT(kq4msh, 0, DEQ_MUL_SUB_F16)
+Q4K_DEQUANT(kq4lut, 0, DEQ_LUT)
+Q4K_DEQUANT(kq4lutb, 0, DEQ_LUT_BF16)
+Q4K_DEQUANT(kq4luth, 0, DEQ_LUT_F16)
+Q4K_DEQUANT(kq4smh, 0, DEQ_SUB_MUL_F16)
+Q4K_DEQUANT(kq4smhb, 0, DEQ_SUB_MUL_F16_BF16)
+Q4K_DEQUANT(kq4sm, 1, DEQ_SUB_MUL)
+Q4K_DEQUANT(kq4smb, 0, DEQ_SUB_MUL_BF16)
+static const q4kdeq_fn q4k_deq[5][3] = {{kq4ms_kdequant, kq4msb_kdequant, kq4msh_kdequant},
+                                        {kq4fma_kdequant, kq4fma_kdequant, kq4fma_kdequant},
+                                        {kq4lut_kdequant, kq4lutb_kdequant, kq4luth_kdequant},
+                                        {kq4smh_kdequant, kq4smhb_kdequant, kq4smh_kdequant},
+                                        {kq4sm_kdequant, kq4smb_kdequant, kq4smh_kdequant}};
+
+/* MB (1-3) rows' chains of columns c0, c0 + 1 of a half go on over kc values d [4][kc] (kdequant's),
+ * from and back to s [MB][4][16] (each chain's 16 lanes): the same FMAs, in the same order, as the
+ * register tile's */
+#define PTILE_Q4K_D(MB)                                                                                 \
+    AVX2 static void q4k_dot_##MB(const float* x, int64_t ldx, const float* d, int64_t kc, int c0, float* s) { \
+        __m256 acc[MB][2][2];                                                                           \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int c = 0; c < 2; c++) UNROLL for (int u = 0; u < 2; u++) \
+            acc[i][c][u] = _mm256_loadu_ps(s + (i * 4 + c0 + c) * 16 + 8 * u);                         \
+        for (int64_t k = 0; k < kc; k += 16)                                                            \
+            UNROLL for (int u = 0; u < 2; u++) { /* (each value of x and d loaded once) */              \
+                __m256 w[2] = {_mm256_loadu_ps(d + c0 * kc + k + 8 * u), _mm256_loadu_ps(d + (c0 + 1) * kc + k + 8 * u)}; \
+                UNROLL for (int i = 0; i < MB; i++) {                                                   \
+                    __m256 xv = _mm256_loadu_ps(x + i * ldx + k + 8 * u);                               \
+                    UNROLL for (int c = 0; c < 2; c++) acc[i][c][u] = _mm256_fmadd_ps(w[c], xv, acc[i][c][u]); \
+                }                                                                                       \
+            }                                                                                           \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int c = 0; c < 2; c++) UNROLL for (int u = 0; u < 2; u++) \
+            _mm256_storeu_ps(s + (i * 4 + c0 + c) * 16 + 8 * u, acc[i][c][u]);                          \
+    }
+PTILE_Q4K_D(1) PTILE_Q4K_D(2) PTILE_Q4K_D(3)
+static void (*const q4k_dot[])(const float*, int64_t, const float*, int64_t, int, float*) = {0, q4k_dot_1, q4k_dot_2, q4k_dot_3};
+#define Q4K_CHUNK 512 /* values of k a many-row pass dequantizes at a time (4 columns: 8 KB) */
+
+/* by form and dtype, as q4_wide */
+static const q4ktile_fn* const q4k_tiles[5][3] = {{kq4ms, kq4msb, kq4msh},
+                                                  {kq4fma, kq4fma, kq4fma},
+                                                  {kq4lut, kq4lutb, kq4luth},
+                                                  {kq4smh, kq4smhb, kq4smh},
+                                                  {kq4sm, kq4smb, kq4smh}};
+
+/* a W_Q4K linear's panels [p_lo, p_hi), every row (x's rows, fp32), by the tiles above: 2 rows at a
+ * time (the last alone), each pass over a panel's halves */
+AVX2 static void linear_range_q4k(const float* x, int64_t M, const void* wp, int64_t K, const void* bias,
+                                  int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
+    int64_t P = (N + 7) / 8;
+    const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K, 4));
+    const q4ktile_fn* tile = q4k_tiles[m->form][dt];
+    if (M > 2) { /* each half's values dequantized Q4K_CHUNK at a time, once for MANY_BLOCK_ROWS rows */
+        float d[4 * Q4K_CHUNK], s[MANY_BLOCK_ROWS * 4 * 16], o[MANY_BLOCK_ROWS * 8];
+        const q4kdeq_fn deq = q4k_deq[m->form][dt];
+        for (int64_t p = p_lo; p < p_hi; p++)
+            for (int64_t m0 = 0; m0 < M; m0 += MANY_BLOCK_ROWS) {
+                int64_t mb = M - m0 < MANY_BLOCK_ROWS ? M - m0 : MANY_BLOCK_ROWS;
+                for (int h = 0; h < 2; h++) {
+                    const uint8_t* wq = (const uint8_t*)wp + (2 * p + h) * K * 2;
+                    memset(s, 0, sizeof(float) * (size_t)(mb * 4 * 16));
+                    for (int64_t k0 = 0; k0 < K; k0 += Q4K_CHUNK) {
+                        int64_t kc = K - k0 < Q4K_CHUNK ? K - k0 : Q4K_CHUNK;
+                        deq(wq, q4_scales(wp, P, K, 4, p, 0) + 4 * h, m->group, m, k0, kc, d);
+                        for (int64_t i = 0; i < mb; i += 3)
+                            for (int c0 = 0; c0 < 4; c0 += 2)
+                                q4k_dot[mb - i < 3 ? mb - i : 3](x + (m0 + i) * K + k0, K, d, kc, c0, s + i * 64);
+                    }
+                    for (int64_t i = 0; i < mb; i++)
+                        for (int c = 0; c < 4; c++) {
+                            const float* a = s + (i * 4 + c) * 16;
+                            float t[8];
+                            for (int l = 0; l < 8; l++) t[l] = a[l] + a[l + 8];
+                            o[i * 8 + h * 4 + c] = sum8(t);
+                        }
+                }
+                packed_store_avx2(o, (int)mb, 1, m0, p, bias, out, N, (int)dt);
+            }
+        return;
+    }
+    float o[2 * 8], oc[2 * 4];
+    for (int64_t p = p_lo; p < p_hi; p++)
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            int mb = M - m0 < 2 ? (int)(M - m0) : 2, nc = q4k_columns[mb];
+            for (int h = 0; h < 2; h++)
+                for (int c0 = 0; c0 < 4; c0 += nc) {
+                    tile[mb](x + m0 * K, K, (const uint8_t*)wp + (2 * p + h) * K * 2, K,
+                             q4_scales(wp, P, K, 4, p, 0) + 4 * h, m->group, m, c0, oc);
+                    for (int i = 0; i < mb; i++)
+                        for (int c = 0; c < nc; c++) o[i * 8 + h * 4 + c0 + c] = oc[i * nc + c];
+                }
+            packed_store_avx2(o, mb, 1, m0, p, bias, out, N, (int)dt);
+        }
+}
+
 /* the tiles' part of linear_range_c (linear.c): up to 9 rows in one pass over the panels, more in
  * blocks of rows (MANY_ROWS, cpu_kernels.h) */
 void linear_range_avx2(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                        int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
     if (wkind == W_Q4 || wkind == W_Q8G) {
         linear_range_q4(xt, M, wp, wkind, K2, bias, p_lo, p_hi, out, N, dt);
+        return;
+    }
+    if (wkind == W_Q4K) {
+        linear_range_q4k(xt, M, wp, K2, bias, p_lo, p_hi, out, N, dt);
         return;
     }
     int q8 = wkind == W_Q8;

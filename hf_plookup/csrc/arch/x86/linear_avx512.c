@@ -11,7 +11,11 @@
  *
  * Each output is the same chain as at the other levels: the AVX2 tiles' FMA over k of the same
  * values, lane for lane, so level 2's linears give level 0's bits. A panel left without a partner
- * (an odd count in a thread's range), and calls of more rows, go to level 1's code. */
+ * (an odd count in a thread's range), and calls of more rows, go to level 1's code.
+ *
+ * W_Q4K's tiles (below) take every row count: its codes lie along k, and a group's 16 values are a
+ * table one vpermps looks 16 codes up in, so a weight costs a shift, a permute and its FMAs whatever
+ * its form and the call's dtype. */
 #include "simd.h"
 
 #if HAVE_AVX512BF16_KERNELS
@@ -194,9 +198,95 @@ PTILE_Q8_16(4, 3) PTILE_Q8_16(5, 2) PTILE_Q8_16(6, 2) PTILE_Q8_16(7, 2) PTILE_Q8
 static const q8tile16_fn zq8_wide[] = {0, zq8_1x2, zq8_2x4, zq8_3x3, zq8_4x3, zq8_5x2, zq8_6x2, zq8_7x2, zq8_8x2, zq8_9x1};
 static const q8tile16_fn zq8_one[] = {0, zq8_1x1, zq8_2x1, zq8_3x1, zq8_4x1, zq8_5x1, zq8_6x1, zq8_7x1, zq8_8x1, zq8_9x1};
 
-/* linear_range_avx2 with W_Q4, W_Q8G and W_Q8 weights of up to 9 rows on the tiles above */
+/* W_Q4K (cpu_kernels.h): a tile of MB rows (1-4, x's rows ldx apart) over one half of a panel (4
+ * columns, its codes at wq, its scales and shifts of group 0 at sz): for each block of 32 values of k,
+ * a column's 16 bytes widened to 16 lanes, their low nibbles (k = 32b + l) and then their high ones
+ * (32b + 16 + l) looked up in the column's table of its group's 16 values (vpermps reads a lane's low
+ * 4 bits: one instruction for 16 weights), one FMA a row each. The tables are made at each group's
+ * first block: DEQ over FB, the 16 codes as floats (q - offset, or the codebook). The sums o[i * 4 + c]
+ * (hsum16: the 16 lanes' tree of cpu_kernels.h). */
+AVX512_INLINE float hsum16(__m512 a) {
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
+}
+#define PTILE_Q4K16(NAME, DEQ, MB)                                                                      \
+    AVX512 static void NAME##_##MB(const float* x, int64_t ldx, const uint8_t* wq, int64_t K, const float* sz, \
+                                   int64_t G, __m512 fb, float* o) {                                    \
+        __m512 acc[MB][4], lut[4];                                                                      \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps(); \
+        UNROLL for (int c = 0; c < 4; c++) lut[c] = _mm512_setzero_ps(); /* (made at k = 0) */        \
+        for (int64_t k = 0; k < K; k += Q4K_BLOCK) {                                                    \
+            const uint8_t* b = wq + k * 2; /* (64 bytes a block) */                                     \
+            if (k % G == 0) {                                                                           \
+                const float* s = sz + k / G * 16;                                                       \
+                UNROLL for (int c = 0; c < 4; c++) lut[c] = DEQ(fb, _mm512_set1_ps(s[c]), _mm512_set1_ps(s[8 + c])); \
+            }                                                                                           \
+            _mm_prefetch((const char*)b + PACK_AHEAD_Q4, _MM_HINT_T0);                                  \
+            UNROLL for (int c = 0; c < 4; c++) {                                                        \
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + c * 16)));        \
+                __m512 w0 = _mm512_permutexvar_ps(v, lut[c]);                                           \
+                __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut[c]);                     \
+                UNROLL for (int i = 0; i < MB; i++) {                                                   \
+                    acc[i][c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * ldx + k), acc[i][c]);       \
+                    acc[i][c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * ldx + k + 16), acc[i][c]);  \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int c = 0; c < 4; c++) o[i * 4 + c] = hsum16(acc[i][c]); \
+    }
+typedef void (*q4ktile16_fn)(const float* x, int64_t ldx, const uint8_t* wq, int64_t K, const float* sz, int64_t G,
+                             __m512 fb, float* o);
+#define Q4K_TILES16(NAME, DEQ)                                                                          \
+    PTILE_Q4K16(NAME, DEQ, 1) PTILE_Q4K16(NAME, DEQ, 2) PTILE_Q4K16(NAME, DEQ, 3) PTILE_Q4K16(NAME, DEQ, 4) \
+    static const q4ktile16_fn NAME[] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4};
+Q4K_TILES16(kq4fma, DEQ16_FMA)
+Q4K_TILES16(kq4ms, DEQ16_MUL_SUB)
+Q4K_TILES16(kq4msb, DEQ16_MUL_SUB_BF16)
+Q4K_TILES16(kq4msh, DEQ16_MUL_SUB_F16)
+Q4K_TILES16(kq4lut, DEQ16_LUT)
+Q4K_TILES16(kq4lutb, DEQ16_LUT_BF16)
+Q4K_TILES16(kq4luth, DEQ16_LUT_F16)
+Q4K_TILES16(kq4smh, DEQ16_SUB_MUL_F16)
+Q4K_TILES16(kq4smhb, DEQ16_SUB_MUL_F16_BF16)
+Q4K_TILES16(kq4sm, DEQ16_SUB_MUL)
+Q4K_TILES16(kq4smb, DEQ16_SUB_MUL_BF16)
+/* by form and dtype, as q4_wide16 */
+static const q4ktile16_fn* const q4k16[5][3] = {{kq4ms, kq4msb, kq4msh},
+                                                {kq4fma, kq4fma, kq4fma},
+                                                {kq4lut, kq4lutb, kq4luth},
+                                                {kq4smh, kq4smhb, kq4smh},
+                                                {kq4sm, kq4smb, kq4smh}};
+
+/* a W_Q4K linear's panels [p_lo, p_hi), every row (x's rows, fp32), by the tiles above: 4 rows at a
+ * time, each pass over both halves of a panel */
+AVX512 static void linear_range_q4k16(const float* x, int64_t M, const void* wp, int64_t K, const void* bias,
+                                      int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
+    int64_t P = (N + 7) / 8;
+    const q4_meta* m = (const q4_meta*)((const char*)wp + q4_meta_at(P, K, 4));
+    const q4ktile16_fn* tile = q4k16[m->form][dt];
+    __m512 fb = m->form == Q4_LUT ? _mm512_loadu_ps(m->lut)
+                                  : _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                  _mm512_set1_ps(m->offset));
+    float o[4 * 8], oh[4 * 4];
+    for (int64_t p = p_lo; p < p_hi; p++)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int mb = M - m0 < 4 ? (int)(M - m0) : 4;
+            for (int h = 0; h < 2; h++) {
+                tile[mb](x + m0 * K, K, (const uint8_t*)wp + (2 * p + h) * K * 2, K, q4_scales(wp, P, K, 4, p, 0) + 4 * h,
+                         m->group, fb, oh);
+                for (int i = 0; i < mb; i++)
+                    for (int c = 0; c < 4; c++) o[i * 8 + h * 4 + c] = oh[i * 4 + c];
+            }
+            packed_store_avx2(o, mb, 1, m0, p, bias, out, N, (int)dt);
+        }
+}
+
+/* linear_range_avx2 with W_Q4, W_Q8G and W_Q8 weights of up to 9 rows on the tiles above, and W_Q4K ones */
 void linear_range_avx512(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                          int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
+    if (wkind == W_Q4K) {
+        linear_range_q4k16(xt, M, wp, K2, bias, p_lo, p_hi, out, N, dt);
+        return;
+    }
     int64_t p = p_lo, P = (N + 7) / 8;
     float o[9 * 64];
     int np = tile_pairs[M <= 9 ? M : 0]; /* (the W_Q8 tiles: as the W_Q4 ones) */
