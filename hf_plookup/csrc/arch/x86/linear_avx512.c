@@ -198,7 +198,7 @@ PTILE_Q8_16(4, 3) PTILE_Q8_16(5, 2) PTILE_Q8_16(6, 2) PTILE_Q8_16(7, 2) PTILE_Q8
 static const q8tile16_fn zq8_wide[] = {0, zq8_1x2, zq8_2x4, zq8_3x3, zq8_4x3, zq8_5x2, zq8_6x2, zq8_7x2, zq8_8x2, zq8_9x1};
 static const q8tile16_fn zq8_one[] = {0, zq8_1x1, zq8_2x1, zq8_3x1, zq8_4x1, zq8_5x1, zq8_6x1, zq8_7x1, zq8_8x1, zq8_9x1};
 
-/* W_Q4K (cpu_kernels.h): a tile of MB rows (1-4, x's rows ldx apart) over one half of a panel (4
+/* W_Q4K (cpu_kernels.h): a tile of MB rows (1-6, x's rows ldx apart) over one half of a panel (4
  * columns, its codes at wq, its scales and shifts of group 0 at sz): for each block of 32 values of k,
  * a column's 16 bytes widened to 16 lanes, their low nibbles (k = 32b + l) and then their high ones
  * (32b + 16 + l) looked up in the column's table of its group's 16 values (vpermps reads a lane's low
@@ -237,7 +237,8 @@ typedef void (*q4ktile16_fn)(const float* x, int64_t ldx, const uint8_t* wq, int
                              __m512 fb, float* o);
 #define Q4K_TILES16(NAME, DEQ)                                                                          \
     PTILE_Q4K16(NAME, DEQ, 1) PTILE_Q4K16(NAME, DEQ, 2) PTILE_Q4K16(NAME, DEQ, 3) PTILE_Q4K16(NAME, DEQ, 4) \
-    static const q4ktile16_fn NAME[] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4};
+    PTILE_Q4K16(NAME, DEQ, 5) PTILE_Q4K16(NAME, DEQ, 6)                                                 \
+    static const q4ktile16_fn NAME[] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6};
 Q4K_TILES16(kq4fma, DEQ16_FMA)
 Q4K_TILES16(kq4ms, DEQ16_MUL_SUB)
 Q4K_TILES16(kq4msb, DEQ16_MUL_SUB_BF16)
@@ -256,8 +257,9 @@ static const q4ktile16_fn* const q4k16[5][3] = {{kq4ms, kq4msb, kq4msh},
                                                 {kq4smh, kq4smhb, kq4smh},
                                                 {kq4sm, kq4smb, kq4smh}};
 
-/* a W_Q4K linear's panels [p_lo, p_hi), every row (x's rows, fp32), by the tiles above: 4 rows at a
- * time, each pass over both halves of a panel */
+/* a W_Q4K linear's panels [p_lo, p_hi), every row (x's rows, fp32), by the tiles above: Q4K_ROWS16
+ * rows at a time (a verify step of k = 4 in one pass), each pass over both halves of a panel */
+#define Q4K_ROWS16 6
 AVX512 static void linear_range_q4k16(const float* x, int64_t M, const void* wp, int64_t K, const void* bias,
                                       int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
     int64_t P = (N + 7) / 8;
@@ -266,10 +268,10 @@ AVX512 static void linear_range_q4k16(const float* x, int64_t M, const void* wp,
     __m512 fb = m->form == Q4_LUT ? _mm512_loadu_ps(m->lut)
                                   : _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                   _mm512_set1_ps(m->offset));
-    float o[4 * 8], oh[4 * 4];
+    float o[Q4K_ROWS16 * 8], oh[Q4K_ROWS16 * 4];
     for (int64_t p = p_lo; p < p_hi; p++)
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            int mb = M - m0 < 4 ? (int)(M - m0) : 4;
+        for (int64_t m0 = 0; m0 < M; m0 += Q4K_ROWS16) {
+            int mb = M - m0 < Q4K_ROWS16 ? (int)(M - m0) : Q4K_ROWS16;
             for (int h = 0; h < 2; h++) {
                 tile[mb](x + m0 * K, K, (const uint8_t*)wp + (2 * p + h) * K * 2, K, q4_scales(wp, P, K, 4, p, 0) + 4 * h,
                          m->group, fb, oh);
