@@ -379,17 +379,31 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
 #define Q4K_LOOK_1 Q4K_DIRECT
 #define Q4K_DIRECT(DEQ, A, B, I)                                                                        \
     DEQ(_mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(I, low), magic)), base), A, B)
+/* what a W_Q4K tile of form DEQ needs from q4_meta M: Q4K_DIRECT's constants, and the 16 codes as
+ * floats (q - offset, or the codebook) in two halves, fb_lo and fb_hi; `direct` says how codes become
+ * values (DIRECT: Q4K_DIRECT, else Q4K_PICK) */
+#define Q4K_CONSTANTS(M, DIRECT)                                                                        \
+    const __m256i low = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);                   \
+    const __m256 base = _mm256_set1_ps(8388608.0f + (M)->offset), off = _mm256_set1_ps((M)->offset);    \
+    const __m256 fb_lo = (M)->form == Q4_LUT ? _mm256_loadu_ps((M)->lut)                                \
+                                             : _mm256_sub_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), off); \
+    const __m256 fb_hi = (M)->form == Q4_LUT ? _mm256_loadu_ps((M)->lut + 8)                            \
+                                             : _mm256_sub_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), off); \
+    const int direct = DIRECT;                                                                          \
+    (void)low, (void)magic, (void)base
+/* at a group's first block, a[c] and b[c] of NC columns from their scales at S (shifts at S + 8): the
+ * table's halves (Q4K_PICK), or the scale and shift themselves (Q4K_DIRECT) */
+#define Q4K_GROUP(S, NC, DEQ)                                                                           \
+    UNROLL for (int c = 0; c < NC; c++) {                                                               \
+        __m256 S_ = _mm256_set1_ps((S)[c]), Z_ = _mm256_set1_ps((S)[8 + c]);                            \
+        (void)Z_;                                                                                       \
+        a[c] = direct ? S_ : DEQ(fb_lo, S_, Z_);                                                        \
+        b[c] = direct ? Z_ : DEQ(fb_hi, S_, Z_);                                                        \
+    }
 #define PTILE_Q4K(NAME, DIRECT, DEQ, MB, NC)                                                            \
     AVX2 static void NAME##_##MB(const float* x, int64_t ldx, const uint8_t* wq, int64_t K, const float* sz, \
                                  int64_t G, const q4_meta* m, int c0, float* o) {                       \
-        const __m256i low = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);               \
-        const __m256 base = _mm256_set1_ps(8388608.0f + m->offset), off = _mm256_set1_ps(m->offset);    \
-        const __m256 fb_lo = m->form == Q4_LUT ? _mm256_loadu_ps(m->lut)                                \
-                                               : _mm256_sub_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), off); \
-        const __m256 fb_hi = m->form == Q4_LUT ? _mm256_loadu_ps(m->lut + 8)                            \
-                                               : _mm256_sub_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), off); \
-        const int direct = DIRECT;                                                                      \
-        (void)low, (void)magic, (void)base;                                                             \
+        Q4K_CONSTANTS(m, DIRECT);                                                                       \
         __m256 acc[MB][NC][2], a[NC], b[NC];                                                            \
         UNROLL for (int i = 0; i < MB; i++) UNROLL for (int c = 0; c < NC; c++)                         \
             acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();                                          \
@@ -397,13 +411,7 @@ AVX2 static void linear_range_q4(const float* xt, int64_t M, const void* wp, int
         for (int64_t k = 0; k < K; k += Q4K_BLOCK) {                                                    \
             const uint8_t* bytes = wq + k * 2;                                                          \
             if (k % G == 0) {                                                                           \
-                const float* s = sz + k / G * 16 + c0;                                                  \
-                UNROLL for (int c = 0; c < NC; c++) {                                                   \
-                    __m256 S = _mm256_set1_ps(s[c]), Z = _mm256_set1_ps(s[8 + c]);                      \
-                    (void)Z;                                                                            \
-                    a[c] = direct ? S : DEQ(fb_lo, S, Z);                                               \
-                    b[c] = direct ? Z : DEQ(fb_hi, S, Z);                                               \
-                }                                                                                       \
+                Q4K_GROUP(sz + k / G * 16 + c0, NC, DEQ);                                               \
             }                                                                                           \
             if (!c0) _mm_prefetch((const char*)bytes + PACK_AHEAD_Q4, _MM_HINT_T0);                     \
             UNROLL for (int c = 0; c < NC; c++) {                                                       \
@@ -443,25 +451,12 @@ Q4K_TILES(kq4smb, 0, DEQ_SUB_MUL_BF16)
 #define Q4K_DEQUANT(NAME, DIRECT, DEQ)                                                                  \
     AVX2 static void NAME##_kdequant(const uint8_t* wq, const float* sz, int64_t G, const q4_meta* m, int64_t k0, \
                                      int64_t kc, float* d) {                                            \
-        const __m256i low = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);               \
-        const __m256 base = _mm256_set1_ps(8388608.0f + m->offset), off = _mm256_set1_ps(m->offset);    \
-        const __m256 fb_lo = m->form == Q4_LUT ? _mm256_loadu_ps(m->lut)                                \
-                                               : _mm256_sub_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), off); \
-        const __m256 fb_hi = m->form == Q4_LUT ? _mm256_loadu_ps(m->lut + 8)                            \
-                                               : _mm256_sub_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), off); \
-        const int direct = DIRECT;                                                                      \
-        (void)low, (void)magic, (void)base;                                                             \
+        Q4K_CONSTANTS(m, DIRECT);                                                                       \
         __m256 a[4], b[4];                                                                              \
         UNROLL for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps(); /* (made at k0) */        \
         for (int64_t k = k0; k < k0 + kc; k += Q4K_BLOCK) {                                             \
             if (k == k0 || k % G == 0) {                                                                \
-                const float* s = sz + k / G * 16;                                                       \
-                UNROLL for (int c = 0; c < 4; c++) {                                                    \
-                    __m256 S = _mm256_set1_ps(s[c]), Z = _mm256_set1_ps(s[8 + c]);                      \
-                    (void)Z;                                                                            \
-                    a[c] = direct ? S : DEQ(fb_lo, S, Z);                                               \
-                    b[c] = direct ? Z : DEQ(fb_hi, S, Z);                                               \
-                }                                                                                       \
+                Q4K_GROUP(sz + k / G * 16, 4, DEQ);                                                     \
             }                                                                                           \
             UNROLL for (int c = 0; c < 4; c++) {                                                        \
                 __m128i raw = _mm_loadu_si128((const __m128i*)(wq + k * 2 + c * 16));                   \
