@@ -586,8 +586,8 @@ def code_bits(kind: int) -> int:
 
 
 def weight_kind(weight: torch.Tensor) -> int:
-    """W_Q8 for a weight `int8_parts` reads (W_Q8T where its inputs are quantized per token), W_Q4 (W_Q8G) for one `q4_parts` reads with 4-bit (8-bit)
-    codes, else W_FLOAT."""
+    """W_Q8 for a weight `int8_parts` reads (W_Q8T where its inputs are quantized per token), W_Q4 or
+    W_Q4K (`q4_kind`) for one `q4_parts` reads with 4-bit codes, W_Q8G with 8-bit ones, else W_FLOAT."""
     return _quantized(weight)[0]
 
 
@@ -887,7 +887,7 @@ def _pack_any(weight: torch.Tensor) -> torch.Tensor:
         return pack_q8t(parts.values, parts.scales, parts.tokens)
     if kind in Q4_KINDS:
         return pack_q4(parts.codes(), parts.scales, parts.shifts, parts.group, parts.form, parts.offset, weight.dtype,
-                       parts.lut, parts.bits)
+                       parts.lut, parts.bits, kind)
     return pack(weight)
 
 

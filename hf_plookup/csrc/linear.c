@@ -49,24 +49,34 @@ static inline float q8_scaled(const void* wp, int64_t K2, int64_t N, int64_t n, 
     return rnd(rnd(s, dt) * scale[n], dt);
 }
 
-/* out [M, N] = x @ w^T (+ bias) for the columns of panels [p_lo, p_hi) (8 columns a panel), every row:
- * xt is x transposed in blocks of rows (x_block), fp32 (for W_Q4K: x's rows as they are, fp32); w is packed, of kind wkind, K2 its values a
- * column (K, or K rounded up to even for bf16); bias and out are of the call's dtype dt, and so is a
- * W_FLOAT w. One output at a time. */
-void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
-                    int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
-    int64_t B = x_block(M, dt);
-    for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N && wkind == W_Q4K; n++)
-        for (int64_t m = 0; m < M; m++) { /* x's rows as they are; 16 chains over k, then their sum */
+/* linear_range_c for a W_Q4K weight (cpu_kernels.h): x's rows as they are (fp32), each output 16
+ * chains over k, then their sum */
+static void linear_range_q4k_c(const float* x, int64_t M, const void* wp, int64_t K, const void* bias, int64_t p_lo,
+                               int64_t p_hi, void* out, int64_t N, int dt) {
+    for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
             float acc[16] = {0}, t[8];
-            for (int64_t k = 0; k < K2; k++)
-                acc[k % 16] = fmaf(packed_w(wp, wkind, K2, N, n, k, (int)dt), xt[m * K2 + k], acc[k % 16]);
+            for (int64_t k = 0; k < K; k++)
+                acc[k % 16] = fmaf(packed_w(wp, W_Q4K, K, N, n, k, dt), x[m * K + k], acc[k % 16]);
             for (int i = 0; i < 8; i++) t[i] = acc[i] + acc[i + 8];
             float s = sum8(t);
-            if (bias) s += load1(bias, n, (int)dt);
-            store1(out, m * N + n, s, (int)dt);
+            if (bias) s += load1(bias, n, dt);
+            store1(out, m * N + n, s, dt);
         }
-    for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N && wkind != W_Q4K; n++)
+}
+
+/* out [M, N] = x @ w^T (+ bias) for the columns of panels [p_lo, p_hi) (8 columns a panel), every row:
+ * xt is x transposed in blocks of rows (x_block), fp32 (for W_Q4K: x's rows as they are, fp32); w is
+ * packed, of kind wkind, K2 its values a column (K, or K rounded up to even for bf16); bias and out
+ * are of the call's dtype dt, and so is a W_FLOAT w. One output at a time. */
+void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
+                    int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt) {
+    if (wkind == W_Q4K) {
+        linear_range_q4k_c(xt, M, wp, K2, bias, p_lo, p_hi, out, N, (int)dt);
+        return;
+    }
+    int64_t B = x_block(M, dt);
+    for (int64_t n = p_lo * 8; n < p_hi * 8 && n < N; n++)
         for (int64_t m = 0; m < M; m++) {
             int64_t ld;
             const float* xm = xt + x_at(M, B, K2, m, &ld);
