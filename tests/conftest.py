@@ -460,3 +460,17 @@ def assert_float_linear(got, weight, values, x, bias=None, msg=None) -> None:
     size = x.double().abs() @ values.double().abs().t() + (0 if bias is None else bias.double().abs())
     bound = 2 * k * _UNIT[torch.float32] * size + 2 * _UNIT[got.dtype] * want.double().abs()
     assert ((got.double() - want.double()).abs() <= bound).all(), msg
+
+
+def assert_c_layers_are_the_modules(model, new: int = 16) -> None:
+    """A wrapped copy of `model` stepping in the C decoder layers gives, at every step of greedy with
+    drafts (k=4) over three repeating prompts, bitwise the logits of one stepping through the
+    model's modules."""
+    from hf_plookup.api import _state
+
+    ids, mask = left_pad(repeat_prompts(3))
+    fast, plain = wrap_copy(model), wrap_copy(model)
+    _state(plain).engine.c_layers = None
+    got, _ = greedy_logits(fast, ids, mask, new, prompt_lookup_num_tokens=4)
+    want, _ = greedy_logits(plain, ids, mask, new, prompt_lookup_num_tokens=4)
+    assert _state(fast).engine.c_layers.on and torch.equal(got, want)

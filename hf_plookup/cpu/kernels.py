@@ -191,12 +191,13 @@ def _plain(t: torch.Tensor) -> bool:
 # shift per column and group of values (`q4_parts`), or 8-bit codes so (`q4_parts` with bits 8:
 # every weight dequantized before its product, where W_Q8 scales a column's sum), or int8 values
 # whose inputs are quantized to int8 token by token first (`Int8Parts.tokens`), or 4-bit codes laid
-# out along k (W_Q4K: `q4_kind`)
-W_FLOAT, W_Q8, W_Q4, W_Q8G, W_Q8T, W_Q4K = 0, 1, 2, 3, 4, 5
+# out along k (W_Q4K: `q4_kind`), or bitsandbytes' LLM.int8 codes read where bitsandbytes keeps them
+# (W_Q8B: `Int8Parts.llm_int8`)
+W_FLOAT, W_Q8, W_Q4, W_Q8G, W_Q8T, W_Q4K, W_Q8B = 0, 1, 2, 3, 4, 5, 6
 Q4_KINDS = (W_Q4, W_Q4K, W_Q8G)  # the kinds `q4_parts` reads
 # the dtypes of the tensor that holds a quantized kind's values (`values_of`; GPTQ and
 # compressed-tensors keep their codes in int32 words, torchao its grouped ones as int8 values)
-VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q8T: (torch.int8,), W_Q4: (torch.uint8, torch.int32, torch.int8),
+VALUES_DTYPES = {W_Q8: (torch.int8,), W_Q8T: (torch.int8,), W_Q8B: (torch.int8,), W_Q4: (torch.uint8, torch.int32, torch.int8),
                  W_Q4K: (torch.uint8, torch.int32, torch.int8), W_Q8G: (torch.uint8, torch.int32, torch.int8)}
 # how a W_Q4 code q becomes its weight, f being q - offset (cpu_kernels.h, q4_value): "mul_sub",
 # round(round(f * scale) - shift) in the dtype; "fma", fma(f, scale, shift) in float32; "lut",
@@ -210,7 +211,8 @@ Q4K_BLOCK = 32  # W_Q4K: the values of k a column's 16 bytes hold (cpu_kernels.h
 # id(weight) -> (a weak reference to it, its int8_parts): a quantized tensor's attributes cost
 # microseconds each to read, and `linear` asks for them on every call
 _INT8_PARTS: dict[int, tuple] = {}
-_INT8_TYPES = {"Int8Tensor": "torchao", "WeightQBytesTensor": "optimum.quanto"}  # class -> its library
+_INT8_TYPES = {"Int8Tensor": "torchao", "WeightQBytesTensor": "optimum.quanto",  # class -> its library
+               "Bnb8bitWeight": "hf_plookup"}  # (bitsandbytes' 8-bit linear seen as a weight: invariant.bnb8bit)
 
 
 class Int8Tokens(NamedTuple):
@@ -225,11 +227,15 @@ class Int8Parts(NamedTuple):
     """An int8 weight as `int8_parts` reads it: its `values` [N, K] int8 and its `scales` [N] (one an
     output column). `tokens`: for a weight whose library quantizes each call's inputs to int8 row by
     row first (torchao's `Int8DynamicActivationInt8WeightConfig`), how (`Int8Tokens`): the weight
-    kind W_Q8T, whose bytes are laid out for float32 calls (`packed_dtype`) whatever the model's dtype."""
+    kind W_Q8T, whose bytes are laid out for float32 calls (`packed_dtype`) whatever the model's dtype.
+    `llm_int8`: for bitsandbytes' LLM.int8 (weight kind W_Q8B, each row quantized with its own outliers:
+    cpu_kernels.h), the outlier threshold rounded to fp16 as torch compares with it (0: no outliers);
+    its `values` are bitsandbytes' own codes, which the kernels read in place, and `scales` its SCB."""
 
     values: torch.Tensor
     scales: torch.Tensor
     tokens: Int8Tokens | None = None
+    llm_int8: float | None = None
 
 
 def int8_parts(weight: torch.Tensor) -> Int8Parts | None:
@@ -277,6 +283,15 @@ def _read_int8_parts(weight: torch.Tensor) -> Int8Parts | None:
     if weight.device.type != "cpu" or weight.dtype not in DTYPES:
         return None
     tokens = None
+    if type(weight).__module__.startswith("hf_plookup"):  # bitsandbytes' LLM.int8 (invariant.bnb8bit)
+        parts = weight.int8_fields()
+        if parts is None or not _codes_tensor(parts.values) or parts.values.dtype != torch.int8:
+            return None
+        q, scale = parts.values, parts.scales
+        if (tuple(q.shape) != tuple(weight.shape) or not q.is_contiguous() or scale.dtype != torch.float32
+                or scale.numel() != q.shape[0] or not scale.is_contiguous()):
+            return None
+        return parts
     if type(weight).__name__ == "Int8Tensor":  # torchao
         q, scale = weight.qdata, weight.scale
         if getattr(weight, "act_pre_scale", None) is not None or list(weight.block_size) != [1, q.shape[-1]]:
@@ -561,7 +576,7 @@ def _quantized(weight: torch.Tensor) -> tuple[int, object]:
         return W_FLOAT, None
     parts = int8_parts(weight)
     if parts is not None:
-        return (W_Q8 if parts.tokens is None else W_Q8T), parts
+        return (W_Q8B if parts.llm_int8 is not None else W_Q8 if parts.tokens is None else W_Q8T), parts
     q4 = q4_parts(weight)
     return (W_FLOAT, None) if q4 is None else (q4_kind(weight.shape[1], q4.group, q4.bits), q4)
 
@@ -586,7 +601,8 @@ def code_bits(kind: int) -> int:
 
 
 def weight_kind(weight: torch.Tensor) -> int:
-    """W_Q8 for a weight `int8_parts` reads (W_Q8T where its inputs are quantized per token), W_Q4 or
+    """W_Q8 for a weight `int8_parts` reads (W_Q8T where its inputs are quantized per token, W_Q8B for
+    bitsandbytes' LLM.int8), W_Q4 or
     W_Q4K (`q4_kind`) for one `q4_parts` reads with 4-bit codes, W_Q8G with 8-bit ones, else W_FLOAT."""
     return _quantized(weight)[0]
 
@@ -642,6 +658,22 @@ def pack_q8t(values: torch.Tensor, scales: torch.Tensor, tokens: Int8Tokens) -> 
     tail[:n] = scales.float()
     tail[p * 8 :].view(torch.int32).copy_(torch.tensor([tokens.qmin, tokens.qmax], dtype=torch.int32))
     return torch.cat([head, tail.view(torch.uint8)])
+
+
+def pack_q8b(values: torch.Tensor, scales: torch.Tensor, threshold: float) -> torch.Tensor:
+    """What the C linears read of an LLM.int8 weight (W_Q8B, cpu_kernels.h `q8b_weight`): not its codes,
+    which stay where bitsandbytes keeps them, but a 32-byte record of where they and the float32 column
+    `scales` [N] lie, each output's sum of codes (made here, int32 [N]) and the outlier `threshold`.
+    The record holds the three tensors (`.parts`), so the memory it names lives as long as it does.
+
+    Example: values [[1, -2], [127, 0]] (int8) give sums [-1, 127]; the record's bytes 0-23 are the
+    addresses of values, scales and sums, bytes 24-27 the threshold as float32."""
+    sums = values.sum(dim=1, dtype=torch.int32).contiguous()
+    record = torch.zeros(4, dtype=torch.int64)
+    record[:3] = torch.tensor([values.data_ptr(), scales.data_ptr(), sums.data_ptr()], dtype=torch.int64)
+    record.view(torch.float32)[6] = threshold
+    record.parts = (values, scales, sums)
+    return record
 
 
 def _q8_k2(k: int, dtype: torch.dtype) -> int:
@@ -859,7 +891,7 @@ def values_of(weight: torch.Tensor) -> torch.Tensor:
     4-bit weight's packed codes (`q4_parts`), a PackedWeight's panels, else the weight itself. Its
     address and version counter say whether the values moved or changed."""
     kind, parts = _quantized(weight)
-    if kind in (W_Q8, W_Q8T):
+    if kind in (W_Q8, W_Q8T, W_Q8B):
         return parts.values
     if kind in Q4_KINDS:
         return parts.source
@@ -885,6 +917,8 @@ def _pack_any(weight: torch.Tensor) -> torch.Tensor:
         return pack_q8(parts.values, parts.scales, weight.dtype)
     if kind == W_Q8T:
         return pack_q8t(parts.values, parts.scales, parts.tokens)
+    if kind == W_Q8B:
+        return pack_q8b(parts.values, parts.scales, parts.llm_int8)
     if kind in Q4_KINDS:
         return pack_q4(parts.codes(), parts.scales, parts.shifts, parts.group, parts.form, parts.offset, weight.dtype,
                        parts.lut, parts.bits, kind)
@@ -950,13 +984,6 @@ def _linear_call(x2d: torch.Tensor, packed_w: torch.Tensor, kind: int, bias: tor
                        out.data_ptr(), dtype_code(x2d.dtype), threads()):
             raise MemoryError("cpu_kernels.linear: no memory for the transposed input")
     return out
-
-
-def q8_sums(x: torch.Tensor, packed_q8: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] float32 @ values^T of W_Q8 bytes `packed_q8` made for float32 calls with unit scales
-    (`pack_q8(values, ones, torch.float32)`), as [M, n] float32: each output one FMA chain over k,
-    whatever M, so for integer x its sums of integers are exact while they stay under 2^24."""
-    return _linear_call(x.contiguous(), packed_q8, W_Q8, None, n)
 
 
 # the RMSNorm arithmetic `rms_norm` reproduces, r being 1 / sqrt(mean(x^2) + eps) in float32:

@@ -6,10 +6,11 @@
  * share the call, where a row sits in it or which thread computes it. So a token's logits in a
  * k+1-token verify step are bitwise those of a 1-token step.
  *
- * The files, as ggml-cpu keeps them: the portable C of each concern here (linear.c, attention.c,
- * layers.c for the norms and decoder layers, threads.c for the pool, module.c for the entry points
- * and the SIMD levels), and the vector code of each instruction set apart under arch/ (arch/x86:
- * AVX2 + FMA, and AVX-512 BF16 for bf16 attention scores and quantized linears), behind one
+ * The files, as ggml-cpu keeps them: the portable C of each concern here (linear.c, int8_rows.c for
+ * bitsandbytes' LLM.int8, attention.c, layers.c for the norms and decoder layers, threads.c for the
+ * pool, module.c for the entry points and the SIMD levels), and the vector code of each instruction
+ * set apart under arch/ (arch/x86: AVX2 + FMA, and AVX-512 BF16 and VNNI for bf16 attention scores
+ * and quantized linears), behind one
  * abstraction (arch/x86/simd.h).
  * The kernels reach the vector code only through `ops`, the dispatch table below, which module.c
  * fills for the SIMD level once at load and again whenever set_simd_level picks another level.
@@ -195,7 +196,7 @@ static inline int64_t now_ns(void) {
  * bounds W_Q4 on a few cores; the result is the dequantized weight's product in another order, so a
  * W_Q4K linear is not bitwise a W_FLOAT one, but still the same for a row at every row count. Its x
  * goes to the tiles as rows, not transposed (linears). */
-enum { W_FLOAT = 0, W_Q8 = 1, W_Q4 = 2, W_Q8G = 3, W_Q8T = 4, W_Q4K = 5 };
+enum { W_FLOAT = 0, W_Q8 = 1, W_Q4 = 2, W_Q8G = 3, W_Q8T = 4, W_Q4K = 5, W_Q8B = 6 };
 #define Q4K_BLOCK 32 /* W_Q4K: values of k a column's 16 bytes hold */
 
 /* where a W_Q8 weight's scales start, in bytes from its first panel (a cache line after the panels) */
@@ -210,6 +211,31 @@ static inline int64_t q8_scales_at(int64_t P, int64_t K2) { return (P * K2 * 8 +
  *   rnd(rnd(s * r) * scale[n] + bias[n])
  * with each product and sum rounded to fp32 and rnd to dt, the bias widened. */
 static inline int64_t q8t_scales_at(int64_t P, int64_t K) { return q8_scales_at(P, K) + P * 8 * 4; }
+
+/* W_Q8B: bitsandbytes' LLM.int8 (`load_in_8bit`), each row as bitsandbytes computes a call of that
+ * row alone (int8_rows.c). The weight is read where the library keeps it, not packed: `w` points to a
+ * q8b_weight naming the library's int8 codes [N][K] (row-major, one output's K codes together), its
+ * fp32 column scales [N] (bitsandbytes' SCB: each output's largest weight magnitude), each output's
+ * sum of codes (int32, made once by cpu.kernels.pack_q8b, for level 2's unsigned products) and the
+ * outlier threshold (rounded to fp16, as torch compares an fp16 tensor with it; <= 0: none).
+ * Any call dtype dt. Row m of x is cast to fp16, a = f16(x[m][k]); its outliers are the k with
+ * |a| >= threshold; the others give the row's statistic r = max |a| (NaN if any is NaN) and codes
+ * c_k = rint(a * ((1 / r) * 127)) in fp32 (torch's 127.0 / r is a reciprocal and a product), NaN made
+ * 0 (an outlier's code 0). Output n is then
+ *   y = rnd((float)s * (r * scale[n]) * 6.200124e-05f + bias[n])
+ * s being the exact int32 sum of c_k * w[n][k] (bitsandbytes' int8 matmul and its int8_mm_dequant,
+ * in fp32), and then, for each outlier column j of the row in increasing order,
+ *   y = rnd(y + rnd(x[m][j] * rnd((float)w[n][j] * scale[n] * 7.874015718698502e-3f)))
+ * (the column's weight dequantized to dt, times the row's input as it came, added in dt). The sums
+ * of integers are exact in any order, so each level may sum them its own way. */
+typedef struct {
+    const int8_t* codes;
+    const float* scales;
+    const int32_t* code_sums;
+    float threshold;
+    int32_t pad;
+} q8b_weight;
+#define Q8B_KPAD 64 /* a row of codes is padded with zeros to a multiple of this (one AVX-512 load) */
 
 /* A W_Q4 weight's dequantization, with f = q - offset (exact) and rnd the call's dtype (cpu_kernels.h, rnd):
  *   Q4_MUL_SUB: rnd(rnd(f * s) - z)  (quanto's plain form: scale * data, then minus the shift, each
@@ -300,6 +326,8 @@ static inline void x_row_rest(const void* x, int64_t m, int64_t K, int64_t K2, i
 
 int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const int64_t* wkind,
                 const void* const* bias, void* const* out, const int64_t* N, int64_t dt, int64_t threads);
+int64_t linears_q8b(const void* x, int64_t M, int64_t K, int64_t n, const void* const* w, const int64_t* wkind,
+                    const void* const* bias, void* const* out, const int64_t* N, int64_t dt, int64_t threads);
 
 /* ------------------------------------------------------------------ attention (attention.c) */
 
@@ -364,6 +392,16 @@ typedef struct {
     void (*pack_x)(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float* xt);
     void (*linear_range)(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                          int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);
+    /* W_Q8B's integer sums: sums[m * ld + n] = sum over k < K of xq[m * Kp + k] * w[n * K + k], exactly
+     * (int32), for rows m < M and outputs n in [n_lo, n_hi); xq's rows padded with zeros to Kp (a
+     * multiple of Q8B_KPAD); code_sums[n] the sum of w's row n (level 2 multiplies unsigned codes) */
+    void (*i8_dots)(const int8_t* xq, int64_t M, int64_t Kp, const int8_t* w, const int32_t* code_sums, int64_t K,
+                    int64_t n_lo, int64_t n_hi, int32_t* sums, int64_t ld);
+    /* W_Q8B's quantizing of row m of x [M, K] (dtype dt) as bitsandbytes does it alone: its codes into
+     * q (Kp values, zeros past K), its statistic into *r, its outlier columns in increasing order into
+     * cols (room for K); returns how many */
+    int64_t (*q8b_row)(const void* x, int64_t m, int64_t K, int64_t Kp, int64_t dt, float threshold, int8_t* q,
+                       float* r, int32_t* cols);
     /* a weight [N, K] into packed panels [p_lo, p_hi), or back when unpack (pack.c says the moves) */
     void (*pack_range)(const void* w, void* packed, int64_t N, int64_t K, int64_t dt, int64_t unpack, int64_t p_lo,
                        int64_t p_hi);
@@ -397,6 +435,10 @@ void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, i
                     int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);
 void pack_range_c(const void* w, void* packed, int64_t N, int64_t K, int64_t dt, int64_t unpack, int64_t p_lo,
                   int64_t p_hi);
+void i8_dots_c(const int8_t* xq, int64_t M, int64_t Kp, const int8_t* w, const int32_t* code_sums, int64_t K,
+               int64_t n_lo, int64_t n_hi, int32_t* sums, int64_t ld);
+int64_t q8b_row_c(const void* x, int64_t m, int64_t K, int64_t Kp, int64_t dt, float threshold, int8_t* q, float* r,
+                  int32_t* cols);
 extern const scores_fn scores_c[MAX_NH + 1];
 extern const wsum_fn wsum_c[MAX_NH + 1];
 void softmax_c(float* s, int64_t L, float scale);
@@ -418,6 +460,10 @@ void packed_store_avx2(const float* o, int mb, int np, int64_t m0, int64_t p, co
 void q8_scale_avx2(float* o, int mb, int np, int64_t p, const float* scales, int dt);
 void pack_range_avx2(const void* w, void* packed, int64_t N, int64_t K, int64_t dt, int64_t unpack, int64_t p_lo,
                      int64_t p_hi);
+void i8_dots_avx2(const int8_t* xq, int64_t M, int64_t Kp, const int8_t* w, const int32_t* code_sums, int64_t K,
+                  int64_t n_lo, int64_t n_hi, int32_t* sums, int64_t ld);
+int64_t q8b_row_avx2(const void* x, int64_t m, int64_t K, int64_t Kp, int64_t dt, float threshold, int8_t* q,
+                     float* r, int32_t* cols);
 extern const scores_fn scores_avx2[MAX_NH + 1];
 extern const wsum_fn wsum_avx2[MAX_NH + 1];
 void softmax_avx2(float* s, int64_t L, float scale);
@@ -435,6 +481,9 @@ void rope_avx2(void* x, int64_t T, int64_t nh, int64_t D, const void* cos, const
 extern const scores_bf16_fn scores_dpbf16[MAX_NH + 1];
 void linear_range_avx512(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                          int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);
+/* W_Q8B's sums by AVX-512 VNNI's unsigned-by-signed byte products (arch/x86/int8_rows_avx.c) */
+void i8_dots_vnni(const int8_t* xq, int64_t M, int64_t Kp, const int8_t* w, const int32_t* code_sums, int64_t K,
+                  int64_t n_lo, int64_t n_hi, int32_t* sums, int64_t ld);
 #endif
 
 /* ------------------------------------------------------------------ threads (threads.c) */

@@ -124,6 +124,7 @@ int64_t linears(const void* x, int64_t M, int64_t K, int64_t n, const void* cons
     int64_t rows_kind = 0; /* how many are W_Q4K, whose tiles read x's rows as they are */
     for (int64_t i = 0; wkind && i < n; i++) {
         if (wkind[i] == W_Q8T) return linears_q8t(x, M, K, n, w, wkind, bias, out, N, dt, threads);
+        if (wkind[i] == W_Q8B) return linears_q8b(x, M, K, n, w, wkind, bias, out, N, dt, threads);
         rows_kind += wkind[i] == W_Q4K;
     }
     if (rows_kind && rows_kind < n) { /* (not so in a model: one quantizer makes all of a layer's linears) */

@@ -8,7 +8,8 @@
 
 /* Levels: 0 portable C; 1 AVX2 + FMA; 2 as 1, with bf16 attention scores by AVX-512 BF16 dot products
  * (their own order) and AVX-512 tiles for quantized (W_Q4, W_Q8G, W_Q8) linears of up to 9 rows (the same
- * bits), and W_Q4K's at every row count (the same bits). An AVX-512 CPU without BF16 runs level 1: for float weights the packed linears' AVX2 tiles
+ * bits), W_Q4K's at every row count (the same bits), and W_Q8B's integer sums by AVX-512 VNNI (every
+ * AVX-512 BF16 CPU has it). An AVX-512 CPU without BF16 runs level 1: for float weights the packed linears' AVX2 tiles
  * beat the 32-register AVX-512 ones they replaced (docs/results.md, "Packed linears: weights packed
  * by output column"). */
 enum { LEVEL_PORTABLE, LEVEL_AVX2, LEVEL_AVX512BF16 };
@@ -22,6 +23,8 @@ static void fill_ops(int level) {
         .level = LEVEL_PORTABLE,
         .pack_x = pack_x_c,
         .linear_range = linear_range_c,
+        .i8_dots = i8_dots_c,
+        .q8b_row = q8b_row_c,
         .pack_range = pack_range_c,
         .softmax = softmax_c,
         .rms_rows = rms_rows_c,
@@ -37,6 +40,8 @@ static void fill_ops(int level) {
         k.level = LEVEL_AVX2;
         k.pack_x = pack_x_avx2;
         k.linear_range = linear_range_avx2;
+        k.i8_dots = i8_dots_avx2;
+        k.q8b_row = q8b_row_avx2;
         k.pack_range = pack_range_avx2;
         memcpy(k.scores, scores_avx2, sizeof k.scores);
         memcpy(k.wsum, wsum_avx2, sizeof k.wsum);
@@ -54,6 +59,7 @@ static void fill_ops(int level) {
         k.level = LEVEL_AVX512BF16;
         memcpy(k.scores_bf16, scores_dpbf16, sizeof k.scores_bf16);
         k.linear_range = linear_range_avx512;
+        k.i8_dots = i8_dots_vnni;
         /* bf16 pages' scores come from the dot products, so the span goes by head groups (the tiles
          * are for bf16 pages only) */
         k.tile_scores = NULL;
@@ -69,7 +75,8 @@ static int detect_level(void) {
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
         return LEVEL_PORTABLE;
 #if HAVE_AVX512BF16_KERNELS
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni"))
         return LEVEL_AVX512BF16;
 #endif
     return LEVEL_AVX2;

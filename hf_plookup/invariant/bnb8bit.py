@@ -6,11 +6,12 @@ magnitude at least its threshold (6 by default) out of the int8 product, for all
 multiplies those columns in floating point: a row's result depends on the call's other rows. `wrap`
 marks each such module with the dtype the model computes in (`hold`); invariant mode then sees it
 as a linear whose weight is a `Bnb8bitWeight`, whose one op, `F.linear`, is LLM.int8 with the
-outliers taken row by row (`Bnb8bitWeight.linear`): a row's result is what bitsandbytes' arithmetic
-gives that row alone (its int8 part exactly; its outlier columns summed in column order), whatever
-the step's other rows, so greedy with drafts and batching is lossless against hf_plookup's own
-greedy. HF's prompt is one call over all its rows, so HF's greedy may still part from it (the
-probe's note says so).
+outliers taken row by row: a row's result is what bitsandbytes' arithmetic gives that row alone
+(its int8 part exactly; its outlier columns summed in column order), whatever the step's other
+rows, so greedy with drafts and batching is lossless against hf_plookup's own greedy. The C kernels
+compute it (weight kind W_Q8B, cpu_kernels.h), reading bitsandbytes' codes where it keeps them, so
+they are held once, and the C decoder layers run such a model. HF's prompt is one call over all its
+rows, so HF's greedy may still part from it (the probe's note says so).
 
 Example: a `Linear8bitLt(576, 1536)` of a float32 model, held, gives `linear_weight(module)` a
 [1536, 576] float32 `Bnb8bitWeight`; `F.linear(x, view, module.bias)` of one row equals
@@ -25,7 +26,6 @@ from ..cpu import kernels as cpu_kernels
 from .module_weight import ModuleWeight, Views
 
 _DTYPE = "_hf_plookup_dtype"  # a held module's compute dtype, in its instance dict
-LONG_ROWS = 64  # calls of more rows (prompt chunks) sum the codes with torch's GEMM
 
 
 def _is_8bit_class(module: torch.nn.Module) -> bool:
@@ -40,13 +40,12 @@ def is_linear8bit(module: torch.nn.Module) -> bool:
 
 class Bnb8bitWeight(ModuleWeight):
     """A `Linear8bitLt`'s weight as the [N, K] weight of the dtype its model computes in (see the
-    module text). Its only op is `F.linear` (`linear`); it holds no values but the C kernels' copy
-    of the codes, made at the first call."""
+    module text). Its only op is `F.linear` (`linear`); it holds no values: its codes are an alias
+    of bitsandbytes' own (`param`)."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__(module)
         self.state = module.state  # (bitsandbytes' MatmulLtState: the codes, scales and threshold)
-        self._packed = None
 
     @staticmethod
     def dtype_of(module: torch.nn.Module) -> torch.dtype:
@@ -54,53 +53,34 @@ class Bnb8bitWeight(ModuleWeight):
 
     @staticmethod
     def codes_of(module: torch.nn.Module) -> torch.Tensor:
-        return module.weight
+        return module.weight if module.state.CB is None else module.state.CB
+
+    def int8_fields(self) -> cpu_kernels.Int8Parts | None:
+        """What the C kernels read (cpu.kernels.int8_parts): the codes, bitsandbytes' SCB and its
+        threshold rounded to fp16 (torch compares the fp16 inputs with it so); None before
+        bitsandbytes made its state's codes."""
+        state = self.state
+        if state.CB is None or state.SCB is None:
+            return None
+        threshold = float(torch.tensor(max(state.threshold, 0.0), dtype=torch.float16))
+        return cpu_kernels.Int8Parts(self.param, state.SCB.reshape(-1), llm_int8=threshold)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """LLM.int8 of x [..., K], each row as bitsandbytes computes it alone: its fp16 values of
         magnitude at least the threshold are its outliers; the others are quantized to int8 with the
         row's largest magnitude among them (`round(x * (127 / max))`), their products with the codes
-        summed exactly (the C kernels' W_Q8 sums of integers, or for more than LONG_ROWS rows torch's
-        GEMM of them, both exact while the sums stay under 2^24) and scaled as
-        bitsandbytes' `int8_mm_dequant` does, plus the bias, in the input's dtype; then each outlier
-        column in order adds its input times the column's dequantized weight. Without the C
-        kernels, one bitsandbytes call per row."""
-        state, shape = self.state, x.shape
+        summed exactly and scaled as bitsandbytes' `int8_mm_dequant` does, plus the bias, in the
+        input's dtype; then each outlier column in order adds its input times the column's
+        dequantized weight (cpu_kernels.h, W_Q8B). Without the C kernels, one bitsandbytes call per
+        row."""
+        shape = x.shape
         x2d = x.reshape(-1, shape[-1])
-        if not cpu_kernels.available() or x.device.type != "cpu" or state.CB is None:
-            import bitsandbytes as bnb
+        if x.device.type == "cpu" and x.dtype == self.dtype and cpu_kernels.supported(self):
+            return cpu_kernels.linear(x2d, self, bias).reshape(*shape[:-1], -1)
+        import bitsandbytes as bnb
 
-            return torch.cat([bnb.matmul(x2d[i : i + 1], self.param, bias=bias, state=state)
-                              for i in range(x2d.shape[0])]).reshape(*shape[:-1], -1)
-        cb, scb = state.CB, state.SCB
-        a = x2d.to(torch.float16)
-        outliers = a.abs() >= state.threshold if state.threshold > 0 else None
-        if outliers is not None:
-            a = a.masked_fill(outliers, 0)
-        row_stats = a.abs().amax(dim=1).float()
-        codes = torch.nan_to_num(torch.round(a * (127.0 / row_stats.unsqueeze(-1))), nan=0.0)
-        if codes.shape[0] > LONG_ROWS:  # a prompt chunk: torch's GEMM (its sums of integers are as exact)
-            sums = codes @ cb.t().float()
-        else:
-            sums = cpu_kernels.q8_sums(codes, self._codes(cb), cb.shape[0])
-        out = sums * (row_stats.unsqueeze(-1) * scb.reshape(1, -1)) * 6.200124e-05
-        if bias is not None:
-            out += bias
-        out = out.to(x.dtype)
-        columns = [] if outliers is None else outliers.any(dim=0).nonzero().flatten().tolist()
-        for j in columns:  # (each to the rows it is an outlier of)
-            rows = outliers[:, j].nonzero().flatten()
-            w = (cb[:, j] * scb * 7.874015718698502e-3).to(x.dtype)
-            out[rows] += x2d[rows, j : j + 1] * w
-        return out.reshape(*shape[:-1], -1)
-
-    def _codes(self, cb: torch.Tensor) -> torch.Tensor:
-        """The C kernels' W_Q8 bytes of the codes with unit scales, for float32 calls (made again
-        when the codes move or change)."""
-        key = (cb.data_ptr(), cb._version)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, cpu_kernels.pack_q8(cb, torch.ones(cb.shape[0]), torch.float32))
-        return self._packed[1]
+        return torch.cat([bnb.matmul(x2d[i : i + 1], self.param, bias=bias, state=self.state)
+                          for i in range(x2d.shape[0])]).reshape(*shape[:-1], -1)
 
 
 _VIEWS = Views(Bnb8bitWeight)
@@ -108,7 +88,7 @@ _VIEWS = Views(Bnb8bitWeight)
 
 def linear_weight(module: torch.nn.Module) -> Bnb8bitWeight:
     """The module's `Bnb8bitWeight`, made once while its codes and state stay the same."""
-    return _VIEWS.get(module, module.weight, (id(module.state), module.__dict__[_DTYPE]))
+    return _VIEWS.get(module, Bnb8bitWeight.codes_of(module), (id(module.state), module.__dict__[_DTYPE]))
 
 
 def hold(model: torch.nn.Module) -> int:

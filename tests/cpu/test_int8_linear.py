@@ -57,7 +57,7 @@ def test_linear_q8_literal():
     seq = torch.nn.Sequential(lin)
     torchao.quantize_(seq, torchao.Int8WeightOnlyConfig())
     w = seq[0].weight
-    values, scales, _ = cpu_kernels.int8_parts(w)
+    values, scales = cpu_kernels.int8_parts(w)[:2]
     # torchao's symmetric int8: scale = max |w| / 127.5 a row, values rounded and clamped to [-127, 127]
     assert values.tolist() == [[64, -127], [127, 64]]
     assert torch.allclose(scales, torch.tensor([2 / 127.5, 0.5 / 127.5]))
@@ -70,7 +70,7 @@ def test_what_int8_parts_takes():
     assert cpu_kernels.int8_parts(torch.randn(4, 4)) is None
     assert cpu_kernels.weight_kind(torch.nn.Parameter(torch.randn(4, 4))) == cpu_kernels.W_FLOAT
     w = _torchao_linear(16, 8, torch.float32).weight
-    values, scales, _ = cpu_kernels.int8_parts(w)
+    values, scales = cpu_kernels.int8_parts(w)[:2]
     assert values.dtype == torch.int8 and values.shape == (8, 16) and scales.shape == (8,)
     assert cpu_kernels.supported(w) and cpu_kernels.weight_kind(w) == cpu_kernels.W_Q8
     q = _quanto_linear(16, 8, torch.float32).weight
@@ -90,7 +90,7 @@ def test_linear_q8_matches_reference_and_rows_alone(dtype, k, n):
     w, b = lin.weight, None if lin.bias is None else lin.bias.detach()
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     got = cpu_kernels.linear(x, w, b)
-    values, scales, _ = cpu_kernels.int8_parts(w)
+    values, scales = cpu_kernels.int8_parts(w)[:2]
     want = (x.double() @ values.double().T) * scales.to(dtype).double() + (0 if b is None else b.double())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))

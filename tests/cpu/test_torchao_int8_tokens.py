@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_plookup.cpu import kernels as cpu_kernels
-from tests.conftest import at_every_simd_level, torchao_linear
+from tests.conftest import assert_c_layers_are_the_modules, at_every_simd_level, torchao_linear
 
 tq = pytest.importorskip("torchao.quantization")
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
@@ -142,13 +142,5 @@ def test_model_runs_in_the_c_layers():
 def test_c_layers_are_the_modules(dtype):
     """The C decoder layers' steps are bitwise the engine's steps through the model's modules (each
     linear torchao's own arithmetic): the same logits at every step."""
-    from hf_plookup.api import _state
-    from tests.conftest import greedy_logits, left_pad, repeat_prompts, wrap_copy
-
     model = _model(dtype)
-    ids, mask = left_pad(repeat_prompts(3))
-    fast, plain = wrap_copy(model), wrap_copy(model)
-    _state(plain).engine.c_layers = None
-    got, _ = greedy_logits(fast, ids, mask, 16, prompt_lookup_num_tokens=4)
-    want, _ = greedy_logits(plain, ids, mask, 16, prompt_lookup_num_tokens=4)
-    assert _state(fast).engine.c_layers.on and torch.equal(got, want)
+    assert_c_layers_are_the_modules(model)

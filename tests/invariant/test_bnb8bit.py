@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hf_plookup.cpu import kernels as cpu_kernels
 from hf_plookup.invariant import bnb8bit
 from hf_plookup.invariant.linears import linear_module, linear_weight, row_strategy
-from tests.conftest import left_pad, repeat_prompts, tiny_model, wrap_copy
+from tests.conftest import assert_c_layers_are_the_modules, left_pad, repeat_prompts, tiny_model, wrap_copy
 
 pytest.importorskip("bitsandbytes")
 
@@ -35,9 +35,9 @@ def _inputs(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rows_as_alone(tmp_path, dtype):
-    """The held module's view computes each row bitwise as alone, at any row count and through the
-    long-chunk GEMM too; a row without outliers is bitwise bitsandbytes' own 1-row call, one with
-    outliers its value up to the order of the outlier sums."""
+    """The held module's view computes each row bitwise as alone, at any row count (a prompt chunk's
+    too); a row without outliers is bitwise bitsandbytes' own 1-row call, one with outliers its value
+    up to the order of the outlier sums."""
     model = _model(tmp_path, dtype)
     assert bnb8bit.hold(model) == 7 * 2 and bnb8bit.held(model)
     module = model.model.layers[0].mlp.up_proj
@@ -48,7 +48,7 @@ def test_rows_as_alone(tmp_path, dtype):
         alone = torch.cat([F.linear(x[i : i + 1], view, module.bias) for i in range(6)])
         for m in range(2, 7):
             assert torch.equal(F.linear(x[:m], view, module.bias), alone[:m]), m
-        long = x[torch.arange(bnb8bit.LONG_ROWS + 4) % 6]  # (past LONG_ROWS: torch's GEMM of the codes)
+        long = x[torch.arange(70) % 6]
         assert torch.equal(F.linear(long, view, module.bias), alone[torch.arange(len(long)) % 6])
         own = torch.cat([module(x[i : i + 1]) for i in range(6)])
     plain = [0, 2, 5]  # (rows without an outlier)
@@ -63,9 +63,10 @@ def test_rows_as_alone(tmp_path, dtype):
 
 def test_greedy_with_drafts_is_lossless(tmp_path):
     """Wrapped, a batch with drafts gives every prompt hf_plookup's own greedy of it alone (where
-    bitsandbytes' call of the step's rows would change them), with the probe's note; `unwrap`
-    releases the modules."""
+    bitsandbytes' call of the step's rows would change them), with the probe's note, its decode steps
+    in the C decoder layers; `unwrap` releases the modules."""
     import hf_plookup
+    from hf_plookup.api import _state
 
     model = _model(tmp_path)
     rows = repeat_prompts(3)
@@ -73,6 +74,7 @@ def test_greedy_with_drafts_is_lossless(tmp_path):
     ids, mask = left_pad(rows)
     got = wrapped.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=4)
     assert wrapped.last_stats.exactness_note
+    assert _state(wrapped).engine.c_layers.on == cpu_kernels.available()
     for i, row in enumerate(rows):
         alone = wrapped.generate(row[None], max_new_tokens=24, do_sample=False)
         assert torch.equal(got[i, ids.shape[1]:], alone[0, len(row):]), i
@@ -82,9 +84,9 @@ def test_greedy_with_drafts_is_lossless(tmp_path):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels were not built")
-def test_q8_sums_literal():
-    """The W_Q8 sums of integer inputs over unit-scale bytes: x @ values^T, exactly."""
-    values = torch.tensor([[1, -2, 3], [127, -128, 0]], dtype=torch.int8)
-    packed = cpu_kernels.pack_q8(values, torch.ones(2), torch.float32)
-    x = torch.tensor([[1.0, 2.0, 3.0], [-127.0, 5.0, 0.0]])
-    assert cpu_kernels.q8_sums(x, packed, 2).tolist() == [[6.0, -129.0], [-137.0, -16769.0]]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_c_layers_are_the_modules(tmp_path, dtype):
+    """The C decoder layers' steps are bitwise the engine's steps through the held modules: the same
+    logits at every step."""
+    model = _model(tmp_path, dtype)
+    assert_c_layers_are_the_modules(model)
