@@ -258,6 +258,10 @@ def int8_parts(weight: torch.Tensor) -> Int8Parts | None:
     call (`PerTensor`), asymmetric ones or static scales are not read (None: torchao's own linear
     runs them).
 
+    bitsandbytes' 8-bit linear, held for inference (`invariant.bnb8bit.Bnb8bitWeight`), gives its
+    own codes (its state's `CB`, one scale a column in `SCB`) and `llm_int8`: the C linears quantize
+    each row with its own outliers as bitsandbytes' call of that row alone does (cpu_kernels.h, W_Q8B).
+
     Read once per weight object and kept while it lives (a tensor put in the place of its values, as
     opposed to values changed in place, is not seen)."""
     return _parts(weight, _INT8_TYPES, _INT8_PARTS, _read_int8_parts)
