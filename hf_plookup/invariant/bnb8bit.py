@@ -79,6 +79,7 @@ class Bnb8bitWeight(ModuleWeight):
             return cpu_kernels.linear(x2d, self, bias).reshape(*shape[:-1], -1)
         import bitsandbytes as bnb
 
+        self.state.is_training = False  # (as the module's own forward in eval mode: else CPUs take another kernel)
         return torch.cat([bnb.matmul(x2d[i : i + 1], self.param, bias=bias, state=self.state)
                           for i in range(x2d.shape[0])]).reshape(*shape[:-1], -1)
 
