@@ -14,10 +14,10 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # drafts and trees against plain greedy, a padded batch against each row alone, prompts cut into
 # chunks by different step budgets, in float32 and bfloat16; bitsandbytes' LLM.int8 linears as one
-# bitsandbytes call a row, each row as alone
+# bitsandbytes call a row, each row as alone, and lossless with drafts in invariant mode
 SELECTION = ("test_drafts_and_batch_change_no_logit and (llama or gemma3_text) or test_padded_drafts_change_no_logit "
              "or test_units_per_step_change_no_logit or test_merged_prompt_calls or test_decode_steps_run_torch "
-             "or test_rows_as_alone")
+             "or test_rows_as_alone or test_greedy_with_drafts_is_lossless")
 
 
 def test_invariant_mode_without_the_c_kernels():
