@@ -237,6 +237,16 @@ typedef struct {
 } q8b_weight;
 #define Q8B_KPAD 64 /* a row of codes is padded with zeros to a multiple of this (one AVX-512 load) */
 
+/* W_Q8B's quantizing, one value (ops.q8b_row: the portable loops and the vector code's tails): v cast
+ * to fp16 and back (a NaN kept), whether that is an outlier, and its code given the row's scale
+ * (1 / r) * 127: an outlier's 0, and a NaN's (a NaN input, or 0 * inf where the row is all zeros) */
+static inline float q8b_half(float v) { return v != v ? v : rnd_f16(v); }
+static inline int q8b_outlier(float a, float threshold) { return threshold > 0.0f && fabsf(a) >= threshold; }
+static inline int8_t q8b_code(float a, float scale, float threshold) {
+    float c = rintf(a * scale);
+    return q8b_outlier(a, threshold) || c != c ? 0 : (int8_t)c;
+}
+
 /* A W_Q4 weight's dequantization, with f = q - offset (exact) and rnd the call's dtype (cpu_kernels.h, rnd):
  *   Q4_MUL_SUB: rnd(rnd(f * s) - z)  (quanto's plain form: scale * data, then minus the shift, each
  *               rounded to the dtype; offset 0)

@@ -20,8 +20,8 @@ int64_t q8b_row_c(const void* x, int64_t m, int64_t K, int64_t Kp, int64_t dt, f
     int nan = 0;
     int64_t count = 0;
     for (int64_t k = 0; k < K; k++) { /* the outliers (their codes 0), and the largest of the rest */
-        float v = load1(x, m * K + k, (int)dt), a = fabsf(v != v ? v : rnd_f16(v));
-        if (threshold > 0.0f && a >= threshold) {
+        float a = fabsf(q8b_half(load1(x, m * K + k, (int)dt)));
+        if (q8b_outlier(a, threshold)) {
             cols[count++] = (int32_t)k;
             continue;
         }
@@ -30,11 +30,7 @@ int64_t q8b_row_c(const void* x, int64_t m, int64_t K, int64_t Kp, int64_t dt, f
     }
     *r = nan ? NAN : most;
     float scale = (1.0f / *r) * 127.0f; /* (torch's 127.0 / r: a reciprocal, then the product) */
-    for (int64_t k = 0; k < K; k++) {
-        float v = load1(x, m * K + k, (int)dt), a = v != v ? v : rnd_f16(v), c = rintf(a * scale);
-        /* an outlier's code 0, and a NaN's (a NaN input, or 0 * inf where the row is all zeros) */
-        q[k] = (threshold > 0.0f && fabsf(a) >= threshold) || c != c ? 0 : (int8_t)c;
-    }
+    for (int64_t k = 0; k < K; k++) q[k] = q8b_code(q8b_half(load1(x, m * K + k, (int)dt)), scale, threshold);
     for (int64_t k = K; k < Kp; k++) q[k] = 0;
     return count;
 }
@@ -64,11 +60,11 @@ typedef struct {
     const q8b_weight* w;
     const void* bias;
     void* out;
-    const int8_t* q;     /* [M][Kp] the rows' codes */
-    const float* r;        /* [M] their statistics */
-    const int64_t* count;  /* [M] each row's outlier columns, */
-    const int32_t* cols;   /* from cols + m * K */
-    int32_t* sums;       /* [M][N] */
+    const int8_t* q;      /* [M][Kp] the rows' codes */
+    const float* r;       /* [M] their statistics */
+    const int64_t* count; /* [M] each row's outlier columns, */
+    const int32_t* cols;  /* from cols + m * K */
+    int32_t* sums;        /* [M][N] */
 } q8b_job;
 
 /* y[i] += bias[i] (widened from dt), for i < n: one loop per dtype, so that each vectorizes */

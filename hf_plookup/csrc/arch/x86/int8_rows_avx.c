@@ -39,8 +39,8 @@ AVX2 int64_t q8b_row_avx2(const void* x, int64_t m, int64_t K, int64_t Kp, int64
     for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
     int any_nan = _mm256_movemask_ps(nan) != 0;
     for (int64_t t = k; t < K; t++) {
-        float v = load1(row, t, (int)dt), a = fabsf(v != v ? v : rnd_f16(v));
-        if (threshold > 0.0f && a >= threshold) {
+        float a = fabsf(q8b_half(load1(row, t, (int)dt)));
+        if (q8b_outlier(a, threshold)) {
             cols[count++] = (int32_t)t;
             continue;
         }
@@ -48,7 +48,8 @@ AVX2 int64_t q8b_row_avx2(const void* x, int64_t m, int64_t K, int64_t Kp, int64
         top = a > top ? a : top;
     }
     *r = any_nan ? NAN : top;
-    const __m256 scale = _mm256_set1_ps((1.0f / *r) * 127.0f);
+    const float sc = (1.0f / *r) * 127.0f;
+    const __m256 scale = _mm256_set1_ps(sc);
     for (k = 0; k + 8 <= K; k += 8) {
         __m256 a = RND_F16(ld_dt(row, k, (int)dt));
         __m256 c = _mm256_round_ps(_mm256_mul_ps(a, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -57,11 +58,7 @@ AVX2 int64_t q8b_row_avx2(const void* x, int64_t m, int64_t K, int64_t Kp, int64
         __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(ci), _mm256_extracti128_si256(ci, 1));
         _mm_storel_epi64((__m128i*)(q + k), _mm_packs_epi16(h, h));
     }
-    float sc = (1.0f / *r) * 127.0f;
-    for (int64_t t = k; t < K; t++) {
-        float v = load1(row, t, (int)dt), a = v != v ? v : rnd_f16(v), c = rintf(a * sc);
-        q[t] = (threshold > 0.0f && fabsf(a) >= threshold) || c != c ? 0 : (int8_t)c;
-    }
+    for (int64_t t = k; t < K; t++) q[t] = q8b_code(q8b_half(load1(row, t, (int)dt)), sc, threshold);
     for (k = K; k < Kp; k++) q[k] = 0;
     return count;
 }
