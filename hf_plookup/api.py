@@ -244,8 +244,9 @@ def wrap(model, **options):
     Options (see `EngineOptions`): max_cache_tokens, num_blocks, block_size, max_batch_tokens,
     max_num_seqs, cache_memory_fraction, attn_backend ("auto" | "sdpa" | "flash_attn" | "triton" | "flash_attn4"),
     compile ("auto" | True | False), cuda_graphs, pad_drafts, join_calls, tree_min_score,
-    invariant ("auto" | True | False), prefix_cache ("auto" | True | False), warmup (a dict: the compiled or
-    captured steps of later calls built now; engine.warmup).
+    invariant ("auto" | True | False), prefix_cache ("auto" | True | False), draft_memory_tokens, warmup (a
+    dict: the compiled or captured steps of later calls built now; engine.warmup), head_screen (greedy CPU
+    steps' tokens from an int8 copy of the LM head; steps.head_screen).
 
     Example: `wrap(model, max_cache_tokens=32768)` then `model.generate(ids, prompt_lookup_num_tokens=4)`;
     a second call whose prompt starts with the first one's 600 tokens takes 512 of them from the

@@ -39,10 +39,10 @@ class StepTimer:
         timer, orig = self, ModelRunner.run
         self._orig = orig
 
-        def run(runner, layout):
+        def run(runner, layout, *args):
             sync(timer.device)
             t0 = time.perf_counter()
-            out = orig(runner, layout)
+            out = orig(runner, layout, *args)
             sync(timer.device)
             timer.steps.append((layout.is_decode, layout.num_seqs, layout.max_query_len, time.perf_counter() - t0))
             return out

@@ -24,6 +24,7 @@ FAMILIES = {
     "plk-eager": "plk-greedy and plk-k{first k} with cuda_graphs=False, compile=False",
     "plk-compiled": "plk-greedy and plk-k{first k} with compile=True (compiled steps in CUDA graphs)",
     "plk-compiled_nographs": "plk-greedy and plk-k{first k} with compile=True, cuda_graphs=False",
+    "plk-noscreen": "plk-greedy and plk-k{first k} with head_screen=False (the whole LM head every greedy CPU step)",
 }
 # hf_plookup engines: the wrap defaults, and one per setting of compile and cuda_graphs
 ENGINE_OPTIONS = {
@@ -32,6 +33,7 @@ ENGINE_OPTIONS = {
     "eager": dict(cuda_graphs=False, compile=False),
     "compiled": dict(compile=True),
     "compiled_nographs": dict(compile=True, cuda_graphs=False),
+    "noscreen": dict(head_screen=False),
 }
 ENGINES = tuple(ENGINE_OPTIONS)
 

@@ -87,6 +87,12 @@ def _load():
         lib.pack_weight.argtypes = [ptr, i64, i64, i64, ptr, i64, i64]
         lib.rms_norm.restype = i64
         lib.rms_norm.argtypes = [ptr, i64, i64, ptr, f32, i64, ptr, i64, i64]
+        lib.screen_pack.restype = i64
+        lib.screen_pack.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
+        lib.screen_pick.restype = None
+        lib.screen_pick.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
+        lib.screen_exact.restype = None
+        lib.screen_exact.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr]
         lib.quantize_rows_i8.restype = None
         lib.quantize_rows_i8.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
         return lib
@@ -641,7 +647,7 @@ def pack_q8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> t
     [[1, 3, 0, 0, 0, 0, 0, 0], [2, 4, 0, 0, 0, 0, 0, 0]], then from byte 64 the floats [0.5, 2, 0, ..., 0]."""
     n, k = values.shape
     p, k2 = -(-n // 8), _q8_k2(k, dtype)
-    at = (p * k2 * 8 + 63) // 64 * 64
+    at = q8_scale_bytes(p, k2)
     out = torch.zeros(at + p * 8 * 4, dtype=torch.uint8)
     with torch.no_grad():
         write_q8_values(out, values, dtype)
@@ -978,16 +984,62 @@ def linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 def _linear_call(x2d: torch.Tensor, packed_w: torch.Tensor, kind: int, bias: torch.Tensor | None,
-                 n: int) -> torch.Tensor:
+                 n: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The C `linear` of contiguous x2d [M, K] over packed bytes of `kind`, in x2d's dtype (bias, if
-    any, of it too): [M, n]."""
+    any, of it too): [M, n], written into `out` (contiguous) where given."""
     m, k = x2d.shape
-    out = torch.empty(m, n, dtype=x2d.dtype)
+    out = torch.empty(m, n, dtype=x2d.dtype) if out is None else out
     if m:  # (the kernel reads and writes raw memory: autograd never sees it, as in inference)
         if _LIB.linear(x2d.data_ptr(), m, packed_w.data_ptr(), kind, k, None if bias is None else bias.data_ptr(), n,
                        out.data_ptr(), dtype_code(x2d.dtype), threads()):
             raise MemoryError("cpu_kernels.linear: no memory for the transposed input")
     return out
+
+
+def screen_pack(head: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The int8 screen of a packed float LM head (`pack`'s panels of an [n, k] weight; csrc/head_screen.c):
+    its W_Q8 bytes for float32 calls (`pack_q8`'s layout; per output the scale max |w| / 127 and the
+    codes rint(w * (127 / max |w|)) in float32) and each output's bound coefficient D [n] (cpu_kernels.h,
+    "head screen").
+    None where a value of the head is not finite.
+
+    Example: the float32 head [[1, -0.5], [0, 0]] gives codes [[127, -64], [0, 0]] (-63.5 rounds to
+    even), scales [1 / 127, 0], and D[1] = 0 (a zero row is its screen exactly)."""
+    p = -(-n // 8)
+    codes = torch.zeros(q8_scale_bytes(p, k) + p * 8 * 4, dtype=torch.uint8)
+    bound = torch.empty(n, dtype=torch.float32)
+    if _LIB.screen_pack(head.data_ptr(), n, k, dtype_code(head.dtype), codes.data_ptr(), bound.data_ptr(), threads()):
+        return None
+    return codes, bound
+
+
+def q8_scale_bytes(p: int, k2: int) -> int:
+    """Where the scales of a W_Q8 weight of `p` panels and `k2` values a column start (`pack_q8`)."""
+    return (p * k2 * 8 + 63) // 64 * 64
+
+
+def screen_pick(x: torch.Tensor, a: torch.Tensor, bound: torch.Tensor, bias: torch.Tensor | None,
+                cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's candidates for its first largest exact logit (csrc/head_screen.c `screen_pick`): x [M, K]
+    the head's inputs in its dtype, `a` [M, N] the screen's logits (float32), `bound` the screen's D, `bias`
+    the head's (its dtype) or None. Returns (cand [M, cap], count [M]): row m's candidates are
+    cand[m, :count[m]] in increasing order; count[m] = cap + 1 where more than `cap` are."""
+    m = x.shape[0]
+    cand, count = torch.empty(m, cap, dtype=torch.int64), torch.empty(m, dtype=torch.int64)
+    _LIB.screen_pick(x.data_ptr(), m, x.shape[1], a.data_ptr(), a.shape[1], bound.data_ptr(),
+                     None if bias is None else bias.data_ptr(), dtype_code(x.dtype), cap, cand.data_ptr(),
+                     count.data_ptr(), threads())
+    return cand, count
+
+
+def screen_exact(x: torch.Tensor, head: torch.Tensor, bias: torch.Tensor | None, cand: torch.Tensor,
+                 count: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit among its candidates (`screen_pick`'s, none over the cap), each
+    computed as `linear` computes it from the packed head: the tokens, int64 [M]."""
+    tokens = torch.empty(x.shape[0], dtype=torch.int64)
+    _LIB.screen_exact(x.data_ptr(), x.shape[0], x.shape[1], head.data_ptr(), None if bias is None else bias.data_ptr(),
+                      dtype_code(x.dtype), cand.data_ptr(), count.data_ptr(), cand.shape[1], tokens.data_ptr())
+    return tokens
 
 
 # the RMSNorm arithmetic `rms_norm` reproduces, r being 1 / sqrt(mean(x^2) + eps) in float32:

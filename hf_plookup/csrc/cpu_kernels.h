@@ -199,6 +199,14 @@ static inline int64_t now_ns(void) {
 enum { W_FLOAT = 0, W_Q8 = 1, W_Q4 = 2, W_Q8G = 3, W_Q8T = 4, W_Q4K = 5, W_Q8B = 6 };
 #define Q4K_BLOCK 32 /* W_Q4K: values of k a column's 16 bytes hold */
 
+/* a W_FLOAT weight's value k of output column n, widened to fp32 (the packing above; K2 its values a
+ * column) */
+static inline float float_w(const void* wp, int64_t K2, int64_t n, int64_t k, int dt) {
+    if (dt == DT_F32) return ((const float*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
+    if (dt == DT_F16) return f16_to_f32(((const uint16_t*)wp)[((n / 8) * K2 + k) * 8 + n % 8]);
+    return bf16_to_f32(((const uint16_t*)wp)[((n / 8) * K2 + (k & ~(int64_t)1)) * 8 + (n % 8) * 2 + (k & 1)]);
+}
+
 /* where a W_Q8 weight's scales start, in bytes from its first panel (a cache line after the panels) */
 static inline int64_t q8_scales_at(int64_t P, int64_t K2) { return (P * K2 * 8 + 63) / 64 * 64; }
 
@@ -521,6 +529,29 @@ EXPORT int64_t attend(const void* q, int64_t T, int64_t H, int64_t D, int64_t Dv
 EXPORT int64_t rms_norm(const void* x, int64_t M, int64_t K, const void* w, float eps, int64_t form, void* out,
                         int64_t bf16, int64_t threads);
 EXPORT int64_t layer_phases(int64_t on, int64_t* out);
+/* head screen (head_screen.c): a greedy step's token without the whole LM head. The screen of a W_FLOAT
+ * head w [N, K] (K2 its values a column) is a W_Q8 weight for fp32 calls: per output n the scale
+ * s_n = max_k |w_nk| / 127 and the codes q_nk = rint(w_nk * (127 / max_k |w_nk|)) (0 where s_n is 0), and the coefficient
+ *   D_n >= |e_n|_2 + g (|w_n|_2 + s_n |q_n|_2),  e_n = w_n - s_n q_n,  g = G / (1 - G),  G = (K2 + 2) 2^-24.
+ * For a row x of the head's input, let T_n be the head's own output n before its rounding to dt: the
+ * FMA chain over k plus the bias (linear.c), and a_n the screen's output (the W_Q8 chain over the codes
+ * times s_n, in fp32). Then
+ *   |T_n - (a_n + bias_n)| <= |x|_2 D_n + 4 2^-24 (|a_n| + |a_n + bias_n| + |x|_2 D_n) =: B_n
+ * (screen_pick widens it by margins that also cover its own fp32 arithmetic): T_n - a_n - bias_n is the quantization
+ * error's product sum_k e_nk x_k, at most |x|_2 |e_n|_2 (Cauchy-Schwarz), plus both chains' rounding
+ * errors, each at most g times the sum of the products' magnitudes (Higham's bound for a recursive sum:
+ * G bounds a chain of K2 roundings, two more than the scaling and the bias), and the scaling's and
+ * the bias's roundings, a unit each of their results. The head's logit rnd(T_n) lies in
+ * [rnd(lo_n), rnd(hi_n)], lo_n <= a_n + bias_n - B_n and hi_n >= a_n + bias_n + B_n, as rounding to dt is
+ * monotone; so any output whose logit equals the largest has rnd(hi_n) >= max_j rnd(lo_j). Those outputs
+ * (and a few more, the test being made in fp32 with a unit of dt's precision to spare) are the
+ * candidates, and their exact chains decide the first largest. */
+EXPORT int64_t screen_pack(const void* head, int64_t N, int64_t K, int64_t dt, int8_t* codes, float* D,
+                           int64_t threads);
+EXPORT void screen_pick(const void* x, int64_t M, int64_t K, const float* a, int64_t N, const float* D,
+                        const void* bias, int64_t dt, int64_t cap, int64_t* cand, int64_t* count, int64_t threads);
+EXPORT void screen_exact(const void* x, int64_t M, int64_t K, const void* head, const void* bias, int64_t dt,
+                         const int64_t* cand, const int64_t* count, int64_t cap, int64_t* tokens);
 EXPORT int64_t uses_avx2(void);
 EXPORT int64_t simd_level(void);
 EXPORT int64_t set_simd_level(int64_t level);

@@ -38,9 +38,7 @@ static inline float packed_w(const void* wp, int64_t wkind, int64_t K2, int64_t 
         }
         return q4_value(q, sz[n % 8], sz[8 + n % 8], m, dt);
     }
-    if (dt == DT_F32) return ((const float*)wp)[((n / 8) * K2 + k) * 8 + n % 8];
-    if (dt == DT_F16) return f16_to_f32(((const uint16_t*)wp)[((n / 8) * K2 + k) * 8 + n % 8]);
-    return bf16_to_f32(((const uint16_t*)wp)[((n / 8) * K2 + (k & ~(int64_t)1)) * 8 + (n % 8) * 2 + (k & 1)]);
+    return float_w(wp, K2, n, k, dt);
 }
 
 /* a W_Q8 weight's chain s of output n, scaled (cpu_kernels.h): rnd(rnd(s) * scale[n]) */

@@ -21,6 +21,7 @@ from ..drafting.suffix import SuffixIndex
 from ..drafting.tree import TreeProposer, acceptance_estimate, chain_budget, compaction, walks_rejected
 from ..drafting.verify import accept_paths, chain_parents, position_uniforms, row_seeds, sample_targets
 from ..stats import SpecStats
+from ..steps.head_screen import Argmax
 from .budget import Acceptance, DraftBudget, choose_drafts
 from .chains import TALLY_MIN_ROWS, accept_chains, chain_chances_of, count_chain_rows
 from .scheduler import ScheduledChunk, Scheduler
@@ -307,10 +308,11 @@ class Batch:
 
     # ---- after a forward: the one place a step's outcome changes sequence state ----
 
-    def postprocess(self, chunks: list[ScheduledChunk], layout: StepLayout, logits: torch.Tensor,
+    def postprocess(self, chunks: list[ScheduledChunk], layout: StepLayout, logits: torch.Tensor | Argmax,
                     path: str = "eager", reason: str | None = None) -> list[Call]:
         """Everything one forward changes, in order: prompt chunks advance (and enter the prefix
-        pool); every row that got logits (`logits` [N, V], kept rows in chunk order) takes its
+        pool); every row that got logits (`logits` [N, V], kept rows in chunk order, or, where the
+        step was asked for `argmax_only`, possibly an `Argmax` of their greedy tokens) takes its
         tokens (accepted drafts, then the next token, up to EOS or its length limit); accepted
         tree paths move into a chain's slots; HF's stopping criteria may cut rows back; finished
         rows save their keys/values (past_key_values), give back their blocks, and the others
@@ -363,9 +365,12 @@ class Batch:
         return self.finish_calls()
 
     def _targets(self, rows: np.ndarray, n_pos: np.ndarray, fed_depth: np.ndarray, gen: np.ndarray,
-                 logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+                 logits: torch.Tensor | Argmax) -> tuple[torch.Tensor | None, np.ndarray]:
         """Per fed position, its processed scores [N, V] and the token it emits [N]: the argmax,
-        or a draw keyed by (row seed, output position) (drafting.verify)."""
+        or a draw keyed by (row seed, output position) (drafting.verify). Given an `Argmax`, its
+        tokens (and no scores)."""
+        if isinstance(logits, Argmax):
+            return None, logits.tokens.cpu().numpy()
         if not (self.cfg.processors or self.cfg.do_sample):  # greedy: the argmax, whatever the positions
             scores = logits.float()
             return scores, scores.argmax(dim=-1).cpu().numpy()
@@ -381,6 +386,15 @@ class Batch:
         return scores, scores.argmax(dim=-1).cpu().numpy()
 
     @property
+    def argmax_only(self) -> bool:
+        """Whether a step's rows need only their greedy tokens, not their logits: greedy, with
+        no logits processors, recorded scores or logits, or recycled successors (which rank the
+        logits). A step may then return an `Argmax` (steps.head_screen)."""
+        cfg = self.cfg
+        return not (cfg.do_sample or cfg.processors or self.rec_scores is not None or self.rec_logits is not None
+                    or self.successors is not None)
+
+    @property
     def _plain_chains(self) -> bool:
         """Whether a decode step's rows take `_commit_chains`: greedy chains (or plain decoding)
         whose steps record nothing beyond the rows' tokens and counts (no processors, criteria,
@@ -390,7 +404,7 @@ class Batch:
                     or self.rec_scores is not None or self.rec_logits is not None or self.acceptance is not None
                     or self.successors is not None)
 
-    def _commit_chains(self, active: list[ScheduledChunk], logits: torch.Tensor) -> None:
+    def _commit_chains(self, active: list[ScheduledChunk], logits: torch.Tensor | Argmax) -> None:
         """`_commit` of a decode step of greedy chains (`_plain_chains`): the walks, the appended
         tokens and the rows' acceptance counts in one compiled call for all rows
         (engine.chains.accept_chains), then each row's sequence and its call's counts."""
@@ -401,8 +415,11 @@ class Batch:
         remaining = np.array([s.remaining for s in seqs], dtype=np.int64)  # [S]
         # greedy targets: the logits' argmax, taken in the walk where the logits are on the host in
         # a dtype numba reads (only at the positions it reaches), else on their device first
-        on_host = logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64)
-        scores = logits.numpy() if on_host else logits.argmax(dim=-1, keepdim=True).cpu().numpy()
+        if isinstance(logits, Argmax):
+            on_host, scores = False, logits.tokens[:, None].cpu().numpy()
+        else:
+            on_host = logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64)
+            scores = logits.numpy() if on_host else logits.argmax(dim=-1, keepdim=True).cpu().numpy()
         accepted, emitted = np.empty(len(seqs), dtype=np.int64), np.empty(len(seqs), dtype=np.int64)
         finished = np.empty(len(seqs), dtype=np.bool_)
         accept_chains(scores, not on_host, n_pos, rows, self.drafts, self.history, num_tokens, remaining, self._eos,
@@ -420,7 +437,7 @@ class Batch:
             if f:
                 seq.finished = True
 
-    def _commit(self, active: list[ScheduledChunk], logits: torch.Tensor, fed_depth: np.ndarray) -> None:
+    def _commit(self, active: list[ScheduledChunk], logits: torch.Tensor | Argmax, fed_depth: np.ndarray) -> None:
         """Accept drafts and append tokens for every row of `active` (see postprocess)."""
         seqs = [c.seq for c in active]
         rows = np.array([s.row for s in seqs], dtype=np.int64)  # [S]

@@ -85,12 +85,16 @@ class EngineOptions:
     # step buckets built at wrap time, so that no call compiles or captures (engine.warmup): a dict
     # of max_batch_size, prompt_lookup_num_tokens, max_length; None: each bucket built when first met
     warmup: dict | None = None
+    # greedy CPU decode steps take each row's token from an int8 copy of the LM head and the exact
+    # logits of the few outputs it leaves in doubt (steps.head_screen): the same tokens, a smaller
+    # read than the head's; False: the full head every step, and no copy held
+    head_screen: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_cache_tokens", "num_blocks", "block_size", "max_batch_tokens", "max_num_seqs"):
             setattr(self, name, positive_int(name, getattr(self, name), none_ok=name != "max_num_seqs",
                                              type_error=ValueError))
-        for name in ("cuda_graphs", "pad_drafts", "join_calls"):
+        for name in ("cuda_graphs", "pad_drafts", "join_calls", "head_screen"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compile not in (True, False, "auto") or not isinstance(self.compile, (bool, str)):
@@ -173,7 +177,9 @@ class Engine:
             self._pack(parts)
         self.invariant = InvariantLinears(model, plan.prefill_unit) if plan.invariant else None
         # invariant decode steps of a Llama-form model in C, two calls a layer (steps.c_layers)
-        self.c_layers = CpuLayers.of(model, self.invariant.forms) if plan.invariant else None
+        self.c_layers = CpuLayers.of(model, self.invariant.forms, options.head_screen) if plan.invariant else None
+        if self.c_layers is not None and self.c_layers.screen is not None:
+            self.c_layers.screen.prepare()
         parts.append(("invariant mode's checks", time.perf_counter()))
         self.budget = DraftBudget() if plan.budget else None  # kept across calls (engine.budget)
         self.step_costs = StepCosts()  # what uniform steps of each width cost (engine.widths)
@@ -371,7 +377,7 @@ class Engine:
                 chunks = batch.sched.schedule(batch.propose)
                 layout = self._lay_out(batch, chunks, graphs, pad_to if batch.step_width is None else batch.step_width)
                 timer = StepTimer(batch, chunks, graphs, self.budget, self.step_costs)
-                logits = runner.run(layout)  # [N, V] at layout.keep
+                logits = runner.run(layout, batch.argmax_only)  # [N, V] at layout.keep, or their Argmax
                 timer.ran(layout)
                 for call in batch.postprocess(chunks, layout, logits, runner.last_path, runner.last_reason):
                     if call is not own:

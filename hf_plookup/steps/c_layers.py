@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import logging
 
 import numpy as np
 import torch
@@ -44,8 +45,10 @@ from ..invariant.linears import linear_module, linear_weight, module_view
 from ..attention.registry import record_attention
 from ..cpu import kernels as cpu_kernels
 from ..cpu.kernels import rms_eps, rms_form
+from .head_screen import Argmax, HeadScreen
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+log = logging.getLogger("hf_plookup")
 
 
 class _Shape(ctypes.Structure):
@@ -248,7 +251,7 @@ def _weight_refs(layers: list[torch.nn.Module]) -> list[tuple[object, str]]:
 class CpuLayers:
     """A Llama-form model's decode steps in C (see the module text). `run` takes a step."""
 
-    def __init__(self, model: torch.nn.Module, forms: dict):
+    def __init__(self, model: torch.nn.Module, forms: dict, head_screen: bool = True):
         self.model = model
         inner = model.model
         self.embed, self.rotary, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
@@ -269,6 +272,8 @@ class CpuLayers:
         per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters and types is not None
         self.layer_types = list(types[: len(self.layers)]) if per_type else [None] * len(self.layers)
         self.softcap = getattr(config, "final_logit_softcapping", None)  # Gemma 2: tanh on the logits
+        # greedy steps' tokens from the head's int8 screen (steps.head_screen), or None
+        self.screen = HeadScreen.of(self.head, self.softcap) if head_screen else None
         self.acts = [la.mlp.act_fn for la in self.layers]
         # the modules whose forward the C path does not call (the embedding, rotary and activation
         # modules it does call)
@@ -290,10 +295,11 @@ class CpuLayers:
         self._windows: list[int | None] = []
 
     @classmethod
-    def of(cls, model: torch.nn.Module, forms: dict | None = None) -> CpuLayers | None:
-        """`CpuLayers` of `model` where `llama_form` takes it, else None (`forms`: as llama_form's)."""
+    def of(cls, model: torch.nn.Module, forms: dict | None = None, head_screen: bool = True) -> CpuLayers | None:
+        """`CpuLayers` of `model` where `llama_form` takes it, else None (`forms`: as llama_form's;
+        `head_screen`: whether greedy steps may take their tokens from the head's screen)."""
         forms = norm_forms(model) if forms is None else forms
-        return cls(model, forms) if llama_form(model, forms) is None else None
+        return cls(model, forms, head_screen) if llama_form(model, forms) is None else None
 
     def takes(self, layout) -> bool:
         """Whether `run` takes this step: a decode step with kept rows, unless the check failed or
@@ -380,12 +386,21 @@ class CpuLayers:
         return True
 
     def run(self, layout, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, cache,
-            module_forward) -> torch.Tensor:
+            module_forward, argmax: bool = False) -> torch.Tensor | Argmax:
         """Logits of the decode step `layout` at rows `keep` ([N, V]). `module_forward()`: the same
-        step through the modules (run instead where the C path is off, and beside it once, to check)."""
+        step through the modules (run instead where the C path is off, and beside it once, to check).
+        `argmax`: only the greedy tokens are needed, so the head's screen may give them (`Argmax`)."""
         if self.checked:
             plan = self._plan(cache) if self.on else None
-            return self._forward(layout, input_ids, positions, keep, plan) if plan is not None else module_forward()
+            if plan is None:
+                return module_forward()
+            with cpu_kernels.serial_torch():
+                rows = self._forward(layout, input_ids, positions, keep, plan)
+                if argmax and self.screen is not None:
+                    tokens = self.screen.argmax(rows)
+                    if tokens is not None:
+                        return Argmax(tokens)
+                return self._head(rows)
         with record_attention() as rec:
             ref = module_forward()
         self.attention = rec
@@ -396,14 +411,25 @@ class CpuLayers:
         slots = torch.from_numpy(np.ascontiguousarray(layout.slot_mapping))
         pages = [c.view(-1, *c.shape[-2:]) for la in self.layers for c in cache.layer(la.self_attn.layer_idx)]
         kv_ref = [p.index_select(0, slots) for p in pages]
-        got = self._forward(layout, input_ids, positions, keep, plan)
+        with cpu_kernels.serial_torch():
+            rows = self._forward(layout, input_ids, positions, keep, plan)
+            got = self._head(rows)
         self.on = torch.equal(got, ref) and all(torch.equal(p.index_select(0, slots), r) for p, r in zip(pages, kv_ref))
-        if not self.on:  # the modules' keys and values stay
+        if not self.on:  # the modules' keys and values stay, and the screen goes unused
             for p, r in zip(pages, kv_ref):
                 p.index_copy_(0, slots, r)
+            self.screen = None
+        elif self.screen is not None:  # the screen's tokens checked once against the logits' argmax
+            with cpu_kernels.serial_torch():
+                tokens = self.screen.argmax(rows, count=False)
+            if tokens is not None and not torch.equal(tokens, ref.float().argmax(dim=-1)):
+                log.warning("hf_plookup: the LM head's screen gave other tokens than the logits' argmax "
+                            "in its check; greedy steps compute the whole head")
+                self.screen = None
         return ref
 
     def _forward(self, layout, input_ids, positions, keep, plan) -> torch.Tensor:
+        """The step's decoder layers in C: the final norm's rows at `keep` ([N, hidden])."""
         structs, windows = plan
         inv = build_layout(layout, input_ids.device)
         t, shape = len(layout.input_ids), self.shape
@@ -437,8 +463,11 @@ class CpuLayers:
                 if _LIB.layer_mlp(ps, ctypes.addressof(s), pp, y.data_ptr()):
                     raise MemoryError("cpu_layers: no memory for a layer's scratch")
             rows = h.index_select(0, keep)
-            rows = cpu_kernels.rms_norm(rows, self.norm.weight, rms_eps(self.norm), self.norm_form)
-            logits = cpu_kernels.linear(rows, self.head.weight, self.head.bias)
-            if self.softcap is not None:  # as Gemma's forward does: (logits / cap).tanh() * cap
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-            return logits
+            return cpu_kernels.rms_norm(rows, self.norm.weight, rms_eps(self.norm), self.norm_form)
+
+    def _head(self, rows: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of the final norm's `rows` ([N, V])."""
+        logits = cpu_kernels.linear(rows, self.head.weight, self.head.bias)
+        if self.softcap is not None:  # as Gemma's forward does: (logits / cap).tanh() * cap
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -26,6 +26,7 @@ from ..attention.registry import engine_attention
 from ..base.device import input_device
 from ..base.layout import StepLayout
 from .head import HeadChooser, fast_head
+from .head_screen import Argmax
 
 
 class StepForward:
@@ -75,9 +76,10 @@ class StepForward:
         return logits
 
     def run(self, layout: StepLayout, tensors: dict[str, torch.Tensor], meta: AttentionMetadata,
-            keep: torch.Tensor | int) -> torch.Tensor:
+            keep: torch.Tensor | int, argmax: bool = False) -> torch.Tensor | Argmax:
         """The step eagerly: its decoder layers in C where they take it, else the modules. `keep`:
-        as `logits`'s."""
+        as `logits`'s. `argmax`: only the greedy tokens are needed (the C layers may return
+        `steps.head_screen.Argmax` instead of logits)."""
         ids, pos = tensors["input_ids"], tensors["positions"]
 
         def modules() -> torch.Tensor:
@@ -87,7 +89,7 @@ class StepForward:
         layers = self.c_layers
         if layers is not None and layers.takes(layout) and layout.embed_positions is None and not self.mixers:
             rows = torch.arange(len(ids)) if isinstance(keep, int) else keep
-            return layers.run(layout, ids, pos, rows, self.cache, modules)
+            return layers.run(layout, ids, pos, rows, self.cache, modules, argmax)
         return modules()
 
 

@@ -13,6 +13,7 @@ import torch
 from ..base.layout import StepLayout, step_tensors
 from .forward import StepForward, keep_indices
 from .head import HeadChooser
+from .head_screen import Argmax
 
 
 class ModelRunner:
@@ -30,12 +31,13 @@ class ModelRunner:
         self.last_path = "eager"
         self.last_reason: str | None = None
 
-    def run(self, layout: StepLayout) -> torch.Tensor:
-        """One forward. Returns the logits at `layout.keep`, `[N, V]`."""
+    def run(self, layout: StepLayout, argmax: bool = False) -> torch.Tensor | Argmax:
+        """One forward. Returns the logits at `layout.keep`, `[N, V]`, or, where `argmax` says only
+        the greedy tokens are needed and the step computed only those, an `Argmax` of them."""
         with self.grad_mode():
-            return self._run(layout)
+            return self._run(layout, argmax)
 
-    def _run(self, layout: StepLayout) -> torch.Tensor:
+    def _run(self, layout: StepLayout, argmax: bool) -> torch.Tensor | Argmax:
         self.last_path, self.last_reason = "eager", None
         if self.graphs is not None:
             reason = self.graphs.unsupported(layout)
@@ -46,5 +48,7 @@ class ModelRunner:
                 self.last_reason = reason
         device = self.forward.device
         tensors = step_tensors(layout, device)
-        logits = self.forward.run(layout, tensors, self.forward.metadata(tensors), keep_indices(layout, device))
-        return logits[:0] if len(layout.keep) == 0 else logits
+        logits = self.forward.run(layout, tensors, self.forward.metadata(tensors), keep_indices(layout, device), argmax)
+        if len(layout.keep) == 0:
+            return Argmax(logits.tokens[:0]) if isinstance(logits, Argmax) else logits[:0]
+        return logits

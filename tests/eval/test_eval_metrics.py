@@ -338,10 +338,12 @@ def test_variant_name_parts():
     assert variant_names(list(FAMILIES), [4, 8], [16], 1) == [
         "hf-greedy", "hf-pl-k4", "hf-pl-k8", "hf-static", "hf-batch", "plk-greedy", "plk-k4", "plk-k8", "plk-k4-t16",
         "plk-k8-t16", "plk-greedy-nocompile", "plk-k4-nocompile", "plk-greedy-eager", "plk-k4-eager",
-        "plk-greedy-compiled", "plk-k4-compiled", "plk-greedy-compiled_nographs", "plk-k4-compiled_nographs"]
+        "plk-greedy-compiled", "plk-k4-compiled", "plk-greedy-compiled_nographs", "plk-k4-compiled_nographs",
+        "plk-greedy-noscreen", "plk-k4-noscreen"]
     assert variant_names(["hf-pl", "plk-compiled"], [4, 8], [], 1, hf_pl_ks=[4]) == [
         "hf-greedy", "hf-pl-k4", "plk-greedy-compiled", "plk-k4-compiled"]
-    assert [engine_of(n) for n in ("plk-k4-compiled", "plk-greedy-compiled_nographs")] == ["compiled", "compiled_nographs"]
+    assert [engine_of(n) for n in ("plk-k4-compiled", "plk-greedy-compiled_nographs", "plk-k4-noscreen")] == [
+        "compiled", "compiled_nographs", "noscreen"]
 
 
 def test_bench_ratio_on_the_batches_a_variant_ran():

@@ -127,3 +127,36 @@ def test_wrapped_forwards_run():
     finally:
         del layer.forward
     assert len(calls) == stats.forwards and not _layers(model).checked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("gen", [{}, {"prompt_lookup_num_tokens": 4},
+                                 {"prompt_lookup_num_tokens": 4, "prompt_lookup_tree_nodes": 8}],
+                         ids=["greedy", "chain", "tree"])
+def test_head_screen_gives_the_full_heads_tokens(dtype, gen):
+    """Greedy steps in C take their tokens from the head's int8 screen (steps.head_screen): the same
+    tokens as the full head's argmax (head_screen=False), and in fp32 as HF's greedy."""
+    hf = tiny_model("llama").to(dtype)
+    ids, mask = left_pad(repeat_prompts(3))
+    kw = dict(max_new_tokens=20, do_sample=False, **gen)
+    screened, full = wrap_copy(hf, invariant=True), wrap_copy(hf, invariant=True, head_screen=False)
+    got = screened.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got, full.generate(ids, attention_mask=mask, **kw))
+    if dtype == torch.float32:  # (HF's own prompt lookup takes one row: its plain greedy)
+        assert torch.equal(got, hf.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False))
+    screen = _layers(screened).screen
+    assert screen.steps > 0 and screen.fallbacks == 0
+    assert _layers(full).screen is None
+
+
+def test_head_screen_only_where_tokens_are_all_a_step_needs():
+    """Recorded logits, a logits processor or sampling need the logits: the screen stays idle."""
+    hf = tiny_model("llama")
+    model = wrap_copy(hf, invariant=True)
+    ids, mask = left_pad(repeat_prompts(2))
+    greedy_logits(model, ids, mask, 8, prompt_lookup_num_tokens=4)
+    model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, repetition_penalty=1.2)
+    model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=4)
+    assert _layers(model).screen.steps == 0
+    with pytest.raises(ValueError, match="head_screen must be True or False"):
+        wrap_copy(hf, head_screen="yes")
