@@ -325,9 +325,31 @@ def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         # torch's calls read the weight unpacked (where it is held packed: cpu.packed_weight), once
         # for all of them: a prompt cut into units where merging is not safe makes several
         plain = dense(weight) if any(call == "gemm" for _, _, call in calls) else None
-        parts = [_CALLS[call](x2d[lo:hi], plain if call == "gemm" else weight, bias) for lo, hi, call in calls]
-        y = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if len(calls) == 1:
+            lo, hi, call = calls[0]
+            y = _CALLS[call](x2d[lo:hi], plain if call == "gemm" else weight, bias)
+        else:  # each call's rows written in place, not concatenated after (a copy of the whole output)
+            y = x2d.new_empty(x2d.shape[0], weight.shape[0])
+            for lo, hi, call in calls:
+                if call == "gemm" and _plain_float(plain):
+                    _gemm_into(x2d[lo:hi], plain, bias, y[lo:hi])
+                else:
+                    y[lo:hi] = _CALLS[call](x2d[lo:hi], plain if call == "gemm" else weight, bias)
     return y.reshape(*x.shape[:-1], -1)
+
+
+def _plain_float(weight: torch.Tensor | None) -> bool:
+    return weight is not None and type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dtype.is_floating_point
+
+
+def _gemm_into(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """`F.linear(x2d, weight, bias)` of a plain float weight written into `out` (contiguous rows): the
+    op F.linear runs for a 2-D input, `addmm` with a bias and `mm` without, so the same bits
+    (tests/invariant/test_linears.py checks them against F.linear)."""
+    if bias is None:
+        torch.mm(x2d, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x2d, weight.t(), out=out)
 
 
 @torch.library.custom_op("hf_plookup::invariant_linear", mutates_args=())

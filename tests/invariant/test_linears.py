@@ -552,3 +552,16 @@ def test_units_per_step_change_no_logit(dtype):
     if dtype == torch.float32:
         ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD)
         assert torch.equal(plain.argmax(-1), ref[:, ids.shape[1]:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemm_into_gives_f_linears_bits(dtype):
+    """A prompt's torch calls write their rows into the step's output in place (`_gemm_into`):
+    the same bits as F.linear's own result, with a bias and without, in rows of a larger output."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(300, 576).to(dtype), torch.randn(1536, 576).to(dtype), torch.randn(1536).to(dtype)
+    for bias in (None, b):
+        out = torch.full((305, 1536), float("nan"), dtype=dtype)
+        invariant_mod._gemm_into(x, w, bias, out[5:])
+        assert torch.equal(out[5:], torch.nn.functional.linear(x, w, bias))
+        assert out[:5].isnan().all()
