@@ -183,6 +183,12 @@ FIRST_KERNELS = ("cpu",)
 # widens in software and runs at about half its float32 speed) and every float16 one (torch's fp16
 # GEMM was slower than the "cpu" kernel on every CPU measured, docs/results.md)
 PREFILL_TORCH_ROWS = 64
+# a prompt chunk of this many rows (by dtype) up to PREFILL_TORCH_ROWS, where long chunks take torch's
+# call, takes it too, padded with zero rows to PREFILL_TORCH_ROWS + 1 rows (`_padded_gemm`): such a
+# chunk is a prompt's last part of a unit, and from about these row counts torch's GEMM ran the padded
+# call faster than the "cpu" kernel ran the chunk, on SmolLM2's linears on an AMX Xeon, where bf16 runs
+# on oneDNN's AMX GEMM (docs/measurements/cpu-xeon-2026-11-30-head-screen/NOTES.md)
+PADDED_MIN_ROWS = {torch.float32: 40, torch.bfloat16: 8}
 # prompt chunks that take torch's call run as one call of at most this many rows where
 # `merge_safe` holds (a step's chunks of several sequences, or of several units of one)
 MERGE_ROWS = 1024
@@ -252,15 +258,19 @@ def _group_call(rows: int, is_prefill: bool, weight: torch.Tensor, bias: torch.T
     rows take the "cpu" kernel where that is the weight's strategy, except for long chunks in
     float32, and in bfloat16 where torch's bf16 GEMM is native (never in float16). Short chunks never take torch's
     batched call: where a prompt is cut depends on what else shares the step (a chain's budget
-    moves the cuts), and torch's rows change with the call's row count below about 64 rows."""
+    moves the cuts), and torch's rows change with the call's row count below about 64 rows; a
+    short chunk of PADDED_MIN_ROWS rows or more (a prompt's last part of a unit) takes it padded
+    to a fixed row count ("padded", `_padded_gemm`) where long chunks take it."""
     cpu = row_strategy(weight, bias) == "cpu"
     if not is_prefill:
         return "cpu" if cpu else "rows"
     short = rows <= PREFILL_TORCH_ROWS
-    if cpu and (short or weight.dtype == torch.float16
+    if cpu and (rows < PADDED_MIN_ROWS.get(weight.dtype, PREFILL_TORCH_ROWS + 1) or weight.dtype == torch.float16
                 or (weight.dtype == torch.bfloat16 and not cpu_kernels.torch_bf16_is_native())):
         return "cpu"
-    return "rows" if short else "gemm"  # (only "gemm" calls are merged: merge_safe checks long chunks)
+    if short:
+        return "padded" if cpu else "rows"
+    return "gemm"  # (only "gemm" calls are merged: merge_safe checks long chunks)
 
 
 def merge_safe(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -295,7 +305,7 @@ def _merged(groups, weight: torch.Tensor, bias: torch.Tensor | None) -> list[lis
     chunks ("gemm") as one call of at most MERGE_ROWS rows where `merge_safe`.
 
     Example (fp32, two 128-row chunks, then a 40-row chunk, then 3 decode rows):
-    [[0, 256, "gemm"], [256, 299, "cpu"]]."""
+    [[0, 256, "gemm"], [256, 296, "padded"], [296, 299, "cpu"]]."""
     calls: list[list] = []
     for lo, hi, is_prefill in groups:
         call = _group_call(hi - lo, is_prefill, weight, bias)
@@ -308,7 +318,22 @@ def _merged(groups, weight: torch.Tensor, bias: torch.Tensor | None) -> list[lis
     return calls
 
 
-_CALLS = {"cpu": cpu_kernels.linear, "gemm": F.linear, "rows": invariant_rows}
+def _padded_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` of a short prompt chunk x2d [m <= PREFILL_TORCH_ROWS, K] as the first m rows of one
+    call of PREFILL_TORCH_ROWS + 1 rows, the rest zeros: every such chunk is a call of the same shape,
+    so a row's bits depend on its values and its place in the chunk alone (a GEMM's row does not
+    read the other rows), whatever else shares the step.
+
+    Example: a prompt of 944 tokens in units of 128 ends with a 48-row chunk, computed as rows 0-47
+    of a 65-row F.linear."""
+    m = x2d.shape[0]
+    padded = x2d.new_zeros(PREFILL_TORCH_ROWS + 1, x2d.shape[1])
+    padded[:m] = x2d
+    return F.linear(padded, weight, bias)[:m]
+
+
+_CALLS = {"cpu": cpu_kernels.linear, "gemm": F.linear, "padded": _padded_gemm, "rows": invariant_rows}
+_TORCH_CALLS = ("gemm", "padded")  # the calls that read the weight unpacked
 
 
 def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -324,17 +349,17 @@ def _invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         calls = _merged(layout.row_groups, weight, bias)
         # torch's calls read the weight unpacked (where it is held packed: cpu.packed_weight), once
         # for all of them: a prompt cut into units where merging is not safe makes several
-        plain = dense(weight) if any(call == "gemm" for _, _, call in calls) else None
+        plain = dense(weight) if any(call in _TORCH_CALLS for _, _, call in calls) else None
         if len(calls) == 1:
             lo, hi, call = calls[0]
-            y = _CALLS[call](x2d[lo:hi], plain if call == "gemm" else weight, bias)
+            y = _CALLS[call](x2d[lo:hi], plain if call in _TORCH_CALLS else weight, bias)
         else:  # each call's rows written in place, not concatenated after (a copy of the whole output)
             y = x2d.new_empty(x2d.shape[0], weight.shape[0])
             for lo, hi, call in calls:
                 if call == "gemm" and _plain_float(plain):
                     _gemm_into(x2d[lo:hi], plain, bias, y[lo:hi])
                 else:
-                    y[lo:hi] = _CALLS[call](x2d[lo:hi], plain if call == "gemm" else weight, bias)
+                    y[lo:hi] = _CALLS[call](x2d[lo:hi], plain if call in _TORCH_CALLS else weight, bias)
     return y.reshape(*x.shape[:-1], -1)
 
 

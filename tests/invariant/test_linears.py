@@ -520,8 +520,8 @@ def test_merged_prompt_calls_equal_each_chunk_alone(dtype):
     if invariant_mod._group_call(128, True, w, None) == "cpu":
         # bf16 where torch's bf16 GEMM is not native (an AVX2 CPU): long chunks take the row kernel too
         assert calls == [[0, 299, "cpu"]]
-    elif row_strategy(w, None) == "cpu":  # the 40-row chunk and the decode rows: one call of the row kernel
-        assert calls == [*torch_calls, [256, 299, "cpu"]]
+    elif row_strategy(w, None) == "cpu":  # the 40-row chunk padded for torch's call, the decode rows on the row kernel
+        assert calls == [*torch_calls, [256, 296, "padded"], [296, 299, "cpu"]]
     # a weight whose decode rows take another strategy: short chunks take it too, alone, never merged
     invariant_mod._STRATEGIES[invariant_mod.strategy_key(w, None)] = "rows"
     try:
@@ -565,3 +565,37 @@ def test_gemm_into_gives_f_linears_bits(dtype):
         invariant_mod._gemm_into(x, w, bias, out[5:])
         assert torch.equal(out[5:], torch.nn.functional.linear(x, w, bias))
         assert out[:5].isnan().all()
+
+
+def test_padded_gemm_literal():
+    """A short prompt chunk is rows 0..m-1 of one F.linear of PREFILL_TORCH_ROWS + 1 rows, zeros below."""
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(24, 16, generator=g), torch.randn(40, 16, generator=g)
+    padded = torch.cat([x, torch.zeros(invariant_mod.PREFILL_TORCH_ROWS + 1 - 40, 16)])
+    assert torch.equal(invariant_mod._padded_gemm(x, w, None), torch.nn.functional.linear(padded, w)[:40])
+    assert invariant_mod._group_call(40, True, w, None) == "padded"
+    assert invariant_mod._group_call(invariant_mod.PADDED_MIN_ROWS[torch.float32] - 1, True, w, None) == "cpu"
+    assert invariant_mod._group_call(40, False, w, None) == "cpu"  # decode rows: the row kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_padded_prompt_tails_change_no_logit(dtype):
+    """Prompts whose last unit is short enough for the padded call (128 + 40, 30 and 50 tokens, units of
+    128; fp32 pads the 40 and 50, bf16 all three): with drafts, trees and in a batch the logits are
+    those of greedy alone, and fp32's tokens HF's."""
+    hf = tiny_model("llama").to(dtype)
+    model = wrap_copy(hf, invariant=True, max_batch_tokens=128)
+    g = torch.Generator().manual_seed(9)
+    rows = [torch.randint(3, 96, (n,), generator=g) for n in (24, 10, 17)]
+    rows = [r.repeat(8)[:n] for r, n in zip(rows, (168, 30, 50))]
+    ids, mask = left_pad(rows)
+    plain = _drafts_change_no_logit(model, ids, mask, 12)
+    r = rows[2][None]
+    alone, _ = greedy_logits(model, r, torch.ones_like(r), 12, prompt_lookup_num_tokens=4)
+    assert torch.equal(alone[0], plain[2, : alone.shape[1]])
+    if dtype == torch.float32:
+        ref = hf.generate(input_ids=r, attention_mask=torch.ones_like(r), max_new_tokens=12, do_sample=False,
+                          pad_token_id=PAD)
+        got = model.generate(input_ids=r, attention_mask=torch.ones_like(r), max_new_tokens=12, do_sample=False,
+                             pad_token_id=PAD, prompt_lookup_num_tokens=4)
+        assert torch.equal(got, ref)
