@@ -91,8 +91,8 @@ def _load():
         lib.screen_pack.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
         lib.screen_pick.restype = None
         lib.screen_pick.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
-        lib.screen_exact.restype = None
-        lib.screen_exact.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr]
+        lib.screen_exact.restype = i64
+        lib.screen_exact.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr]
         lib.quantize_rows_i8.restype = None
         lib.quantize_rows_i8.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr]
         return lib
@@ -1032,13 +1032,15 @@ def screen_pick(x: torch.Tensor, a: torch.Tensor, bound: torch.Tensor, bias: tor
     return cand, count
 
 
-def screen_exact(x: torch.Tensor, head: torch.Tensor, bias: torch.Tensor | None, cand: torch.Tensor,
+def screen_exact(x: torch.Tensor, head: torch.Tensor, n: int, bias: torch.Tensor | None, cand: torch.Tensor,
                  count: torch.Tensor) -> torch.Tensor:
     """Each row's first largest logit among its candidates (`screen_pick`'s, none over the cap), each
-    computed as `linear` computes it from the packed head: the tokens, int64 [M]."""
+    computed as `linear` computes it from the packed head of `n` outputs: the tokens, int64 [M]."""
     tokens = torch.empty(x.shape[0], dtype=torch.int64)
-    _LIB.screen_exact(x.data_ptr(), x.shape[0], x.shape[1], head.data_ptr(), None if bias is None else bias.data_ptr(),
-                      dtype_code(x.dtype), cand.data_ptr(), count.data_ptr(), cand.shape[1], tokens.data_ptr())
+    if _LIB.screen_exact(x.data_ptr(), x.shape[0], x.shape[1], head.data_ptr(), n,
+                         None if bias is None else bias.data_ptr(), dtype_code(x.dtype), cand.data_ptr(),
+                         count.data_ptr(), cand.shape[1], tokens.data_ptr()):
+        raise MemoryError("cpu_kernels.screen_exact: no memory for the widened row")
     return tokens
 
 

@@ -451,6 +451,11 @@ extern kernel_ops ops; /* module.c: the level's kernels, set between calls, neve
 void pack_x_c(const void* x, int64_t M, int64_t K, int64_t K2, int64_t dt, float* xt);
 void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, int64_t K2, const void* bias,
                     int64_t p_lo, int64_t p_hi, void* out, int64_t N, int64_t dt);
+/* output n of one row of a packed linear of N columns (not W_Q4K, whose chains go along k), as every
+ * level computes it: the chain over k of the packed weights and xm (the row widened, K2 values, ld
+ * apart), W_Q8's scaling, the bias, the rounding to dt */
+float linear_output_c(const float* xm, int64_t ld, const void* wp, int64_t wkind, int64_t K2, const void* bias,
+                      int64_t N, int64_t n, int dt);
 void pack_range_c(const void* w, void* packed, int64_t N, int64_t K, int64_t dt, int64_t unpack, int64_t p_lo,
                   int64_t p_hi);
 void i8_dots_c(const int8_t* xq, int64_t M, int64_t Kp, const int8_t* w, const int32_t* code_sums, int64_t K,
@@ -550,8 +555,8 @@ EXPORT int64_t screen_pack(const void* head, int64_t N, int64_t K, int64_t dt, i
                            int64_t threads);
 EXPORT void screen_pick(const void* x, int64_t M, int64_t K, const float* a, int64_t N, const float* D,
                         const void* bias, int64_t dt, int64_t cap, int64_t* cand, int64_t* count, int64_t threads);
-EXPORT void screen_exact(const void* x, int64_t M, int64_t K, const void* head, const void* bias, int64_t dt,
-                         const int64_t* cand, const int64_t* count, int64_t cap, int64_t* tokens);
+EXPORT int64_t screen_exact(const void* x, int64_t M, int64_t K, const void* head, int64_t N, const void* bias,
+                            int64_t dt, const int64_t* cand, const int64_t* count, int64_t cap, int64_t* tokens);
 EXPORT int64_t uses_avx2(void);
 EXPORT int64_t simd_level(void);
 EXPORT int64_t set_simd_level(int64_t level);

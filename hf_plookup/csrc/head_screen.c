@@ -15,6 +15,7 @@
 #include "cpu_kernels.h"
 
 #include <math.h>
+#include <stdlib.h>
 
 typedef struct {
     const void* head;
@@ -175,22 +176,25 @@ void screen_pick(const void* x, int64_t M, int64_t K, const float* a, int64_t N,
     run_parallel(pick_row, &j, M, threads);
 }
 
-/* row m's candidates' exact logits, each output's W_FLOAT chain over k in order (linear.c), plus the
- * bias, rounded to dt; tokens[m] the first of the largest (the candidates come in increasing order) */
-void screen_exact(const void* x, int64_t M, int64_t K, const void* head, const void* bias, int64_t dt,
-                  const int64_t* cand, const int64_t* count, int64_t cap, int64_t* tokens) {
+/* row m's candidates' exact logits, each output's W_FLOAT chain as linear.c computes it
+ * (linear_output_c), and tokens[m] the first of the largest (the candidates come in increasing order).
+ * -1: no memory for the widened row. */
+int64_t screen_exact(const void* x, int64_t M, int64_t K, const void* head, int64_t N, const void* bias, int64_t dt,
+                     const int64_t* cand, const int64_t* count, int64_t cap, int64_t* tokens) {
     int64_t K2 = dt == DT_BF16 ? K + (K & 1) : K;
+    float* xm = (float*)malloc((size_t)K2 * sizeof(float));
+    if (!xm) return -1;
     for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < K2; k++) xm[k] = k < K ? load1(x, m * K + k, (int)dt) : 0.0f;
         float best = -INFINITY;
         int64_t at = -1;
         for (int64_t i = 0; i < count[m]; i++) {
             int64_t n = cand[m * cap + i];
-            float s = 0.0f;
-            for (int64_t k = 0; k < K2; k++) s = fmaf(float_w(head, K2, n, k, (int)dt), k < K ? load1(x, m * K + k, (int)dt) : 0.0f, s);
-            if (bias) s += load1(bias, n, (int)dt);
-            s = rnd(s, (int)dt);
+            float s = linear_output_c(xm, 1, head, W_FLOAT, K2, bias, N, n, (int)dt);
             if (at < 0 || s > best) best = s, at = n;
         }
         tokens[m] = at;
     }
+    free(xm);
+    return 0;
 }

@@ -78,12 +78,17 @@ void linear_range_c(const float* xt, int64_t M, const void* wp, int64_t wkind, i
         for (int64_t m = 0; m < M; m++) {
             int64_t ld;
             const float* xm = xt + x_at(M, B, K2, m, &ld);
-            float s = 0.0f;
-            for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, wkind, K2, N, n, k, (int)dt), xm[k * ld], s);
-            if (wkind == W_Q8) s = q8_scaled(wp, K2, N, n, s, (int)dt);
-            if (bias) s += load1(bias, n, (int)dt);
-            store1(out, m * N + n, s, (int)dt);
+            store1(out, m * N + n, linear_output_c(xm, ld, wp, wkind, K2, bias, N, n, (int)dt), (int)dt);
         }
+}
+
+float linear_output_c(const float* xm, int64_t ld, const void* wp, int64_t wkind, int64_t K2, const void* bias,
+                      int64_t N, int64_t n, int dt) {
+    float s = 0.0f;
+    for (int64_t k = 0; k < K2; k++) s = fmaf(packed_w(wp, wkind, K2, N, n, k, dt), xm[k * ld], s);
+    if (wkind == W_Q8) s = q8_scaled(wp, K2, N, n, s, dt);
+    if (bias) s += load1(bias, n, dt);
+    return rnd(s, dt);
 }
 
 /* panels (8 output columns each) per unit of work: a thread reads a unit's panels as one stream, and

@@ -114,4 +114,4 @@ class HeadScreen:
         if count:
             self.fallbacks += over
             self.steps += not over
-        return None if over else cpu_kernels.screen_exact(x, packed, bias, cand, kept)
+        return None if over else cpu_kernels.screen_exact(x, packed, n, bias, cand, kept)

@@ -49,6 +49,4 @@ class ModelRunner:
         device = self.forward.device
         tensors = step_tensors(layout, device)
         logits = self.forward.run(layout, tensors, self.forward.metadata(tensors), keep_indices(layout, device), argmax)
-        if len(layout.keep) == 0:
-            return Argmax(logits.tokens[:0]) if isinstance(logits, Argmax) else logits[:0]
-        return logits
+        return logits[:0] if len(layout.keep) == 0 else logits  # (the C layers take only steps with kept rows)
