@@ -34,6 +34,19 @@ def history_free(processors: LogitsProcessorList | None) -> bool:
 _PER_ROW_ATTRS = ("prompt_ignore_length",)
 
 
+# HF's logits processors whose one effect is to set some tokens' scores to -inf, which tokens
+# depending on the row's length alone, never on the scores: under them a greedy token is the argmax
+# of the logits with those tokens taken out (engine.batch.Batch.argmax_request)
+BAN_ONLY = ("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "SuppressTokensLogitsProcessor",
+            "SuppressTokensAtBeginLogitsProcessor")
+
+
+def bans_only(processors: LogitsProcessorList) -> bool:
+    """Whether every processor is one of HF's `BAN_ONLY` ones (`min_length`, `min_new_tokens`,
+    `suppress_tokens`, `begin_suppress_tokens`)."""
+    return all(type(p).__name__ in BAN_ONLY and type(p).__module__.startswith("transformers.") for p in processors)
+
+
 def _for_rows(processors: LogitsProcessorList, rows: np.ndarray, batch: int) -> LogitsProcessorList:
     """The processors as they apply to batch rows `rows` ([n] int64)."""
     out = LogitsProcessorList()

@@ -16,12 +16,12 @@ import torch
 from ..base.layout import StepLayout
 from ..drafting.ngram import NgramProposer
 from ..drafting.recycle import SuccessorTable
-from ..drafting.sampling import process_scores
+from ..drafting.sampling import bans_only, process_scores
 from ..drafting.suffix import SuffixIndex
 from ..drafting.tree import TreeProposer, acceptance_estimate, chain_budget, compaction, walks_rejected
 from ..drafting.verify import accept_paths, chain_parents, position_uniforms, row_seeds, sample_targets
 from ..stats import SpecStats
-from ..steps.head_screen import Argmax
+from ..steps.head_screen import Argmax, Bans
 from .budget import Acceptance, DraftBudget, choose_drafts
 from .chains import TALLY_MIN_ROWS, accept_chains, chain_chances_of, count_chain_rows
 from .scheduler import ScheduledChunk, Scheduler
@@ -312,7 +312,7 @@ class Batch:
                     path: str = "eager", reason: str | None = None) -> list[Call]:
         """Everything one forward changes, in order: prompt chunks advance (and enter the prefix
         pool); every row that got logits (`logits` [N, V], kept rows in chunk order, or, where the
-        step was asked for `argmax_only`, possibly an `Argmax` of their greedy tokens) takes its
+        step asked for them (`argmax_request`), possibly an `Argmax` of their greedy tokens) takes its
         tokens (accepted drafts, then the next token, up to EOS or its length limit); accepted
         tree paths move into a chain's slots; HF's stopping criteria may cut rows back; finished
         rows save their keys/values (past_key_values), give back their blocks, and the others
@@ -388,11 +388,41 @@ class Batch:
     @property
     def argmax_only(self) -> bool:
         """Whether a step's rows need only their greedy tokens, not their logits: greedy, with
-        no logits processors, recorded scores or logits, or recycled successors (which rank the
-        logits). A step may then return an `Argmax` (steps.head_screen)."""
+        no logits processors but those that only ban tokens (`BAN_ONLY`), no recorded scores or
+        logits, no recycled successors (which rank the logits). A step may then return an `Argmax`
+        (steps.head_screen)."""
         cfg = self.cfg
-        return not (cfg.do_sample or cfg.processors or self.rec_scores is not None or self.rec_logits is not None
-                    or self.successors is not None)
+        return not (cfg.do_sample or (cfg.processors and not bans_only(cfg.processors)) or self.rec_scores is not None
+                    or self.rec_logits is not None or self.successors is not None)
+
+    def argmax_request(self, chunks: list[ScheduledChunk], layout: StepLayout) -> bool | Bans:
+        """What the step `layout` (of `chunks`) asks of the LM head (steps.runner.ModelRunner.run):
+        False, the logits; True, each kept row's argmax of them (`argmax_only`); or, for a decode step
+        whose processors only ban tokens, a `Bans`: the tokens each kept row may not take, found by
+        running the processors on zero scores at the rows' context lengths as `_targets` runs them
+        on the logits (the argmax of the processed scores is then the logits' argmax with those
+        tokens taken out). A step with prompt rows asks for the logits then.
+
+        Example: with `min_new_tokens=5` and EOS 2, a row that made 3 tokens and feeds 4 (a root and
+        3 drafts) has banned EOS at its first two kept rows (outputs 4 and 5) and not at the others."""
+        if not self.argmax_only:
+            return False
+        if not self.cfg.processors:
+            return True
+        if not layout.is_decode:
+            return False
+        rows = np.array([c.seq.row for c in chunks], dtype=np.int64)
+        n_pos = np.array([c.num_tokens for c in chunks], dtype=np.int64)
+        gen = np.array([c.seq.num_generated for c in chunks], dtype=np.int64)
+        out_pos = np.repeat(gen, n_pos) + layout.depth[layout.keep]  # (as `_targets` counts them)
+
+        def bans(vocab: int) -> torch.Tensor:
+            zeros = torch.zeros(len(out_pos), vocab)
+            scores = process_scores(self.cfg.processors, zeros, np.repeat(rows, n_pos), self.width + out_pos,
+                                    self.hf_rows)
+            return scores == float("-inf")
+
+        return bans
 
     @property
     def _plain_chains(self) -> bool:

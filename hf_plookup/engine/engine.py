@@ -377,7 +377,8 @@ class Engine:
                 chunks = batch.sched.schedule(batch.propose)
                 layout = self._lay_out(batch, chunks, graphs, pad_to if batch.step_width is None else batch.step_width)
                 timer = StepTimer(batch, chunks, graphs, self.budget, self.step_costs)
-                logits = runner.run(layout, batch.argmax_only)  # [N, V] at layout.keep, or their Argmax
+                # [N, V] at layout.keep, or their Argmax
+                logits = runner.run(layout, batch.argmax_request(chunks, layout))
                 timer.ran(layout)
                 for call in batch.postprocess(chunks, layout, logits, runner.last_path, runner.last_reason):
                     if call is not own:

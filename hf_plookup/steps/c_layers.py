@@ -45,7 +45,7 @@ from ..invariant.linears import linear_module, linear_weight, module_view
 from ..attention.registry import record_attention
 from ..cpu import kernels as cpu_kernels
 from ..cpu.kernels import rms_eps, rms_form
-from .head_screen import Argmax, HeadScreen
+from .head_screen import Argmax, Bans, HeadScreen
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 log = logging.getLogger("hf_plookup")
@@ -386,10 +386,11 @@ class CpuLayers:
         return True
 
     def run(self, layout, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, cache,
-            module_forward, argmax: bool = False) -> torch.Tensor | Argmax:
+            module_forward, argmax: bool | Bans = False) -> torch.Tensor | Argmax:
         """Logits of the decode step `layout` at rows `keep` ([N, V]). `module_forward()`: the same
         step through the modules (run instead where the C path is off, and beside it once, to check).
-        `argmax`: only the greedy tokens are needed, so the head's screen may give them (`Argmax`)."""
+        `argmax`: only the greedy tokens are needed (with the tokens each row may not take, where it
+        is a `Bans`), so the head's screen may give them (`Argmax`)."""
         if self.checked:
             plan = self._plan(cache) if self.on else None
             if plan is None:
@@ -397,7 +398,7 @@ class CpuLayers:
             with cpu_kernels.serial_torch():
                 rows = self._forward(layout, input_ids, positions, keep, plan)
                 if argmax and self.screen is not None:
-                    tokens = self.screen.argmax(rows)
+                    tokens = self.screen.argmax(rows, bans=None if argmax is True else argmax)
                     if tokens is not None:
                         return Argmax(tokens)
                 return self._head(rows)

@@ -26,7 +26,7 @@ from ..attention.registry import engine_attention
 from ..base.device import input_device
 from ..base.layout import StepLayout
 from .head import HeadChooser, fast_head
-from .head_screen import Argmax
+from .head_screen import Argmax, Bans
 
 
 class StepForward:
@@ -76,10 +76,10 @@ class StepForward:
         return logits
 
     def run(self, layout: StepLayout, tensors: dict[str, torch.Tensor], meta: AttentionMetadata,
-            keep: torch.Tensor | int, argmax: bool = False) -> torch.Tensor | Argmax:
+            keep: torch.Tensor | int, argmax: bool | Bans = False) -> torch.Tensor | Argmax:
         """The step eagerly: its decoder layers in C where they take it, else the modules. `keep`:
         as `logits`'s. `argmax`: only the greedy tokens are needed (the C layers may return
-        `steps.head_screen.Argmax` instead of logits)."""
+        `steps.head_screen.Argmax` instead of logits; a `Bans` names tokens the rows may not take)."""
         ids, pos = tensors["input_ids"], tensors["positions"]
 
         def modules() -> torch.Tensor:

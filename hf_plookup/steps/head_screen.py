@@ -17,8 +17,10 @@ half of the bf16 one's) that bounds every exact logit from one cheap pass:
 So the token is bitwise the full head's argmax, ties and all (`tests/cpu/test_head_screen.py`
 checks against it). Where a row keeps more than `CAP` candidates (a flat distribution, a NaN),
 the step computes the full logits instead. It runs only where the engine asks for tokens, not
-logits: greedy, no logits processors, no recorded scores or logits, no recycled successors
-(`engine.batch.Batch.argmax_only`), on a plain float head without soft-capping, and the
+logits: greedy, no logits processors but those that only ban tokens (`min_new_tokens`,
+`suppress_tokens`: their banned outputs are taken out of the screen's logits first, so the token is
+the argmax of the processed scores), no recorded scores or logits, no recycled successors
+(`engine.batch.Batch.argmax_request`), on a plain float head without soft-capping, and the
 `head_screen=False` option of `wrap` turns it off.
 
 Example: for a head [[1, 0], [0, 1], [1, 1]] (fp32) and x = [2, 1], the screen's a is about
@@ -28,7 +30,7 @@ and its exact logit 3 gives token 2.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -40,6 +42,11 @@ SCREEN_ROWS = 9
 # candidates a row may keep before the step falls back on the full logits: each costs one output's
 # exact chain, a column of the packed head
 CAP = 256
+
+
+# the tokens each of a step's kept rows may not take, as a function of the vocabulary size: bool [N, V],
+# True where the step's logits processors set the score to -inf (engine.batch.Batch.argmax_request)
+Bans = Callable[[int], torch.Tensor]
 
 
 class Argmax(NamedTuple):
@@ -92,11 +99,12 @@ class HeadScreen:
             self.key = key
         return packed, self.screen
 
-    def argmax(self, x: torch.Tensor, count: bool = True) -> torch.Tensor | None:
+    def argmax(self, x: torch.Tensor, count: bool = True, bans: Bans | None = None) -> torch.Tensor | None:
         """Each row's greedy token (int64 [M]) for the head's inputs x [M, K] (the head's dtype),
-        bitwise `linear(x, weight, bias).argmax(-1)`; None where a row keeps more than CAP candidates
-        or the head holds a value that is not finite. `count`: in `steps` or `fallbacks` (not for a
-        check)."""
+        bitwise `linear(x, weight, bias).argmax(-1)`, or with `bans` the argmax of those logits with
+        each row's banned outputs at -inf; None where a row keeps more than CAP candidates, where it
+        may take no output, or where the head holds a value that is not finite. `count`: in `steps`
+        or `fallbacks` (not for a check)."""
         packed, screen = self._current()
         if screen is None:
             return None
@@ -107,6 +115,8 @@ class HeadScreen:
         a = torch.empty(m, n, dtype=torch.float32)
         for i in range(0, m, SCREEN_ROWS):
             cpu_kernels._linear_call(xf[i : i + SCREEN_ROWS], codes, cpu_kernels.W_Q8, None, n, a[i : i + SCREEN_ROWS])
+        if bans is not None:  # (a banned output's interval is empty: never a candidate, nor the threshold)
+            a.masked_fill_(bans(n).to(a.device), float("-inf"))
         bias = self.head.bias
         bias = None if bias is None else bias.detach().to(x.dtype).contiguous()
         cand, kept = cpu_kernels.screen_pick(x, a, bound, bias, CAP)

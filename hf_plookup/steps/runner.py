@@ -13,7 +13,7 @@ import torch
 from ..base.layout import StepLayout, step_tensors
 from .forward import StepForward, keep_indices
 from .head import HeadChooser
-from .head_screen import Argmax
+from .head_screen import Argmax, Bans
 
 
 class ModelRunner:
@@ -31,13 +31,14 @@ class ModelRunner:
         self.last_path = "eager"
         self.last_reason: str | None = None
 
-    def run(self, layout: StepLayout, argmax: bool = False) -> torch.Tensor | Argmax:
+    def run(self, layout: StepLayout, argmax: bool | Bans = False) -> torch.Tensor | Argmax:
         """One forward. Returns the logits at `layout.keep`, `[N, V]`, or, where `argmax` says only
-        the greedy tokens are needed and the step computed only those, an `Argmax` of them."""
+        the greedy tokens are needed (a `Bans`: those of the logits with the tokens it names taken
+        out) and the step computed only those, an `Argmax` of them."""
         with self.grad_mode():
             return self._run(layout, argmax)
 
-    def _run(self, layout: StepLayout, argmax: bool) -> torch.Tensor | Argmax:
+    def _run(self, layout: StepLayout, argmax: bool | Bans) -> torch.Tensor | Argmax:
         self.last_path, self.last_reason = "eager", None
         if self.graphs is not None:
             reason = self.graphs.unsupported(layout)

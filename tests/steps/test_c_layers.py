@@ -149,8 +149,42 @@ def test_head_screen_gives_the_full_heads_tokens(dtype, gen):
     assert _layers(full).screen is None
 
 
+@pytest.mark.parametrize("gen", [{}, {"prompt_lookup_num_tokens": 4},
+                                 {"prompt_lookup_num_tokens": 4, "prompt_lookup_tree_nodes": 8}],
+                         ids=["greedy", "chain", "tree"])
+def test_head_screen_takes_processors_that_only_ban_tokens(gen):
+    """`suppress_tokens`, `min_new_tokens` and `min_length` only set some tokens' scores to -inf:
+    greedy steps under them still take the screen's tokens, those tokens taken out, and give HF's
+    greedy under the same processors, where the bans change the text."""
+    hf = tiny_model("llama")
+    ids, mask = left_pad(repeat_prompts(3))
+    plain = hf.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    new = plain[:, ids.shape[1]:]
+    values, counts = new.unique(return_counts=True)
+    kw = dict(max_new_tokens=20, do_sample=False, suppress_tokens=[int(values[counts.argmax()])],
+              min_new_tokens=12, min_length=ids.shape[1] + 6, eos_token_id=int(new[0, 2]))  # (an EOS met early)
+    model = wrap_copy(hf, invariant=True)
+    got = model.generate(ids, attention_mask=mask, **kw, **gen)
+    assert torch.equal(got, hf.generate(ids, attention_mask=mask, **kw))
+    assert got.shape != plain.shape or not torch.equal(got, plain)
+    screen = _layers(model).screen
+    assert screen.steps > 0 and screen.fallbacks == 0
+
+
+def test_bans_only_names_the_processors_that_only_ban_tokens():
+    from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                                                        RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor)
+
+    from hf_plookup.drafting.sampling import bans_only
+
+    bans = [MinNewTokensLengthLogitsProcessor(4, 2, 0), SuppressTokensLogitsProcessor([5])]
+    assert bans_only(LogitsProcessorList(bans)) and bans_only(LogitsProcessorList())
+    assert not bans_only(LogitsProcessorList([*bans, RepetitionPenaltyLogitsProcessor(1.2)]))
+
+
 def test_head_screen_only_where_tokens_are_all_a_step_needs():
-    """Recorded logits, a logits processor or sampling need the logits: the screen stays idle."""
+    """Recorded logits, a logits processor that changes scores (a repetition penalty) or sampling
+    need the logits: the screen stays idle."""
     hf = tiny_model("llama")
     model = wrap_copy(hf, invariant=True)
     ids, mask = left_pad(repeat_prompts(2))
