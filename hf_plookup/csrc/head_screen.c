@@ -185,7 +185,7 @@ int64_t screen_exact(const void* x, int64_t M, int64_t K, const void* head, int6
     float* xm = (float*)malloc((size_t)K2 * sizeof(float));
     if (!xm) return -1;
     for (int64_t m = 0; m < M; m++) {
-        for (int64_t k = 0; k < K2; k++) xm[k] = k < K ? load1(x, m * K + k, (int)dt) : 0.0f;
+        x_row_rest(x, m, K, K2, (int)dt, xm, 1, 0);
         float best = -INFINITY;
         int64_t at = -1;
         for (int64_t i = 0; i < count[m]; i++) {

@@ -375,15 +375,16 @@ class Batch:
             scores = logits.float()
             return scores, scores.argmax(dim=-1).cpu().numpy()
         out_pos = np.repeat(gen, n_pos) + fed_depth  # [N] the output position each fed row scores
-        if self.cfg.processors:
-            scores = process_scores(self.cfg.processors, logits, np.repeat(rows, n_pos), self.width + out_pos,
-                                    self.hf_rows)
-        else:
-            scores = logits.float()
+        scores = self._processed(logits, np.repeat(rows, n_pos), out_pos) if self.cfg.processors else logits.float()
         if self.cfg.do_sample:
             u = position_uniforms(self.seeds[np.repeat(rows, n_pos)], out_pos)
             return scores, sample_targets(torch.softmax(scores, dim=-1), u)
         return scores, scores.argmax(dim=-1).cpu().numpy()
+
+    def _processed(self, logits: torch.Tensor, rows: np.ndarray, out_pos: np.ndarray) -> torch.Tensor:
+        """The call's logits processors applied to `logits` [N, V], row i being batch row rows[i] at
+        output position out_pos[i] (its context in HF's layout: `hf_rows`, `width` + out_pos tokens)."""
+        return process_scores(self.cfg.processors, logits, rows, self.width + out_pos, self.hf_rows)
 
     @property
     def argmax_only(self) -> bool:
@@ -411,16 +412,13 @@ class Batch:
             return True
         if not layout.is_decode:
             return False
-        rows = np.array([c.seq.row for c in chunks], dtype=np.int64)
         n_pos = np.array([c.num_tokens for c in chunks], dtype=np.int64)
+        rows = np.repeat(np.array([c.seq.row for c in chunks], dtype=np.int64), n_pos)
         gen = np.array([c.seq.num_generated for c in chunks], dtype=np.int64)
         out_pos = np.repeat(gen, n_pos) + layout.depth[layout.keep]  # (as `_targets` counts them)
 
         def bans(vocab: int) -> torch.Tensor:
-            zeros = torch.zeros(len(out_pos), vocab)
-            scores = process_scores(self.cfg.processors, zeros, np.repeat(rows, n_pos), self.width + out_pos,
-                                    self.hf_rows)
-            return scores == float("-inf")
+            return self._processed(torch.zeros(len(out_pos), vocab), rows, out_pos) == float("-inf")
 
         return bans
 
